@@ -1,0 +1,33 @@
+# Atelier — every target does its own setup: a fresh clone needs nothing but Python 3.11.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast serve stop clean venv
+
+venv: $(STAMP)
+
+# torch and torchvision first, from the local 2.14.1 build (a CUDA wheel that runs on the CPU);
+# then the package itself in editable mode with the dev extra.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+demo: $(STAMP)
+	$(PY) -m flows.demo
+
+serve: $(STAMP)
+	$(PY) -m flows.serve start
+
+stop:
+	$(PY) -m flows.serve stop
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs models
