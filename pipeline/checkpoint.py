@@ -1,0 +1,231 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a directory `checkpoints/step-N/`:
+
+    model.safetensors      the trainable tensors (all weights for full fine-tuning, the adapter for LoRA)
+    optimizer.safetensors  optimizer state tensors, keyed `<param name>.<state key>`
+    extra.safetensors      other tensors: RNG states, task state (e.g. EMA weights)
+    state.json             step, scheduler, optimizer hyper-parameters, Python/NumPy RNG, task metadata
+    manifest.json          size and SHA-256 of every file above; written last
+
+It is written to `.step-N.tmp/`, each file fsynced, then renamed into place, so a killed writer leaves
+either a complete checkpoint or a temporary directory that is ignored (and never a half-written
+`step-N`). Loading checks the manifest first, so a truncated or altered file is reported by name
+before anything is read. Only safetensors and JSON are read: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the directory and file."""
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, in memory."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    extra: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def save_checkpoint(root: Path, ckpt: Checkpoint) -> Path:
+    """Write `root/step-N` atomically and return its path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{ckpt.step}"
+    tmp = root / f".step-{ckpt.step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = {
+        "model.safetensors": ckpt.model,
+        "optimizer.safetensors": ckpt.optimizer,
+        "extra.safetensors": ckpt.extra,
+    }
+    for name, tensors in files.items():
+        save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, str(tmp / name))
+    _write_json(tmp / "state.json", {"step": ckpt.step, **ckpt.state})
+    manifest = {name: _describe(tmp / name) for name in [*files, "state.json"]}
+    _write_json(tmp / MANIFEST, manifest)
+    for name in [*files, "state.json", MANIFEST]:
+        _fsync(tmp / name)
+    if final.exists():  # re-saving the same step (e.g. a signal right after a cadence save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read and verify a checkpoint directory; errors name the file that is wrong."""
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        return Checkpoint(
+            step=int(state.pop("step")),
+            model=load_file(str(path / "model.safetensors")),
+            optimizer=load_file(str(path / "optimizer.safetensors")),
+            extra=load_file(str(path / "extra.safetensors")),
+            state=state,
+        )
+    except Exception as e:  # verified sizes and hashes make this unlikely; still say where
+        raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
+
+
+def verify_checkpoint(path: Path) -> None:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing — the checkpoint was not completely written")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
+    for name, expected in manifest.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint")
+        size = f.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{f}: truncated or altered — {size} bytes, manifest says {expected['bytes']}")
+        if _sha256(f) != expected["sha256"]:
+            raise CheckpointError(f"{f}: contents do not match the manifest's SHA-256 (corrupt file)")
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete-looking `step-N` directories under root, oldest first (temporary dirs ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (keep = 0 keeps everything)."""
+    if keep <= 0:
+        return
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- optimizer state by name
+
+
+def optimizer_state_to_tensors(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten an optimizer's state into named tensors plus JSON (hyper-parameters, non-tensor state).
+
+    Keys use parameter names rather than positions, so a checkpoint survives a change of parameter
+    order (and says which parameter is missing when it does not fit).
+    """
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    index_to_name = {}
+    for group, live_group in zip(sd["param_groups"], optimizer.param_groups):
+        for idx, p in zip(group["params"], live_group["params"]):
+            index_to_name[idx] = names[id(p)]
+    for idx, st in sd["state"].items():
+        name = index_to_name[idx]
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{name}.{k}"] = v
+            else:
+                scalars.setdefault(name, {})[k] = v
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index_to_name[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalar_state": scalars}
+
+
+def optimizer_state_from_tensors(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
+    live = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved = [n for g in meta["param_groups"] for n in g["params"]]
+    if sorted(live) != sorted(saved):
+        missing = sorted(set(live) - set(saved))[:5]
+        unexpected = sorted(set(saved) - set(live))[:5]
+        raise CheckpointError(
+            f"optimizer state does not match the model's trainable parameters "
+            f"(missing: {missing}, unexpected: {unexpected}) — was the checkpoint made with another lora/model config?"
+        )
+    name_to_index = {n: i for i, n in enumerate(live)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, k = key.rsplit(".", 1)
+        state.setdefault(name_to_index[name], {})[k] = value
+    for name, st in meta.get("scalar_state", {}).items():
+        state.setdefault(name_to_index[name], {}).update(st)
+    groups = []
+    offset = 0
+    for saved_group, live_group in zip(meta["param_groups"], optimizer.param_groups):
+        n = len(live_group["params"])
+        groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": list(range(offset, offset + n))})
+        offset += n
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def _describe(f: Path) -> dict[str, Any]:
+    return {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass

@@ -1,0 +1,291 @@
+"""Typed configs: frozen dataclasses loaded from TOML, with `--set a.b=c` overrides.
+
+A config is a tree of frozen dataclasses. `load_config(Cls, path, overrides)` reads the TOML file,
+applies the overrides and builds the tree, checking every key and value on the way in. Every error is
+a `ConfigError` that names the dotted key and says what is allowed, e.g.
+
+    train.lr: expected a float, got 'fast' (from --set train.lr=fast)
+    data.sequence_len: unknown key; allowed keys in [data]: eval, overflow, seq_len, train
+
+Supported field types: bool, int, float, str, `Literal[...]`, `X | None`, `tuple[T, ...]`,
+`tuple[T1, T2]` and nested dataclasses. A dataclass may define `validate(self) -> None` that raises
+`ConfigError` (or ValueError, re-raised with the section name) for values that are well typed but
+out of range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message names the key."""
+
+
+# ----------------------------------------------------------------------------- shared sections
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop's settings, shared by both trainers."""
+
+    max_steps: int = 100
+    micro_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-4
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 0  # 0: evaluate only at the end
+    save_every: int = 100  # 0: save only at the end (and on SIGTERM/SIGINT)
+    keep_checkpoints: int = 2  # newest N kept; 0 keeps all
+    resume: str = "auto"  # "auto" (newest checkpoint in output.dir), "never", or a checkpoint path
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
+    peak_tflops: float = 0.0  # override the detected device peak for MFU; 0 = detect
+
+    def validate(self) -> None:
+        _positive(self, "max_steps", "micro_batch", "grad_accum", "log_every")
+        _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every",
+                      "keep_checkpoints", "adam_eps", "peak_tflops")
+        if not self.lr > 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas: each must be in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs/default"
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        if not self.dir:
+            raise ConfigError("dir: must not be empty")
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {getattr(cfg, name)}")
+
+
+def _non_negative(cfg: Any, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {getattr(cfg, name)}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build `cls` from a TOML file (optional) and `a.b=c` overrides, validating everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides:
+        _apply_override(cls, data, item)
+    return config_from_dict(cls, data)
+
+
+def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a table, got {_show(data)}")
+    known = {f.name: f for f in fields(cls)}
+    for key in data:
+        if key not in known:
+            section = f"[{prefix.rstrip('.')}]" if prefix else "the top level"
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed keys in {section}: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in known.items():
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], prefix + name)
+        elif is_dataclass(hints[name]):
+            kwargs[name] = config_from_dict(hints[name], {}, prefix + name + ".")
+    try:
+        cfg = cls(**kwargs)
+    except TypeError as e:  # a required field with no default
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: {e}") from None
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"{prefix}{e}") from None
+    return cfg
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if is_dataclass(tp):
+        return config_from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(a, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: no allowed type matches {_show(value)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {', '.join(repr(a) for a in args)}; got {_show(value)}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {_show(value)}")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # a bug in the config class
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
+    """Apply one `a.b=c` override to the raw dict, parsing c against the field's declared type."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    node_cls: Any = cls
+    node = data
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(node_cls) if is_dataclass(node_cls) else {}
+        if part not in hints:
+            where = ".".join(parts[:i]) or "the top level"
+            allowed = ", ".join(sorted(hints)) if hints else "none (not a section)"
+            raise ConfigError(f"{key}: unknown key (--set {item}); allowed keys under {where}: {allowed}")
+        tp = hints[part]
+        if i < len(parts) - 1:
+            if not is_dataclass(tp):
+                raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is a value, not a section (--set {item})")
+            node = node.setdefault(part, {})
+            node_cls = tp
+        else:
+            if is_dataclass(tp):
+                raise ConfigError(f"{key}: is a section; set one of its keys (--set {item})")
+            node[part] = _parse_override_value(tp, raw.strip())
+
+
+def _parse_override_value(tp: Any, raw: str) -> Any:
+    """Strings stay strings (no quoting needed); everything else is read as a TOML value."""
+    wants_str = tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        wants_str = str in typing.get_args(tp) and raw.lower() not in ("none", "null")
+        if not wants_str and raw.lower() in ("none", "null"):
+            return None
+    if wants_str:
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            return raw[1:-1]
+        return raw
+    if typing.get_origin(tp) is tuple and not raw.startswith("["):
+        return raw  # comma-separated list, split by _coerce
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # _coerce reports it with the key and the expected type
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_toml(cfg: Any) -> str:
+    """Serialise a config tree to TOML (round-trips through load_config)."""
+    top = config_to_dict(cfg)
+    lines: list[str] = []
+    scalars = {k: v for k, v in top.items() if not isinstance(v, dict) and v is not None}
+    for k, v in scalars.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    _emit_tables(top, "", lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _emit_tables(d: dict[str, Any], prefix: str, lines: list[str]) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{prefix}{k}]")
+            for kk, vv in v.items():
+                if not isinstance(vv, dict) and vv is not None:
+                    lines.append(f"{kk} = {_toml_value(vv)}")
+            _emit_tables(v, f"{prefix}{k}.", lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(config_to_toml(cfg))
+    tmp.replace(path)
+
+
+__all__ = [
+    "ConfigError", "TrainConfig", "OutputConfig", "load_config", "config_from_dict", "config_to_dict",
+    "config_to_toml", "save_config", "field",
+]

@@ -1,0 +1,145 @@
+"""What a run shows and records: a rich progress bar, `metrics.jsonl` and TensorBoard scalars.
+
+On a terminal the bar shows step, loss, throughput, MFU and ETA. Off a terminal (a Prefect flow reading
+the trainer's stdout, CI logs) it prints one plain line per logged step instead, in a fixed format that
+`flows/` parses:
+
+    step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% eta 0:01:30
+
+Every logged record also goes to `metrics.jsonl` (one JSON object per line, `"kind": "train" | "eval"`)
+and, when enabled and installed, to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class MetricsLog:
+    """Append-only JSONL metrics, truncated to the resumed step so a resumed curve has no duplicates."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+        self._fh = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", float("inf"))
+    except json.JSONDecodeError:
+        return float("inf")  # a torn last line from a killed run: dropped
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir: Path, enabled: bool):
+        self.writer = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is a dependency, but keep the trainer usable without it
+                return
+            self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        kind = record.get("kind", "train")
+        step = record["step"]
+        for k, v in record.items():
+            if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(f"{kind}/{k}", v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class ProgressBar:
+    """The run's visible progress: a live bar on a terminal, plain lines elsewhere."""
+
+    def __init__(self, total_steps: int, start_step: int, unit: str, enabled: bool = True):
+        self.total = total_steps
+        self.unit = unit
+        self.console = Console(stderr=False)
+        self.live = enabled and self.console.is_terminal
+        self.start_time = time.perf_counter()
+        self.start_step = start_step
+        self.progress: Progress | None = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self.progress.start()
+
+    def update(self, step: int, record: dict[str, Any]) -> None:
+        line = format_step_line(step, self.total, record, self.unit, self._eta(step))
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, stats=line.split(" ", 2)[2])
+        else:
+            print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def _eta(self, step: int) -> float | None:
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (time.perf_counter() - self.start_time) / done * (self.total - step)
+
+
+def format_step_line(step: int, total: int, record: dict[str, Any], unit: str, eta: float | None) -> str:
+    parts = [f"step {step}/{total}", f"loss {record['loss']:.4f}"]
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
+    rate_key = f"{unit}_per_s"
+    if rate_key in record:
+        parts.append(f"{_UNIT_LABEL.get(unit, unit)} {record[rate_key]:.1f}")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if eta is not None:
+        parts.append(f"eta {timedelta(seconds=int(eta))}")
+    return " ".join(parts)
+
+
+_UNIT_LABEL = {"tokens": "tok/s", "images": "img/s"}
+
+
+def log(msg: str) -> None:
+    """A plain status line (setup, checkpoints) on stdout, flushed so flows stream it at once."""
+    print(msg, file=sys.stdout, flush=True)

@@ -1,0 +1,70 @@
+"""The contract between the one training loop (`pipeline/trainer.py`) and a model family.
+
+A task (the designer's, the imagegen's) builds its model and data and knows how to compute the loss
+of one micro-batch. The trainer owns everything else: accumulation, clipping, schedule, evaluation,
+logging, checkpoint cadence, signals, resume.
+
+Loss convention: `loss_sum(batch)` returns the SUM of per-unit losses in fp32 (units: loss tokens for
+the designer, images for imagegen) and `batch_weight(batch)` the number of units as a host-side int.
+The trainer divides by the summed weight of all micro-batches of the optimizer step, so a step's loss
+is the mean over every unit of the accumulated batch — not a mean of per-micro-batch means, which
+over-weights short micro-batches (a known bug class of fused cross-entropy under accumulation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch import nn
+
+
+class Task(Protocol):
+    #: the module whose trainable parameters the optimizer updates
+    model: nn.Module
+    #: the throughput unit: "tokens" or "images"
+    unit: str
+
+    def train_batches(self) -> Iterator[Any]:
+        """An endless iterator of micro-batches, positioned by `load_state_dict`."""
+        ...
+
+    def batch_weight(self, batch: Any) -> int:
+        """Number of loss units (tokens or images) in the micro-batch; a host int, no device sync."""
+        ...
+
+    def batch_units(self, batch: Any) -> int:
+        """Throughput units processed (non-padding tokens, or images); a host int."""
+        ...
+
+    def batch_flops(self, batch: Any) -> int:
+        """Useful model FLOPs of forward + backward for this micro-batch (from the model's own count)."""
+        ...
+
+    def loss_sum(self, batch: Any) -> torch.Tensor:
+        """Sum of per-unit losses of the micro-batch, an fp32 scalar tensor with grad."""
+        ...
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics on the held-out set (may be empty when there is none)."""
+        ...
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Hook after each optimizer step (EMA update, periodic samples)."""
+        ...
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors to checkpoint beyond the trainable weights (EMA weights, ...)."""
+        ...
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-serialisable state to checkpoint (data cursor, ...)."""
+        ...
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        ...
+
+    def export(self, out_dir: Path) -> dict[str, Path]:
+        """Write the final artefacts (adapter / model / transformer / ema); returns name → path."""
+        ...

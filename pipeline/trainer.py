@@ -1,0 +1,317 @@
+"""The one training loop, shared by the designer and imagegen trainers.
+
+Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
+each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
+of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
+step AdamW. Around it: logging (progress bar, metrics.jsonl, TensorBoard), evaluation, checkpoints on a
+cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor).
+
+The step itself reads nothing back from the device; the host syncs only where a value is logged.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    optimizer_state_from_tensors,
+    optimizer_state_to_tensors,
+    prune_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from pipeline.config import OutputConfig, TrainConfig
+from pipeline.mfu import ThroughputMeter, device_peak_flops
+from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
+from pipeline.task import Task
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (non-finite loss, unusable checkpoint); nothing good is overwritten."""
+
+
+@dataclass
+class TrainResult:
+    step: int
+    interrupted: bool  # stopped by SIGTERM/SIGINT after saving a checkpoint
+    final_loss: float | None
+    exports: dict[str, Path] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    signal: int | None = None
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"train.device = {spec!r} but CUDA is not available on this machine")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr for optimizer step `step` (0-based): linear warmup, then the decay."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(cfg.max_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    if cfg.schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        decay = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+class Trainer:
+    def __init__(self, task: Task, train: TrainConfig, output: OutputConfig, device: torch.device):
+        self.task = task
+        self.cfg = train
+        self.out = Path(output.dir)
+        self.output_cfg = output
+        self.device = device
+        self.ckpt_dir = self.out / "checkpoints"
+        self.named_params = [(n, p) for n, p in task.model.named_parameters() if p.requires_grad]
+        if not self.named_params:
+            raise TrainingError("the model has no trainable parameters")
+        self.param_names = {id(p): n for n, p in self.named_params}
+        self.optimizer = self._build_optimizer()
+        self.step = 0
+        self._stop_signal: int | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        decay = [p for _, p in self.named_params if p.ndim >= 2]
+        no_decay = [p for _, p in self.named_params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        fused = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.resume
+        if resume == "never":
+            if list_checkpoints(self.ckpt_dir):
+                raise TrainingError(
+                    f"{self.ckpt_dir} already holds checkpoints and train.resume = 'never': refusing to overwrite "
+                    f"them. Use another output.dir, or train.resume=auto to continue."
+                )
+            return None
+        if resume == "auto":
+            found = list_checkpoints(self.ckpt_dir)
+            if not found:
+                return None
+            newest = found[-1]
+            try:
+                verify_checkpoint(newest)
+            except CheckpointError as e:
+                older = ", ".join(str(p) for p in found[:-1]) or "none"
+                raise TrainingError(
+                    f"cannot resume from the newest checkpoint: {e}. Nothing was changed. Older checkpoints: {older}; "
+                    f"pick one with --set train.resume=PATH."
+                ) from None
+            return newest
+        return Path(resume)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        opt_tensors, opt_meta = optimizer_state_to_tensors(self.optimizer, self.param_names)
+        extra = {f"task.{k}": v for k, v in self.task.state_tensors().items()}
+        extra["rng.torch"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            extra["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        py_state = random.getstate()
+        np_state = np.random.get_state()
+        state = {
+            "optimizer": opt_meta,
+            "rng": {
+                "python": [py_state[0], list(py_state[1]), py_state[2]],
+                "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            },
+            "task": self.task.state_meta(),
+        }
+        ckpt = Checkpoint(
+            step=self.step,
+            model={n: p.detach() for n, p in self.named_params},
+            optimizer=opt_tensors,
+            extra=extra,
+            state=state,
+        )
+        path = save_checkpoint(self.ckpt_dir, ckpt)
+        prune_checkpoints(self.ckpt_dir, self.cfg.keep_checkpoints)
+        return path
+
+    def load(self, path: Path) -> None:
+        ckpt = load_checkpoint(path)
+        names = {n for n, _ in self.named_params}
+        missing = sorted(names - set(ckpt.model))
+        unexpected = sorted(set(ckpt.model) - names)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path}/model.safetensors does not match the model's trainable parameters "
+                f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+            )
+        with torch.no_grad():
+            for n, p in self.named_params:
+                src = ckpt.model[n]
+                if src.shape != p.shape:
+                    raise CheckpointError(f"{path}/model.safetensors: {n} has shape {tuple(src.shape)}, "
+                                          f"the model expects {tuple(p.shape)}")
+                p.copy_(src)
+        optimizer_state_from_tensors(self.optimizer, self.param_names, ckpt.optimizer, ckpt.state["optimizer"])
+        task_tensors = {k[len("task."):]: v for k, v in ckpt.extra.items() if k.startswith("task.")}
+        self.task.load_state(task_tensors, ckpt.state["task"])
+        torch.set_rng_state(ckpt.extra["rng.torch"])
+        if self.device.type == "cuda" and "rng.cuda" in ckpt.extra:
+            torch.cuda.set_rng_state(ckpt.extra["rng.cuda"], self.device)
+        py = ckpt.state["rng"]["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        npy = ckpt.state["rng"]["numpy"]
+        np.random.set_state((npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
+        self.step = ckpt.step
+
+    # ------------------------------------------------------------------ signals
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self._stop_signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        log(f"received {signal.Signals(signum).name}: finishing this step, then saving a checkpoint")
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        resume = self._resume_path()
+        if resume is not None:
+            self.load(resume)
+            log(f"resumed from {resume} at step {self.step}")
+        metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step)
+        tb = TensorBoardLog(self.out / "tensorboard", self.output_cfg.tensorboard)
+        meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
+        bar = ProgressBar(cfg.max_steps, self.step, self.task.unit)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        model = self.task.model
+        model.train()
+        batches = self.task.train_batches()
+        params = [p for _, p in self.named_params]
+        last_loss: float | None = None
+        saved_step = self.step if resume is not None else -1
+        evaluated_step = -1
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            while self.step < cfg.max_steps and self._stop_signal is None:
+                lr = cfg.lr * lr_factor(self.step, cfg)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                micro = [next(batches) for _ in range(cfg.grad_accum)]
+                weight = sum(self.task.batch_weight(b) for b in micro)
+                loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+                if weight > 0:
+                    for b in micro:
+                        loss = self.task.loss_sum(b) / weight
+                        loss.backward()
+                        loss_total += loss.detach()
+                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                self.task.after_optimizer_step(self.step)
+                meter.add(sum(self.task.batch_units(b) for b in micro), sum(self.task.batch_flops(b) for b in micro))
+
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                    last_loss = loss_total.item()  # the host sync of this step
+                    if not math.isfinite(last_loss):
+                        raise TrainingError(
+                            f"loss is {last_loss} at step {self.step}; stopping without saving over the last good "
+                            f"checkpoint (lower train.lr, check the data)"
+                        )
+                    rate = meter.measure()
+                    record = {"kind": "train", "step": self.step, "loss": last_loss, "lr": lr,
+                              "grad_norm": float(grad_norm), "loss_weight": weight}
+                    if rate is not None:
+                        record.update({f"{self.task.unit}_per_s": rate.units_per_s, "step_time": rate.step_time,
+                                       "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
+                    if self.device.type == "cuda":
+                        record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    metrics.write(record)
+                    tb.write(record)
+                    bar.update(self.step, record)
+
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    self._evaluate(metrics, tb, bar)
+                    evaluated_step = self.step
+                    meter.restart_clock()
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    path = self.save()
+                    saved_step = self.step
+                    bar.message(f"saved {path}")
+                    meter.restart_clock()
+
+            interrupted = self._stop_signal is not None
+            if saved_step != self.step:
+                path = self.save()
+                bar.message(f"saved {path}")
+            exports: dict[str, Path] = {}
+            if not interrupted:
+                if evaluated_step != self.step:
+                    self._evaluate(metrics, tb, bar)
+                exports = self.task.export(self.out)
+                for name, p in exports.items():
+                    bar.message(f"exported {name}: {p}")
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            bar.close()
+            metrics.close()
+            tb.close()
+        summary = meter.summary()
+        if self.device.type == "cuda":
+            summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,
+                           summary=summary, signal=self._stop_signal)
+
+    def _evaluate(self, metrics: MetricsLog, tb: TensorBoardLog, bar: ProgressBar) -> None:
+        model = self.task.model
+        model.eval()
+        with torch.no_grad():
+            result = self.task.evaluate()
+        model.train()
+        if result:
+            record = {"kind": "eval", "step": self.step, **result}
+            metrics.write(record)
+            tb.write(record)
+            bar.message("eval step {}: {}".format(self.step, " ".join(f"{k} {v:.4f}" for k, v in result.items())))
+
+
+def exit_code(result: TrainResult) -> int:
+    """Shell status for a CLI run: 0 when finished, 128 + signal when stopped by one (after saving)."""
+    return 0 if result.signal is None else 128 + result.signal
+
+
+__all__ = ["Trainer", "TrainResult", "TrainingError", "resolve_device", "seed_everything", "lr_factor", "exit_code"]
