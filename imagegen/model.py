@@ -1,0 +1,483 @@
+"""SD3-style MMDiT (Esser et al. 2024, "Scaling Rectified Flow Transformers", arXiv:2403.03206).
+
+Read top to bottom like the paper: config → embeddings → norms/modulation → attention → MLP →
+joint block → model. Module and parameter names equal diffusers' ``SD3Transformer2DModel`` so
+``state_dict()`` keys are the diffusers checkpoint keys with no mapping (STYLE.md: stock layout).
+diffusers is the reference the tests compare against; it is never imported here.
+
+Shape legend:
+    B   batch                     C   latent channels (in), Co out channels
+    H,W latent height / width     p   patch size, h = H/p, w = W/p
+    N   image tokens (h*w)        L   text tokens
+    S   joint tokens (N + L)      D   model dim (num_heads * head_dim)
+    Hn  heads                     Dh  head dim
+    E   joint_attention_dim (text-encoder width)    P  pooled_projection_dim
+    M   pos_embed_max_size (side of the stored positional grid)
+
+Time convention: ``timestep`` is diffusers' ``sigma * 1000`` (see imagegen/flow.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
+NORM_EPS = 1e-6
+TIME_FREQ_DIM = 256
+
+
+@dataclass(frozen=True)
+class MMDiTArgs:
+    """MMDiT hyper-parameters; shared names (STYLE.md) plus diffusers' SD3 fields."""
+
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    sample_size: int = 32  # latent side the pos-embed grid is scaled to (base_size = sample_size // p)
+    patch_size: int = 2
+    in_channels: int = 16
+    out_channels: int = 16
+    joint_attention_dim: int = 48
+    caption_projection_dim: int = 64  # must equal dim: text tokens enter the blocks at width D
+    pooled_projection_dim: int = 40
+    pos_embed_max_size: int = 32
+    qk_norm: str | None = None  # None | "rms_norm"
+    dual_attention_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"MMDiTArgs.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("num_layers", "num_heads", "head_dim", "sample_size", "patch_size", "in_channels",
+                     "out_channels", "joint_attention_dim", "caption_projection_dim",
+                     "pooled_projection_dim", "pos_embed_max_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise bad(name, "must be a positive int")
+        if self.dim % 2:
+            raise bad("head_dim", f"dim = num_heads*head_dim = {self.dim} must be even (2-D sincos pos-embed)")
+        if self.caption_projection_dim != self.dim:
+            raise bad("caption_projection_dim", f"must equal dim = num_heads*head_dim = {self.dim}")
+        if self.qk_norm not in (None, "rms_norm"):
+            raise bad("qk_norm", 'must be None or "rms_norm"')
+        object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
+        for i in self.dual_attention_layers:
+            if not isinstance(i, int) or not 0 <= i < self.num_layers:
+                raise bad("dual_attention_layers", f"layer index {i!r} not in [0, {self.num_layers})")
+        if self.sample_size // self.patch_size > self.pos_embed_max_size:
+            raise bad("sample_size", f"sample_size/patch_size exceeds pos_embed_max_size={self.pos_embed_max_size}")
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most image tokens one sample can have: the stored positional grid is M x M."""
+        return self.pos_embed_max_size**2
+
+    # diffusers config.json <-> MMDiTArgs. Names that differ: attention_head_dim, num_attention_heads.
+    _RENAME = {"attention_head_dim": "head_dim", "num_attention_heads": "num_heads"}
+    # SD3Transformer2DModel.__init__ defaults, used for fields a config.json leaves out.
+    _DIFFUSERS_DEFAULTS = dict(
+        sample_size=128, patch_size=2, in_channels=16, num_layers=18, attention_head_dim=64,
+        num_attention_heads=18, joint_attention_dim=4096, caption_projection_dim=1152,
+        pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=96, dual_attention_layers=(),
+        qk_norm=None,
+    )
+
+    @classmethod
+    def from_diffusers_config(cls, config: dict, source: str = "config") -> MMDiTArgs:
+        """Build from a diffusers ``SD3Transformer2DModel`` config dict; ``source`` names it in errors."""
+        name = config.get("_class_name", "SD3Transformer2DModel")
+        if name != "SD3Transformer2DModel":
+            raise ValueError(f"{source}: _class_name is {name!r}, expected 'SD3Transformer2DModel'")
+        unknown = sorted(k for k in config if not k.startswith("_") and k not in cls._DIFFUSERS_DEFAULTS)
+        if unknown:
+            raise ValueError(f"{source}: unknown SD3Transformer2DModel field(s) {unknown}")
+        merged = {**cls._DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+        if merged["out_channels"] is None:  # diffusers: None means "same as in_channels"
+            merged["out_channels"] = merged["in_channels"]
+        kwargs = {cls._RENAME.get(k, k): v for k, v in merged.items()}
+        kwargs["dual_attention_layers"] = tuple(kwargs["dual_attention_layers"] or ())
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    def to_diffusers_config(self) -> dict:
+        inverse = {v: k for k, v in self._RENAME.items()}
+        out = {"_class_name": "SD3Transformer2DModel"}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[inverse.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def _args(num_layers: int, num_heads: int, pos_embed_max_size: int, **kw) -> MMDiTArgs:
+    base = dict(head_dim=64, sample_size=128, patch_size=2, in_channels=16, out_channels=16,
+                joint_attention_dim=4096, pooled_projection_dim=2048)
+    return MMDiTArgs(num_layers=num_layers, num_heads=num_heads, pos_embed_max_size=pos_embed_max_size,
+                     caption_projection_dim=num_heads * 64, **{**base, **kw})
+
+
+# Real sizes are the transformer/config.json of the stabilityai diffusers repos (pos-embed grid
+# sizes cross-checked with diffusers' single-file detection: 192^2 = 36864 for SD3, 384^2 for SD3.5-M).
+SIZES: dict[str, MMDiTArgs] = {
+    "tiny": MMDiTArgs(),
+    "sd3-medium": _args(24, 24, 192),
+    "sd3.5-medium": _args(24, 24, 384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13))),
+    "sd3.5-large": _args(38, 38, 192, qk_norm="rms_norm"),
+}
+
+
+# ---------------------------------------------------------------------------------------- embeddings
+
+def sincos_1d(dim: int, pos: torch.Tensor) -> torch.Tensor:
+    """[M] positions -> [M, dim]: [sin(pos*w), cos(pos*w)], w_i = 10000^(-2i/dim), in float64."""
+    omega = torch.arange(dim // 2, dtype=torch.float64, device=pos.device) / (dim / 2.0)
+    out = torch.outer(pos.reshape(-1).double(), 1.0 / 10000**omega)  # [M, dim/2]
+    return torch.cat([out.sin(), out.cos()], dim=1)
+
+
+def sincos_2d_grid(dim: int, grid_size: int, base_size: int) -> torch.Tensor:
+    """The stored M x M positional grid -> [1, M*M, dim] (fp32), positions scaled to base_size.
+
+    Row-major over (row, col); the first dim/2 channels encode the column, the rest the row
+    (diffusers builds the grid with meshgrid(w, h, indexing="xy"), so "emb_h" is the column).
+    """
+    pos = torch.arange(grid_size, dtype=torch.float32) / (grid_size / base_size)  # [M]
+    col = pos[None, :].expand(grid_size, grid_size)  # [M, M]
+    row = pos[:, None].expand(grid_size, grid_size)  # [M, M]
+    emb = torch.cat([sincos_1d(dim // 2, col), sincos_1d(dim // 2, row)], dim=1)  # [M*M, dim]
+    return emb.float().unsqueeze(0)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM, max_period: float = 10000.0) -> torch.Tensor:
+    """[B] timesteps (sigma*1000) -> [B, dim] fp32 features [cos, sin] (DDPM/DiT, flip_sin_to_cos)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None, :]  # [B, half]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class PatchEmbed(nn.Module):
+    """[B, C, H, W] -> [B, N, D]: p x p patches, plus the centre crop h x w of the M x M sincos grid."""
+
+    def __init__(self, args: MMDiTArgs):
+        super().__init__()
+        self.patch_size, self.max_size = args.patch_size, args.pos_embed_max_size
+        self.proj = nn.Conv2d(args.in_channels, args.dim, kernel_size=args.patch_size, stride=args.patch_size)
+        # Persistent: SD3 checkpoints store it (key pos_embed.pos_embed), so a loaded grid wins.
+        grid = sincos_2d_grid(args.dim, args.pos_embed_max_size, args.sample_size // args.patch_size)
+        self.register_buffer("pos_embed", grid, persistent=True)  # [1, M*M, D]
+
+    def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
+        top, left = (self.max_size - h) // 2, (self.max_size - w) // 2
+        grid = self.pos_embed.reshape(1, self.max_size, self.max_size, -1)  # [1, M, M, D]
+        return grid[:, top:top + h, left:left + w, :].reshape(1, h * w, -1)  # [1, N, D]
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        h, w = latents.shape[-2] // self.patch_size, latents.shape[-1] // self.patch_size
+        x = self.proj(latents).flatten(2).transpose(1, 2)  # [B, D, h, w] -> [B, N, D]
+        return (x + self.cropped_pos_embed(h, w)).to(x.dtype)
+
+
+class MLPEmbedder(nn.Module):
+    """Linear -> SiLU -> Linear (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    """Conditioning vector c = MLP(sinusoid(t)) + MLP(pooled text): [B], [B, P] -> [B, D]."""
+
+    def __init__(self, args: MMDiTArgs):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(TIME_FREQ_DIM, args.dim)
+        self.text_embedder = MLPEmbedder(args.pooled_projection_dim, args.dim)
+
+    def forward(self, timestep: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        t_emb = self.timestep_embedder(timestep_embedding(timestep).to(pooled.dtype))
+        return t_emb + self.text_embedder(pooled)
+
+
+# ------------------------------------------------------------------------------ norms and modulation
+
+class RMSNorm(nn.Module):
+    """QK-norm over the head dim (SD3.5): x / rms(x) * weight, statistics in fp32."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        return x32.to(x.dtype) * self.weight
+
+
+class Modulation(nn.Module):
+    """AdaLN: SiLU(c) -> Linear -> k chunks of [B, D] (shift/scale/gate vectors for one stream)."""
+
+    def __init__(self, dim: int, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+        self.linear = nn.Linear(dim, chunks * dim)
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(F.silu(c)).chunk(self.chunks, dim=1)
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    """Parameter-free LayerNorm; AdaLN supplies scale and shift."""
+    return F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[B, T, D] x (1 + scale) + shift, with [B, D] vectors broadcast over tokens."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    """Multi-head attention. Joint (``context=True``): image and text tokens have their own
+    projections and attend together over S = N + L tokens, image first (diffusers' order). Without
+    context it is plain self-attention over image tokens (SD3.5's second, "dual" attention).
+    ``context_pre_only``: the last block drops the text output, so it has no ``to_add_out``.
+    """
+
+    def __init__(self, args: MMDiTArgs, context: bool, context_pre_only: bool = False):
+        super().__init__()
+        d = args.dim
+        self.num_heads, self.head_dim = args.num_heads, args.head_dim
+        self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        # ModuleList so the key is to_out.0.* as in diffusers (its to_out.1 is a parameter-free Dropout).
+        self.to_out = nn.ModuleList([nn.Linear(d, d)])
+        rms = args.qk_norm == "rms_norm"
+        self.norm_q = RMSNorm(args.head_dim) if rms else None
+        self.norm_k = RMSNorm(args.head_dim) if rms else None
+        self.context = context
+        if context:
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+            self.to_add_out = None if context_pre_only else nn.Linear(d, d)
+            self.norm_added_q = RMSNorm(args.head_dim) if rms else None
+            self.norm_added_k = RMSNorm(args.head_dim) if rms else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: RMSNorm | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        y = proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, T, D] -> [B, Hn, T, Dh]
+        return norm(y) if norm is not None else y
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None):
+        """x [B, N, D], ctx [B, L, D] or None -> (x_out [B, N, D], ctx_out [B, L, D] | None) or x_out."""
+        B, N, _ = x.shape
+        q = self._heads(x, self.to_q, self.norm_q)  # [B, Hn, N, Dh]
+        k = self._heads(x, self.to_k, self.norm_k)
+        v = self._heads(x, self.to_v, None)
+        if self.context:
+            q = torch.cat([q, self._heads(ctx, self.add_q_proj, self.norm_added_q)], dim=2)  # [B, Hn, S, Dh]
+            k = torch.cat([k, self._heads(ctx, self.add_k_proj, self.norm_added_k)], dim=2)
+            v = torch.cat([v, self._heads(ctx, self.add_v_proj, None)], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v)  # [B, Hn, S, Dh]
+        o = o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim)  # [B, S, D]
+        x_out = self.to_out[0](o[:, :N])
+        if not self.context:
+            return x_out
+        ctx_out = self.to_add_out(o[:, N:]) if self.to_add_out is not None else None
+        return x_out, ctx_out
+
+
+class FeedForward(nn.Module):
+    """Linear(D, 4D) -> GELU(tanh) -> Linear(4D, D). Keys net.0.proj / net.2 as in diffusers."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, 4 * dim)
+        # Index 1 is diffusers' parameter-free Dropout; Identity keeps the Linear at net.2.
+        self.net = nn.Sequential(proj, nn.Identity(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+# ------------------------------------------------------------------------------------------- blocks
+
+class JointBlock(nn.Module):
+    """One MMDiT block: two streams (image x, text ctx) with separate weights, one joint attention.
+
+    AdaLN-Zero per stream: x += gate * f(LN(x) * (1 + scale) + shift). A dual-attention block adds a
+    second, image-only self-attention with its own shift/scale/gate (9 modulation chunks, SD3.5-M).
+    The last block (``context_pre_only``) only reads the text: its text stream gets a 2-chunk AdaLN
+    (scale, shift) and no output projection or MLP.
+    """
+
+    def __init__(self, args: MMDiTArgs, context_pre_only: bool, dual_attention: bool):
+        super().__init__()
+        d = args.dim
+        self.context_pre_only, self.dual_attention = context_pre_only, dual_attention
+        self.norm1 = Modulation(d, 9 if dual_attention else 6)
+        self.norm1_context = Modulation(d, 2 if context_pre_only else 6)
+        self.attn = Attention(args, context=True, context_pre_only=context_pre_only)
+        self.attn2 = Attention(args, context=False) if dual_attention else None
+        self.ff = FeedForward(d)
+        self.ff_context = None if context_pre_only else FeedForward(d)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor):
+        """x [B, N, D], ctx [B, L, D], c [B, D] -> (ctx [B, L, D] or None, x [B, N, D])."""
+        mods = self.norm1(c)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[:6]
+        x_norm = layer_norm(x)
+        if self.context_pre_only:
+            c_scale, c_shift = self.norm1_context(c)  # AdaLayerNormContinuous order: scale first
+            ctx_in = modulate(layer_norm(ctx), c_shift, c_scale)
+        else:
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(c)
+            ctx_in = modulate(layer_norm(ctx), c_shift_msa, c_scale_msa)
+
+        x_attn, ctx_attn = self.attn(modulate(x_norm, shift_msa, scale_msa), ctx_in)
+        x = x + gate_msa[:, None] * x_attn
+        if self.attn2 is not None:
+            shift_msa2, scale_msa2, gate_msa2 = mods[6:]
+            # Both image attentions read the same LN(x) from before the first residual (diffusers).
+            x = x + gate_msa2[:, None] * self.attn2(modulate(x_norm, shift_msa2, scale_msa2))
+        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
+
+        if self.context_pre_only:
+            return None, x
+        ctx = ctx + c_gate_msa[:, None] * ctx_attn
+        ctx = ctx + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(ctx), c_shift_mlp, c_scale_mlp))
+        return ctx, x
+
+
+def _linear_flops(module: nn.Module | None, tokens: int) -> int:
+    """Forward matmul FLOPs of every nn.Linear inside ``module`` applied to ``tokens`` rows."""
+    if module is None:
+        return 0
+    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+class MMDiT(nn.Module):
+    """SD3 MMDiT: (latents [B,C,H,W], text_states [B,L,E], pooled [B,P], timestep [B]) -> [B,Co,H,W]."""
+
+    def __init__(self, args: MMDiTArgs):
+        super().__init__()
+        self.args = args
+        self.pos_embed = PatchEmbed(args)
+        self.time_text_embed = TimeTextEmbed(args)
+        self.context_embedder = nn.Linear(args.joint_attention_dim, args.caption_projection_dim)
+        self.transformer_blocks = nn.ModuleList(
+            JointBlock(args, context_pre_only=i == args.num_layers - 1, dual_attention=i in args.dual_attention_layers)
+            for i in range(args.num_layers)
+        )
+        self.norm_out = Modulation(args.dim, 2)  # AdaLayerNormContinuous: (scale, shift)
+        self.proj_out = nn.Linear(args.dim, args.patch_size**2 * args.out_channels)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """All initialisation (DiT, Peebles & Xie 2023, sec. 3.2).
+
+        | parameter                                         | init                              |
+        |---------------------------------------------------|-----------------------------------|
+        | every nn.Linear weight / bias (unless below)      | xavier_uniform / 0                |
+        | pos_embed.proj (patch conv) weight / bias         | xavier_uniform on [D, C*p*p] / 0  |
+        | time_text_embed.*.linear_{1,2}.weight             | normal(0, 0.02)                   |
+        | blocks' norm1.linear, norm1_context.linear        | 0 (AdaLN-Zero: blocks start as id)|
+        | norm_out.linear, proj_out                         | 0 (DiT final layer: output 0)     |
+        | attention RMSNorm weights (qk_norm)               | 1                                 |
+        | pos_embed.pos_embed buffer                        | fixed 2-D sincos grid, not learned|
+        """
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        w = self.pos_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.pos_embed.proj.bias)
+        for emb in (self.time_text_embed.timestep_embedder, self.time_text_embed.text_embedder):
+            nn.init.normal_(emb.linear_1.weight, std=0.02)
+            nn.init.normal_(emb.linear_2.weight, std=0.02)
+        zero = [self.norm_out.linear, self.proj_out]
+        zero += [lin for b in self.transformer_blocks for lin in (b.norm1.linear, b.norm1_context.linear)]
+        for lin in zero:
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def _check_inputs(self, latents, text_states, pooled, timestep) -> None:
+        a, p = self.args, self.args.patch_size
+        if latents.ndim != 4 or latents.shape[1] != a.in_channels:
+            raise ValueError(f"MMDiT.forward: latents must be [B, {a.in_channels}, H, W], got {tuple(latents.shape)}")
+        B, _, H, W = latents.shape
+        if H % p or W % p:
+            raise ValueError(f"MMDiT.forward: latent H, W = {H}, {W} must be multiples of patch_size={p}")
+        if H // p > a.pos_embed_max_size or W // p > a.pos_embed_max_size:
+            raise ValueError(f"MMDiT.forward: latent grid {H // p}x{W // p} exceeds pos_embed_max_size="
+                             f"{a.pos_embed_max_size}")
+        if text_states.ndim != 3 or text_states.shape[0] != B or text_states.shape[2] != a.joint_attention_dim:
+            raise ValueError(f"MMDiT.forward: text_states must be [{B}, L, {a.joint_attention_dim}], "
+                             f"got {tuple(text_states.shape)}")
+        if pooled.shape != (B, a.pooled_projection_dim):
+            raise ValueError(f"MMDiT.forward: pooled must be [{B}, {a.pooled_projection_dim}], got {tuple(pooled.shape)}")
+        if timestep.shape != (B,):
+            raise ValueError(f"MMDiT.forward: timestep must be [{B}] (sigma*1000), got {tuple(timestep.shape)}")
+
+    def forward(self, latents: torch.Tensor, text_states: torch.Tensor, pooled: torch.Tensor,
+                timestep: torch.Tensor) -> torch.Tensor:
+        """latents [B,C,H,W], text_states [B,L,E], pooled [B,P], timestep [B] (sigma*1000) -> v [B,Co,H,W]."""
+        self._check_inputs(latents, text_states, pooled, timestep)
+        B, _, H, W = latents.shape
+        p, co = self.args.patch_size, self.args.out_channels
+        x = self.pos_embed(latents)  # [B, N, D]
+        c = self.time_text_embed(timestep, pooled)  # [B, D]
+        ctx = self.context_embedder(text_states)  # [B, L, D]
+        for block in self.transformer_blocks:
+            ctx, x = block(x, ctx, c)
+        scale, shift = self.norm_out(c)
+        x = self.proj_out(modulate(layer_norm(x), shift, scale))  # [B, N, p*p*Co]
+        x = x.reshape(B, H // p, W // p, p, p, co)  # [B, h, w, p, p, Co]
+        x = torch.einsum("nhwpqc->nchpwq", x)  # [B, Co, h, p, w, p]
+        return x.reshape(B, co, H, W)
+
+    def forward_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> tuple[int, int]:
+        """(forward matmul FLOPs, forward attention FLOPs) for a batch, walking the model's modules.
+
+        Each token passes only its own stream's weights; modulation and conditioning linears run
+        once per image. Attention is 4*S^2*D per joint layer (QK^T and PV) plus 4*N^2*D per dual one.
+        The last block still projects text queries (diffusers computes them), so they count.
+        """
+        N, L, S, D = image_tokens, text_tokens, image_tokens + text_tokens, self.args.dim
+        conv = self.pos_embed.proj
+        per_image = _linear_flops(self.time_text_embed, 1) + _linear_flops(self.norm_out, 1)
+        mm = 2 * N * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels
+        mm += _linear_flops(self.context_embedder, L) + _linear_flops(self.proj_out, N)
+        attn = 0
+        for b in self.transformer_blocks:
+            per_image += _linear_flops(b.norm1, 1) + _linear_flops(b.norm1_context, 1)
+            a = b.attn
+            mm += sum(_linear_flops(m, N) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
+            mm += sum(_linear_flops(m, L) for m in (a.add_q_proj, a.add_k_proj, a.add_v_proj, a.to_add_out))
+            mm += _linear_flops(b.attn2, N) + _linear_flops(b.ff, N) + _linear_flops(b.ff_context, L)
+            attn += 4 * S * S * D + (4 * N * N * D if b.attn2 is not None else 0)
+        return batch_size * (mm + per_image), batch_size * attn
+
+    def train_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> int:
+        """Useful FLOPs of one training step: 3 x forward matmuls + 3 x forward attention
+        (= 12*L*S^2*D for the joint attention). Padded text tokens are real work and count."""
+        mm, attn = self.forward_flops(batch_size, image_tokens, text_tokens)
+        return 3 * (mm + attn)
