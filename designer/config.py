@@ -1,0 +1,74 @@
+"""The designer trainer's config: `[model]`, `[data]`, `[lora]`, `[train]`, `[output]`.
+
+    atelier designer train --config configs/designer/demo.toml --set lora.rank=16 --set output.dir=runs/d1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.config import ConfigError, OutputConfig, TrainConfig
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # a Hugging Face model directory (config.json + safetensors + tokenizer files)
+    # compute precision: "bfloat16" keeps fp32 master weights (full FT) or a frozen bf16 base (LoRA)
+    # and runs the matmuls in bf16; "float32" is exact (CPU tests, parity checks)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attention: Literal["auto", "flash", "varlen", "sdpa"] = "auto"
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path: required — a local Hugging Face model directory (see `atelier designer init`)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # JSONL: {"brief", "caption"} or {"messages": [...]} per line
+    eval: str = ""  # optional, same format
+    seq_len: int = 2048  # packed row length in tokens
+    overflow: Literal["split", "truncate", "drop"] = "split"  # documents longer than a row
+    max_eval_batches: int = 0  # 0 = the whole eval set
+
+    def validate(self) -> None:
+        if not self.train:
+            raise ConfigError("train: required — a JSONL file of {brief, caption} or {messages} lines")
+        if self.seq_len < 16:
+            raise ConfigError(f"seq_len: must be >= 16, got {self.seq_len}")
+        if self.max_eval_batches < 0:
+            raise ConfigError(f"max_eval_batches: must be >= 0, got {self.max_eval_batches}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16  # 0 = full fine-tuning
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    dtype: Literal["float32", "bfloat16"] = "float32"  # adapter weights' dtype
+    init_adapter: str = ""  # a PEFT adapter directory to continue training from
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad:
+            raise ConfigError(f"targets: unknown {bad}; allowed: {', '.join(LORA_TARGETS)}")
+        if self.rank > 0 and not self.targets:
+            raise ConfigError("targets: at least one target module is needed when rank > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class DesignerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
