@@ -91,17 +91,18 @@ def train_tokenizer(corpus_files: list[Path], vocab_size: int, out_dir: Path) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out_dir))
-    _ensure_chat_template_in_config(out_dir)
+    _finish_config(out_dir)
     return out_dir
 
 
-def _ensure_chat_template_in_config(out_dir: Path) -> None:
-    """Keep the template inside tokenizer_config.json (as Qwen ships it), whatever save_pretrained's default."""
+def _finish_config(out_dir: Path) -> None:
+    """Keep the template inside tokenizer_config.json (as Qwen ships it), whatever save_pretrained's default, and
+    name the class every transformers version loads (v5 writes "TokenizersBackend", which v4 does not know)."""
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    if cfg.get("chat_template") != CHAT_TEMPLATE:
-        cfg["chat_template"] = CHAT_TEMPLATE
-        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     side_file = out_dir / "chat_template.jinja"
     if side_file.exists():  # one source of truth: the config
         side_file.unlink()
