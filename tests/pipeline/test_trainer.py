@@ -1,0 +1,144 @@
+"""The training loop: accumulation weighting, schedule, checkpoints, exact resume, signals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from pipeline.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from pipeline.config import OutputConfig, TrainConfig
+from pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
+from tests.pipeline.toy_task import ToyTask
+
+
+def make(tmp_path, name="run", seed=0, **train):
+    seed_everything(0)
+    task = ToyTask(seed=0)  # same init and data in every run; `seed` only scrambles the global RNGs
+    seed_everything(seed)
+    cfg = TrainConfig(**{"max_steps": 12, "micro_batch": 1, "lr": 1e-2, "warmup_steps": 2, "save_every": 4,
+                         "keep_checkpoints": 0, **train})
+    return Trainer(task, cfg, OutputConfig(dir=str(tmp_path / name), tensorboard=False), torch.device("cpu")), task
+
+
+def losses(tmp_path, name):
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_accumulated_loss_is_token_weighted_mean(tmp_path):
+    """Two micro-batches of 1 and 5 rows: the step's gradient is that of the mean over all 6 rows."""
+    trainer, task = make(tmp_path, max_steps=1, grad_accum=2, warmup_steps=0, grad_clip=0.0)
+    task.model[1].p = 0.0  # no dropout: compare gradients exactly
+    loader = ToyTask(0).loader
+    a, b = next(loader), next(loader)
+    assert (a["x"].shape[0], b["x"].shape[0]) == (1, 5)
+    x, y = torch.cat([a["x"], b["x"]]), torch.cat([a["y"], b["y"]])
+    reference = copy.deepcopy(task.model)
+    ((reference(x) - y) ** 2).mean().backward()
+    seen = {}
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: seen.update({i: p.grad.clone() for i, p in enumerate(task.model.parameters())}) or step()
+    trainer.fit()
+    for i, p in enumerate(reference.parameters()):
+        torch.testing.assert_close(seen[i], p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_lr_schedule_shapes():
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-6)
+    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    lin = TrainConfig(max_steps=100, warmup_steps=0, schedule="linear", min_lr_ratio=0.0)
+    assert lr_factor(50, lin) == pytest.approx(0.5)
+    const = TrainConfig(max_steps=100, warmup_steps=0, schedule="constant")
+    assert lr_factor(99, const) == 1.0
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL: the run dies between steps, without any chance to save."""
+
+
+def test_resume_is_exact(tmp_path):
+    make(tmp_path, "full", grad_accum=2)[0].fit()
+    part, task = make(tmp_path, "part", grad_accum=2)
+    task.after_optimizer_step = lambda step: (_ for _ in ()).throw(Killed()) if step == 10 else None
+    with pytest.raises(Killed):
+        part.fit()  # dies after step 9 was logged; the newest checkpoint is step 8
+    assert losses(tmp_path, "part")[-1][0] == 9
+    resumed, task = make(tmp_path, "part", seed=123, grad_accum=2)  # other RNG state: it must come from the ckpt
+    result = resumed.fit()
+    assert result.step == 12 and task.exported
+    assert losses(tmp_path, "part") == losses(tmp_path, "full")  # bit-exact, and no duplicate steps
+
+
+def test_checkpoint_files_and_pruning(tmp_path):
+    trainer, _ = make(tmp_path, keep_checkpoints=2)
+    trainer.fit()
+    ckpts = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-8", "step-12"]
+    ck = load_checkpoint(ckpts[-1])
+    assert ck.step == 12 and "0.weight" in ck.model and ck.state["task"] == {"cursor": 12}
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):
+    trainer, _ = make(tmp_path, max_steps=8)
+    trainer.fit()
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    f = newest / "optimizer.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="optimizer.safetensors: truncated"):
+        verify_checkpoint(newest)
+    again, _ = make(tmp_path, max_steps=12)
+    with pytest.raises(TrainingError, match=r"optimizer.safetensors: truncated.*Older checkpoints: .*step-4"):
+        again.fit()
+    assert f.read_bytes() == data[: len(data) // 2]  # left as found for inspection
+    assert (newest.parent / "step-4").is_dir()
+
+
+def test_resume_never_refuses_to_overwrite(tmp_path):
+    make(tmp_path, max_steps=4)[0].fit()
+    with pytest.raises(TrainingError, match="refusing to overwrite"):
+        make(tmp_path, max_steps=8, resume="never")[0].fit()
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    trainer, task = make(tmp_path, max_steps=50, save_every=0)
+    orig = task.after_optimizer_step
+    task.after_optimizer_step = lambda step: os.kill(os.getpid(), signal.SIGTERM) if step == 3 else orig(step)
+    result = trainer.fit()
+    assert result.interrupted and result.step == 3 and result.signal == signal.SIGTERM
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-3"]
+    assert not task.exported
+    assert signal.getsignal(signal.SIGTERM) is not trainer._on_signal  # handlers restored
+
+
+def test_nan_loss_stops_without_saving(tmp_path):
+    trainer, task = make(tmp_path, max_steps=10, save_every=2)
+    orig = task.loss_sum
+    task.loss_sum = lambda b: orig(b) * (float("nan") if task.loader.cursor > 5 else 1.0)
+    with pytest.raises(TrainingError, match="loss is nan at step 6"):
+        trainer.fit()
+    names = [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert names == ["step-2", "step-4"]
+
+
+def test_metrics_and_eval_records(tmp_path):
+    trainer, _ = make(tmp_path, max_steps=6, eval_every=3, peak_tflops=1.0)
+    result = trainer.fit()
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in train)
+    assert result.exports["toy"].read_text() == "ok"
