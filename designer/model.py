@@ -1,0 +1,332 @@
+"""Qwen3 dense causal LM (the "designer"), with Hugging Face Qwen3ForCausalLM state-dict names.
+
+Shape legend: B rows, T tokens per row, N = B·T packed tokens, D dim, H query heads, Hkv kv heads,
+Dh head dim (not necessarily D/H), F ffn dim, V vocab, S documents in a packed batch.
+
+Block (pre-norm, as Qwen3):  x += o_proj(attn(rope(q_norm(q_proj(n(x)))), rope(k_norm(k_proj(n(x)))), v_proj(n(x))))
+                             x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))
+The model runs PACKED rows: several documents share a row, positions restart at 0 per document and
+`cu_seqlens` marks document boundaries over the flattened B·T tokens, so no document attends to
+another (DESIGN.md "Packed, exact attention"). HF layout I/O lives in designer/hf.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.attention import IMPLS, packed_causal_attention
+from kernels.rmsnorm import rmsnorm
+from kernels.rope import rope, rope_cos_sin, rope_type
+from kernels.swiglu import swiglu
+
+# (layer index, q [B,T,H,Dh], k [B,T,Hkv,Dh], v [B,T,Hkv,Dh]) -> o [B,T,H,Dh]; the packed forward and
+# the KV-cache generator (designer/generate.py) each supply one, so there is one copy of the block.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture of a Qwen3 dense model. Field names are shared with imagegen's config."""
+
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    max_seq_len: int = 40960
+    rope_theta: float = 1e6
+    rope_scaling: dict[str, Any] | None = None  # HF config.json "rope_scaling"; None = plain RoPE
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    attention_impl: str = "auto"  # kernels.attention impl: auto | flash | varlen | sdpa
+    # Special token ids are carried so that config.json / generation_config.json round-trip.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ModelArgs.{f} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelArgs.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelArgs.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"ModelArgs.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
+        rope_type(self.rope_scaling)  # raises on an unsupported rope type
+
+    @classmethod
+    def from_size(cls, size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
+        """ModelArgs for a named size in SIZES with the tokenizer's vocab size."""
+        if size not in SIZES:
+            raise ValueError(f"unknown designer size {size!r}; known: {sorted(SIZES)}")
+        return cls(vocab_size=vocab_size, **{**SIZES[size], **overrides})
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], attention_impl: str = "auto", source: str = "config.json") -> ModelArgs:
+        """ModelArgs from a Hugging Face Qwen3 config.json dict (transformers 4.x or 5.x layout)."""
+        if cfg.get("model_type") != "qwen3":
+            raise ValueError(f"{source}: model_type must be 'qwen3', got {cfg.get('model_type')!r}")
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if key not in cfg:
+                raise ValueError(f"{source}: missing key {key!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers 5.x: {"rope_type", "rope_theta", ...}
+        if params and scaling is None:
+            theta = params.get("rope_theta", theta)
+            scaling = params
+        if scaling is not None:
+            scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta",)}
+            if rope_type(scaling) == "default":
+                scaling = None
+        heads = cfg["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_dim=cfg["intermediate_size"],
+                max_seq_len=cfg.get("max_position_embeddings", 40960), rope_theta=float(theta), rope_scaling=scaling,
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)), attention_impl=attention_impl,
+                bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+                pad_token_id=cfg.get("pad_token_id"),
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+        """config.json dict that AutoModelForCausalLM loads as Qwen3ForCausalLM."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "intermediate_size": self.ffn_dim,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": self.num_layers, "initializer_range": 0.02, "use_cache": True,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+            "torch_dtype": dtype_name, "dtype": dtype_name,
+        }
+
+
+_QWEN3 = dict(max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, head_dim=128)
+SIZES: dict[str, dict[str, Any]] = {
+    # head_dim (32) != dim / num_heads (16) on purpose: it catches code that assumes D = H·Dh.
+    "tiny": dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=128, max_seq_len=512,
+                 rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True),
+    # The real Qwen3 dense shapes (Qwen/Qwen3-*/config.json).
+    "0.6b": dict(dim=1024, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=3072, tie_embeddings=True, **_QWEN3),
+    "1.7b": dict(dim=2048, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=6144, tie_embeddings=True, **_QWEN3),
+    "4b": dict(dim=2560, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=9728, tie_embeddings=True, **_QWEN3),
+    "8b": dict(dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, ffn_dim=12288, tie_embeddings=False, **_QWEN3),
+    "14b": dict(dim=5120, num_layers=40, num_heads=40, num_kv_heads=8, ffn_dim=17408, tie_embeddings=False, **_QWEN3),
+    "32b": dict(dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, ffn_dim=25600, tie_embeddings=False, **_QWEN3),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=bias)
+        # Qwen3's QK-norm: RMSNorm over Dh of each head, before RoPE.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # [B,T,H,Dh]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))  # [B,T,Hkv,Dh]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B,T,Hkv,Dh]
+        q, k = rope(q, k, cos, sin)
+        o = attend(layer, q, k, v)  # [B,T,H,Dh]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))  # [B,T,D]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, blocks, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Qwen3(nn.Module):
+    """Qwen3 dense causal LM. `state_dict()` keys equal transformers' Qwen3ForCausalLM keys."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        # Tied: the LM head IS the embedding matrix; there is no lm_head module (and no lm_head.weight key).
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D]: lm_head.weight, or the embedding weight when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_weights(self, seed: int | None = None) -> Qwen3:
+        """Initialise every parameter, in named_parameters() order, from one CPU generator.
+
+        | parameter                                   | init                  |
+        |---------------------------------------------|-----------------------|
+        | model.embed_tokens.weight                   | normal(0, 0.02)       |
+        | *_proj.weight (q, k, v, o, gate, up, down)  | normal(0, 0.02)       |
+        | *_proj.bias (attention_bias=True)           | zeros                 |
+        | *norm.weight (input/post/q/k/final norms)   | ones                  |
+        | lm_head.weight (untied)                     | normal(0, 0.02)       |
+
+        Values are drawn on the CPU in fp32 and copied, so a seed gives the same weights on any device
+        and in any dtype (designer/hf.py's init_random streams the same draws to disk).
+        """
+        gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(init_param(name, tuple(p.shape), gen))
+        return self
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """input_ids, position_ids [B,T] → final-normed hidden [B,T,D], with attention supplied by `attend`."""
+        a = self.args
+        cos, sin = rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.rope_scaling)  # [B,T,Dh] fp32
+        x = self.model.embed_tokens(input_ids)  # [B,T,D]
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, i, attend)
+        return self.model.norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        """Packed forward. input_ids, position_ids int64 [B,T]; cu_seqlens int32 [S+1] over B·T → hidden [B,T,D]."""
+        if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"Qwen3.forward: input_ids must be int64 [B,T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if position_ids.shape != input_ids.shape or position_ids.dtype != torch.long:
+            raise ValueError(f"Qwen3.forward: position_ids must be int64 {tuple(input_ids.shape)}, got "
+                             f"{position_ids.dtype} {tuple(position_ids.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(f"Qwen3.forward: cu_seqlens must be int32 [S+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        a = self.args
+        n = input_ids.numel()
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            b, t = q.shape[:2]
+            o = packed_causal_attention(q.reshape(n, a.num_heads, a.head_dim), k.reshape(n, a.num_kv_heads, a.head_dim),
+                                        v.reshape(n, a.num_kv_heads, a.head_dim), cu_seqlens, max_seqlen,
+                                        a.attention_impl)  # [N,H,Dh]
+            return o.view(b, t, a.num_heads, a.head_dim)
+
+        return self.hidden_states(input_ids, position_ids, attend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] → logits [..., V] (materialises V; the trainer uses kernels.linear_cross_entropy)."""
+        return hidden @ self.lm_head_weight.t()
+
+    # --- FLOPs ------------------------------------------------------------------------------------
+    def matmul_flops(self, tokens: int, head_tokens: int) -> int:
+        """Training FLOPs of every weight matmul, walked from the modules (so LoRA adapters count themselves).
+
+        Per weight W [in → out] on T tokens: 2·in·out·T forward + 2·in·out·T input-grad
+        + 2·in·out·T weight-grad only if W.requires_grad (a LoRA's frozen base gets none).
+        The LM head runs on `head_tokens` tokens (the ones with a loss).
+        """
+        total = 0
+        for m in self.model.layers.modules():
+            if isinstance(m, nn.Linear):
+                per = 2 * m.in_features * m.out_features * tokens
+                total += per * (3 if m.weight.requires_grad else 2)
+        w = self.lm_head_weight
+        per = 2 * w.shape[0] * w.shape[1] * head_tokens
+        return total + per * (3 if w.requires_grad else 2)
+
+    def attention_flops(self, doc_lens: Sequence[int]) -> int:
+        """Causal attention training FLOPs: (4 forward + 8 backward)·L²·H·Dh per doc and layer, halved by the mask."""
+        a = self.args
+        return 6 * a.num_layers * sum(n * n for n in doc_lens) * a.num_heads * a.head_dim
+
+    def train_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
+        """Useful FLOPs of one forward+backward over documents of lengths `doc_lens` (padding excluded)."""
+        return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
+
+
+def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """The fp32 CPU init of one parameter by its HF name (the table in Qwen3.init_weights)."""
+    if "lora_" in name:
+        raise ValueError(f"init_param: {name} is a LoRA weight; init the base model before apply_lora")
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if name.endswith(".weight"):
+        return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+    raise ValueError(f"init_param: no init rule for parameter {name}")
+
+
+def hf_param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF key → shape of every parameter of a Qwen3 with `args`, in state-dict order, without allocating."""
+    with torch.device("meta"):
+        model = Qwen3(dataclasses.replace(args, attention_impl="sdpa"))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def num_params(args: ModelArgs) -> int:
+    """Parameter count (the tied LM head counted once)."""
+    return sum(math.prod(s) for s in hf_param_shapes(args).values())

@@ -1,0 +1,131 @@
+"""Packed (varlen) causal attention with grouped-query heads.
+
+Shapes: N packed tokens (all documents of all rows, flattened), H query heads, Hkv kv heads
+(H % Hkv == 0), Dh head dim, S documents.
+  q [N, H, Dh], k/v [N, Hkv, Dh], cu_seqlens int32 [S+1] (0, end of doc 0, ..., N) → o [N, H, Dh].
+
+Math per document d and head h (query head h reads kv head h // (H/Hkv)):
+  P = softmax(q_d k_dᵀ / √Dh + causal mask);  o_d = P v_d.
+A token never sees another document: this is what makes a packed row equal its documents run
+one by one (DESIGN.md "Packed, exact attention").
+Backward: dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  dQ = dS K / √Dh;  dK = dSᵀ Q / √Dh.
+Accumulation: fp32 softmax statistics in every implementation.
+
+Implementations (chosen by the caller, from ModelArgs.attention_impl — never an environment variable):
+  "flash"  flash_attn.flash_attn_varlen_func (CUDA, fp16/bf16);
+  "varlen" torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16), causal = window_size (-1, 0);
+  "sdpa"   the reference below: SDPA per document with is_causal (any device/dtype; a Python loop);
+  "auto"   flash → varlen on CUDA with fp16/bf16; sdpa on CPU or in fp32. On CUDA with fp16/bf16 and
+           neither fast path installed it raises instead of silently running the slow loop
+           (PITFALLS.md "Silent slow paths") — pass impl="sdpa" to accept it.
+Asking for an implementation that is not available raises; there is no silent fallback.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("auto", "flash", "varlen", "sdpa")
+
+# --- Triton kernels -------------------------------------------------------------------------------
+# (none: the fast paths are flash-attn and PyTorch's varlen kernel.)
+
+
+def _has_flash() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"packed_causal_attention: expected q [N,H,Dh], k/v [N,Hkv,Dh]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"packed_causal_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"packed_causal_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise ValueError(f"packed_causal_attention: cu_seqlens must be int32 [S+1] with S >= 1, got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+
+
+# --- public ---------------------------------------------------------------------------------------
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, impl: str = "auto"
+) -> torch.Tensor:
+    """Causal attention within each document of a packed batch. See the module docstring for shapes."""
+    _check(q, k, v, cu_seqlens)
+    if impl not in IMPLS:
+        raise ValueError(f"packed_causal_attention: impl must be one of {IMPLS}, got {impl!r}")
+    fast_dtype = q.dtype in (torch.float16, torch.bfloat16)
+    if impl == "auto":
+        if not (q.is_cuda and fast_dtype):
+            impl = "sdpa"
+        elif _has_flash():
+            impl = "flash"
+        elif _has_varlen():
+            impl = "varlen"
+        else:
+            raise RuntimeError("packed_causal_attention: on CUDA with fp16/bf16 neither flash_attn nor "
+                               "torch.nn.attention.varlen is available; install flash-attn or pass impl='sdpa' "
+                               "to accept the slow per-document loop")
+    if impl in ("flash", "varlen"):
+        if not q.is_cuda or not fast_dtype:
+            raise RuntimeError(f"packed_causal_attention: impl={impl!r} needs CUDA fp16/bf16 tensors, got "
+                               f"{q.device} {q.dtype}")
+        if impl == "flash":
+            if not _has_flash():
+                raise RuntimeError("packed_causal_attention: impl='flash' but flash_attn is not installed")
+            from flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+        if not _has_varlen():
+            raise RuntimeError("packed_causal_attention: impl='varlen' but this torch has no "
+                               "torch.nn.attention.varlen.varlen_attn")
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                           window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    return packed_causal_attention_ref(q, k, v, cu_seqlens, max_seqlen)
+
+
+# --- reference ------------------------------------------------------------------------------------
+def packed_causal_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    """SDPA with a block-diagonal causal mask, run as one causal SDPA per document (GQA: kv heads repeated).
+
+    Running each diagonal block on its own is the block-diagonal mask without building an N×N mask.
+    Documents of equal length are batched into one SDPA call. fp32 compute, cast back to q.dtype.
+    """
+    _check(q, k, v, cu_seqlens)
+    bounds = cu_seqlens.tolist()
+    n = q.shape[0]
+    if bounds[0] != 0 or bounds[-1] != n or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"packed_causal_attention_ref: cu_seqlens must rise from 0 to N={n}, got {bounds}")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"packed_causal_attention_ref: a document has {max(lengths)} tokens > max_seqlen={max_seqlen}")
+    rep = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    out = torch.empty_like(qf)  # [N, H, Dh]
+    by_len: dict[int, list[int]] = {}
+    for start, length in zip(bounds[:-1], lengths):
+        if length:
+            by_len.setdefault(length, []).append(start)
+    for length, starts in by_len.items():
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        shape = (len(starts), length, q.shape[1], q.shape[2])  # [docs, L, H, Dh]
+        qd, kd, vd = (t[idx].view(shape).transpose(1, 2) for t in (qf, kf, vf))  # [docs, H, L, Dh]
+        od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        out[idx] = od.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+    return out.to(q.dtype)
