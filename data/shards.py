@@ -1,0 +1,489 @@
+"""WebDataset shards: image shards in, latent shards out, and the corrupt-sample policy.
+
+Two shard kinds live in a directory `out_dir/shard-000000.tar, shard-000001.tar, ...` with an
+`index.json` ({"kind", "shards": [{"name", "count"}], "total"}) written last, so its presence means
+the set is complete. Keys are `%09d` ordinals (image shards) or the caller's key (latent shards);
+keys never contain "." or "/" because webdataset splits a member name at the first dot.
+
+    image shard   <key>.jpg|png|webp  original bytes, never re-encoded
+                  <key>.txt           caption, UTF-8
+                  <key>.json          {"width", "height", "path"} (path relative to images_dir)
+    latent shard  <key>.safetensors   {"latent": [C, h, w], "text_states": [L, D], "pooled": [P]}
+                  <key>.json          {"bucket": [H, W], "caption"}      (never pickle)
+
+Shape legend: C latent channels, h/w latent height/width, H/W pixel height/width of the bucket,
+L text tokens, D text hidden size, P pooled text size.
+
+Corrupt samples (policy, DESIGN.md "Bad input"): a truncated or unreadable tar, an undecodable
+image or latent, a sample without caption, an image whose shorter side is below `min_side` are
+skipped and counted by reason and shard in a `BadSampleCounter`. Once bad / seen exceeds
+`max_bad_fraction` (checked after `min_samples_for_check` samples, and always at the end of a finite
+pass) a `ShardError` names the worst shard and the last bad key. A truncated tar counts as one bad
+sample (the samples it lost cannot be known). With DataLoader workers each worker counts its own
+share. Images are converted to 8-bit RGB: CMYK and YCbCr by Pillow, palette and alpha modes are
+composited over white (dropping alpha would expose undefined colours under transparent pixels),
+16-bit ("I;16*", and "I" which Pillow's PNG loader produces for 16-bit grey) is scaled by 255/65535
+(Pillow's own convert clips at 255 instead).
+
+Several ranks (PITFALLS.md "WebDataset with several ranks"): shards are dealt to the global worker
+g = rank * num_workers + worker out of G = world_size * num_workers. Without resampling, fewer
+shards than G raises `ShardError` at construction (a worker without shards would end its epoch
+early and hang the others); that mode is for single passes where each rank handles its own slice
+(`atelier imagegen cache`, validation). For multi-rank training use `resample=True`: every worker
+draws shards with replacement forever, seeded by (seed, epoch, g), and the trainer fixes the
+number of steps, so every rank takes the same number of steps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import braceexpand
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+from rich.progress import Progress
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+IMAGE_EXTS = ("jpg", "png", "webp")  # "jpeg" is written as "jpg"
+LATENT_TENSORS = ("latent", "text_states", "pooled")
+LATENT_NDIM = {"latent": 3, "text_states": 2, "pooled": 1}
+SHARD_PATTERN = "shard-{:06d}.tar"
+INDEX_NAME = "index.json"
+
+
+class ShardError(RuntimeError):
+    """A shard set is unusable: too many bad samples, missing shards, or too few shards for the ranks."""
+
+
+class BadSample(Exception):
+    """One skipped sample; raised inside the pipeline and caught by `BadSampleCounter.handler`."""
+
+    def __init__(self, reason: str, shard: str, key: str, detail: str = ""):
+        super().__init__(f"{shard}: key {key}: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason, self.shard, self.key, self.detail = reason, shard, key, detail
+
+
+@dataclass
+class BadSampleCounter:
+    """Counts good and bad samples by reason and shard; raises `ShardError` past `max_bad_fraction`."""
+
+    max_bad_fraction: float = 0.01
+    min_samples_for_check: int = 100
+    good: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    by_shard: Counter = field(default_factory=Counter)
+    last_bad: BadSample | None = None
+    current_shard: str = "<unknown shard>"
+    _truncated: set = field(default_factory=set)
+
+    @property
+    def bad(self) -> int:
+        return sum(self.by_reason.values())
+
+    def opened(self, shard: str) -> None:
+        self.current_shard = shard
+        self._truncated.discard(shard)
+
+    def ok(self) -> None:
+        self.good += 1
+        self.check(final=False)
+
+    def record(self, exn: BadSample) -> None:
+        self.by_reason[exn.reason] += 1
+        self.by_shard[exn.shard] += 1
+        self.last_bad = exn
+        self.check(final=False)
+
+    def check(self, final: bool) -> None:
+        seen = self.good + self.bad
+        if seen == 0 or (not final and seen < self.min_samples_for_check):
+            return
+        if self.bad / seen > self.max_bad_fraction:
+            worst, n = self.by_shard.most_common(1)[0]
+            raise ShardError(
+                f"{self.bad} of {seen} samples bad ({self.bad / seen:.1%} > max_bad_fraction "
+                f"{self.max_bad_fraction:.1%}); worst shard {worst} ({n} bad); last bad: {self.last_bad}; "
+                f"by reason {dict(self.by_reason)}"
+            )
+
+    def sample_handler(self, exn: Exception) -> bool:
+        """webdataset `handler=` for decode stages: count `BadSample`, re-raise anything else (a bug)."""
+        if not isinstance(exn, BadSample):
+            raise exn
+        self.record(exn)
+        return True
+
+    def tar_handler(self, exn: Exception) -> bool:
+        """webdataset `handler=` for tar reading: a broken tar counts once per pass, then skip to the next."""
+        if isinstance(exn, FileNotFoundError):
+            raise ShardError(f"shard not found: {exn}") from exn
+        shard = next((a for a in reversed(exn.args) if isinstance(a, str) and a.endswith(".tar")), None)
+        if shard is None:  # the inner tar iterator only appends "@ <BufferedReader name='...'>"
+            m = re.search(r"name='([^']+)'", str(exn.args[0]) if exn.args else "")
+            shard = m.group(1) if m else self.current_shard
+        if isinstance(exn, ValueError) and "duplicate file name" in str(exn):
+            self.record(BadSample("duplicate member", shard, "?", str(exn.args[0])[:200]))
+        elif shard not in self._truncated:
+            self._truncated.add(shard)
+            self.record(BadSample("truncated tar", shard, "?", f"{type(exn).__name__}: {str(exn.args[0])[:200]}"))
+        return True
+
+    def as_dict(self) -> dict:
+        return {"good": self.good, "bad": self.bad, "by_reason": dict(self.by_reason), "by_shard": dict(self.by_shard)}
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """What a writer produced: shard file names, samples per shard, total samples."""
+
+    out_dir: Path
+    shards: tuple[str, ...]
+    counts: tuple[int, ...]
+    total: int
+
+
+class _ShardSink:
+    """Writes samples into numbered shards of `shard_size`, each via a temporary name then rename."""
+
+    def __init__(self, out_dir: Path, shard_size: int, kind: str):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.out_dir, self.shard_size, self.kind = Path(out_dir), shard_size, kind
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.names: list[str] = []
+        self.counts: list[int] = []
+        self.writer: wds.TarWriter | None = None
+
+    def write(self, sample: dict) -> None:
+        if self.writer is None or self.counts[-1] == self.shard_size:
+            self._roll()
+        self.writer.write(sample)
+        self.counts[-1] += 1
+
+    def _roll(self) -> None:
+        self._close_current()
+        self.names.append(SHARD_PATTERN.format(len(self.names)))
+        self.counts.append(0)
+        # encoder=False: values are bytes already; mtime fixed so the same input gives the same tar
+        self.writer = wds.TarWriter(str(self.out_dir / (self.names[-1] + ".tmp")), encoder=False, mtime=0.0)
+
+    def _close_current(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            os.replace(self.out_dir / (self.names[-1] + ".tmp"), self.out_dir / self.names[-1])
+            self.writer = None
+
+    def finish(self) -> ShardStats:
+        self._close_current()
+        index = {"kind": self.kind, "shards": [{"name": n, "count": c} for n, c in zip(self.names, self.counts)],
+                 "total": sum(self.counts)}
+        tmp = self.out_dir / (INDEX_NAME + ".tmp")
+        tmp.write_text(json.dumps(index, indent=1))
+        os.replace(tmp, self.out_dir / INDEX_NAME)
+        return ShardStats(self.out_dir, tuple(self.names), tuple(self.counts), sum(self.counts))
+
+
+def write_image_shards(
+    images_dir: Path, captions_jsonl: Path, out_dir: Path, shard_size: int, progress: bool = True
+) -> ShardStats:
+    """Pack images and captions into image shards.
+
+    `captions_jsonl` holds one object per line: {"image": "<path relative to images_dir>",
+    "caption": "<non-empty text>"}; blank lines are skipped. Any bad line raises `ValueError`
+    naming `file:line` (bad input is refused where it enters, not skipped).
+    """
+    images_dir, captions_jsonl = Path(images_dir), Path(captions_jsonl)
+    lines = captions_jsonl.read_text(encoding="utf-8").splitlines()
+    sink = _ShardSink(Path(out_dir), shard_size, "image")
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"sharding {captions_jsonl.name}", total=len(lines))
+        for lineno, line in enumerate(lines, start=1):
+            bar.advance(task)
+            if not line.strip():
+                continue
+            where = f"{captions_jsonl}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exn:
+                raise ValueError(f"{where}: invalid JSON: {exn}") from exn
+            if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+                raise ValueError(f"{where}: expected an object with a string 'image' key, got {line[:120]!r}")
+            caption = row.get("caption")
+            if not isinstance(caption, str) or not caption.strip():
+                raise ValueError(f"{where}: 'caption' must be a non-empty string, got {caption!r}")
+            path = images_dir / row["image"]
+            ext = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
+            if ext not in IMAGE_EXTS:
+                raise ValueError(f"{where}: image {row['image']!r} has extension {path.suffix!r}; expected {IMAGE_EXTS}")
+            if not path.is_file():
+                raise ValueError(f"{where}: image file not found: {path}")
+            data = path.read_bytes()
+            try:
+                with Image.open(io.BytesIO(data)) as img:  # header only: size, format
+                    width, height = img.size
+            except Exception as exn:
+                raise ValueError(f"{where}: cannot read image {path}: {exn}") from exn
+            key = f"{sum(sink.counts):09d}"
+            meta = {"width": width, "height": height, "path": row["image"]}
+            sink.write({"__key__": key, ext: data, "txt": caption.encode("utf-8"), "json": json.dumps(meta).encode()})
+    return sink.finish()
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB (see the module docstring for the per-mode rule)."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        arr = np.asarray(img, dtype=np.float64)  # [H, W] 16-bit values
+        arr = np.clip(np.round(arr * (255.0 / 65535.0)), 0, 255).astype(np.uint8)
+        return Image.fromarray(arr).convert("RGB")
+    if img.mode == "F":
+        raise ValueError("float ('F') images have no defined range; convert them before sharding")
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")  # CMYK, YCbCr, L, 1, P, LAB, HSV
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Bytes -> fully decoded 8-bit RGB image (`load()` forces truncation errors to surface here)."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        return to_rgb(img).copy()
+
+
+def _decode_image_sample(sample: dict, min_side: int) -> dict:
+    shard, key = sample.get("__url__", "<unknown shard>"), sample.get("__key__", "?")
+    exts = [e for e in (*IMAGE_EXTS, "jpeg") if e in sample]
+    if not exts:
+        raise BadSample("missing image", shard, key, f"members {sorted(k for k in sample if not k.startswith('__'))}")
+    text = sample.get("txt")
+    try:
+        caption = text.decode("utf-8").strip() if text is not None else ""
+    except UnicodeDecodeError as exn:
+        raise BadSample("undecodable caption", shard, key, str(exn)) from exn
+    if not caption:
+        raise BadSample("missing caption", shard, key)
+    try:
+        image = decode_image(sample[exts[0]])
+    except Exception as exn:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        raise BadSample("undecodable image", shard, key, f"{type(exn).__name__}: {exn}") from exn
+    if min(image.size) < min_side:
+        raise BadSample("image too small", shard, key, f"{image.size[0]}x{image.size[1]} < min_side {min_side}")
+    try:
+        meta = json.loads(sample["json"]) if "json" in sample else {}
+    except ValueError as exn:
+        raise BadSample("undecodable metadata", shard, key, str(exn)) from exn
+    return {"key": key, "image": image, "caption": caption, "meta": meta, "shard": shard}
+
+
+def encode_latent_sample(sample: dict, where: str = "sample") -> dict:
+    """{key, latent [C,h,w], text_states [L,D], pooled [P], bucket (H,W), caption} -> tar member bytes."""
+    missing = [k for k in ("key", *LATENT_TENSORS, "bucket", "caption") if k not in sample]
+    if missing:
+        raise ValueError(f"{where}: missing fields {missing}; has {sorted(sample)}")
+    key = str(sample["key"])
+    if not key or "." in key or "/" in key:
+        raise ValueError(f"{where}: key {key!r} must be non-empty without '.' or '/' (webdataset splits on them)")
+    tensors = {}
+    for name in LATENT_TENSORS:
+        t = sample[name]
+        if not isinstance(t, torch.Tensor) or t.ndim != LATENT_NDIM[name]:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where} (key {key}): {name} must be a {LATENT_NDIM[name]}-D tensor, got {shape}")
+        tensors[name] = t.detach().cpu().contiguous()
+    bucket = [int(v) for v in sample["bucket"]]
+    if len(bucket) != 2:
+        raise ValueError(f"{where} (key {key}): bucket must be (H, W), got {sample['bucket']!r}")
+    meta = {"bucket": bucket, "caption": str(sample["caption"])}
+    return {"__key__": key, "safetensors": safetensors_save(tensors), "json": json.dumps(meta).encode("utf-8")}
+
+
+def _decode_latent_sample(sample: dict) -> dict:
+    shard, key = sample.get("__url__", "<unknown shard>"), sample.get("__key__", "?")
+    if "safetensors" not in sample or "json" not in sample:
+        raise BadSample("missing member", shard, key, f"members {sorted(k for k in sample if not k.startswith('__'))}")
+    try:
+        tensors = safetensors_load(sample["safetensors"])
+        meta = json.loads(sample["json"])
+    except Exception as exn:
+        raise BadSample("undecodable latent", shard, key, f"{type(exn).__name__}: {exn}") from exn
+    bad = [n for n in LATENT_TENSORS if n not in tensors or tensors[n].ndim != LATENT_NDIM[n]]
+    if bad or not isinstance(meta.get("bucket"), list) or not isinstance(meta.get("caption"), str):
+        raise BadSample("malformed latent", shard, key, f"tensors {bad} missing or wrong rank, or json lacks bucket/caption")
+    return {"key": key, **{n: tensors[n] for n in LATENT_TENSORS}, "bucket": tuple(meta["bucket"]),
+            "caption": meta["caption"], "shard": shard}
+
+
+def write_latent_shards(samples: Iterable[dict], out_dir: Path, shard_size: int) -> ShardStats:
+    """Write cached latents (see `encode_latent_sample`) into latent shards plus index.json."""
+    sink = _ShardSink(Path(out_dir), shard_size, "latent")
+    for i, sample in enumerate(samples):
+        sink.write(encode_latent_sample(sample, where=f"sample {i}"))
+    return sink.finish()
+
+
+def read_index(directory: Path) -> dict | None:
+    path = Path(directory) / INDEX_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def list_shards(source: str | Path | Sequence[str | Path], must_exist: bool = True) -> list[str]:
+    """A shard directory (index.json order, else sorted *.tar), a brace pattern, or a list -> shard paths.
+
+    Local paths must exist (`ShardError` lists the missing ones) unless `must_exist=False`."""
+    if isinstance(source, (list, tuple)):
+        urls = [str(s) for s in source]
+    elif Path(source).is_dir():
+        index = read_index(Path(source))
+        names = [s["name"] for s in index["shards"]] if index else sorted(p.name for p in Path(source).glob("*.tar"))
+        urls = [str(Path(source) / n) for n in names]
+    else:
+        urls = list(braceexpand.braceexpand(str(source)))
+    if not urls:
+        raise ShardError(f"no shards found in {source}")
+    missing = [u for u in urls if must_exist and "://" not in u and not u.startswith("pipe:") and not Path(u).is_file()]
+    if missing:
+        raise ShardError(f"{len(missing)} of {len(urls)} shards from {source} are missing, e.g. {missing[:3]}")
+    return urls
+
+
+def _worker() -> tuple[int, int]:
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class ShardReader(torch.utils.data.IterableDataset):
+    """A webdataset pipeline over image or latent shards for one rank (see the module docstring).
+
+    Yields image samples {key, image: PIL RGB, caption, meta, shard} or latent samples
+    {key, latent [C,h,w], text_states [L,D], pooled [P], bucket (H,W), caption, shard}.
+    `num_workers` must equal the DataLoader's (0 = iterate in this process). With
+    `shuffle_buffer` > 0 the shard order is permuted too; call `set_epoch` before each pass for a
+    new order and shuffle; `counter` holds this process's counts.
+    """
+
+    def __init__(
+        self,
+        source: str | Path | Sequence[str | Path],
+        kind: str = "image",
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        resample: bool = False,
+        min_side: int = 16,
+        max_bad_fraction: float = 0.01,
+        min_samples_for_check: int = 100,
+    ):
+        super().__init__()
+        if kind not in ("image", "latent"):
+            raise ValueError(f"kind must be 'image' or 'latent', got {kind!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.shards = list_shards(source)
+        self.kind, self.rank, self.world_size = kind, rank, world_size
+        self.num_workers, self.shuffle_buffer, self.seed, self.resample = num_workers, shuffle_buffer, seed, resample
+        self.min_side, self.epoch = min_side, 0
+        groups = world_size * max(num_workers, 1)
+        if not resample and len(self.shards) < groups:
+            raise ShardError(
+                f"{len(self.shards)} shards in {source} < {world_size} ranks x {max(num_workers, 1)} workers: some "
+                f"workers would get no shard and the ranks would hang; write smaller shards or pass resample=True"
+            )
+        self.counter = BadSampleCounter(max_bad_fraction, min_samples_for_check)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _urls(self) -> Iterator[dict]:
+        worker, num_workers = _worker()
+        if num_workers != max(self.num_workers, 1):
+            raise ShardError(f"ShardReader declared num_workers={self.num_workers} but the DataLoader runs {num_workers}")
+        g, groups = self.rank * num_workers + worker, self.world_size * num_workers
+        if self.resample:
+            rng = np.random.default_rng([self.seed, self.epoch, g])
+            while True:  # infinite: the trainer fixes the steps per epoch, so every rank takes the same number
+                url = self.shards[int(rng.integers(len(self.shards)))]
+                self.counter.opened(url)
+                yield {"url": url}
+        # one shard order shared by all ranks and workers (same seed, epoch), then dealt: disjoint slices;
+        # listed order when not shuffling, so single-process passes (cache, validate) keep the file order
+        order = np.arange(len(self.shards))
+        if self.shuffle_buffer > 0:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards))
+        for i in order[g::groups]:
+            self.counter.opened(self.shards[i])
+            yield {"url": self.shards[i]}
+
+    def _count_good(self, samples: Iterator[dict]) -> Iterator[dict]:
+        for sample in samples:
+            self.counter.ok()
+            yield sample
+        self.counter.check(final=True)
+
+    def __iter__(self) -> Iterator[dict]:
+        worker, _ = _worker()
+        stages: list[Any] = [self._urls, wds.tarfile_to_samples(handler=self.counter.tar_handler)]
+        if self.shuffle_buffer > 1:
+            seed = int(np.random.default_rng([self.seed, self.epoch, self.rank, worker, 1]).integers(2**62))
+            stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=random.Random(seed)))
+        decode = _decode_latent_sample if self.kind == "latent" else (lambda s: _decode_image_sample(s, self.min_side))
+        stages += [wds.map(decode, handler=self.counter.sample_handler), self._count_good]
+        return iter(wds.DataPipeline(*stages))
+
+
+def read_latent_shards(source: str | Path | Sequence[str | Path], **reader_kwargs: Any) -> Iterator[dict]:
+    """All latent samples of a shard set in order (one process, no resampling, no shuffle)."""
+    return iter(ShardReader(source, kind="latent", **reader_kwargs))
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """`validate_shards` result: per shard {"ok", "bad": {reason: n}, "indexed"}; index problems."""
+
+    kind: str
+    per_shard: dict
+    total_ok: int
+    total_bad: int
+    problems: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "per_shard": self.per_shard, "total_ok": self.total_ok,
+                "total_bad": self.total_bad, "problems": list(self.problems)}
+
+
+def validate_shards(directory: Path, kind: str | None = None, min_side: int = 16) -> ShardReport:
+    """Read every shard of `directory` once and count good and bad samples per shard (never raises on bad data)."""
+    directory = Path(directory)
+    index = read_index(directory)
+    kind = kind or (index or {}).get("kind") or "image"
+    indexed = {s["name"]: s["count"] for s in index["shards"]} if index else {}
+    problems = [] if index else [f"{directory}: no {INDEX_NAME}"]
+    per_shard: dict = {}
+    for url in list_shards(directory, must_exist=False):
+        name = Path(url).name
+        if not Path(url).is_file():
+            problems.append(f"{name}: listed in {INDEX_NAME} but missing")
+            continue
+        reader = ShardReader([url], kind=kind, min_side=min_side, max_bad_fraction=1.0)
+        ok = sum(1 for _ in reader)
+        per_shard[name] = {"ok": ok, "bad": dict(reader.counter.by_reason), "indexed": indexed.get(name)}
+        if name in indexed and indexed[name] != ok + reader.counter.bad:
+            problems.append(f"{name}: index.json says {indexed[name]} samples, read {ok} good + {reader.counter.bad} bad")
+    return ShardReport(kind, per_shard, sum(s["ok"] for s in per_shard.values()),
+                       sum(sum(s["bad"].values()) for s in per_shard.values()), tuple(problems))
