@@ -1,0 +1,284 @@
+"""`atelier` — one command line for everything; the Prefect flows call the same entry points.
+
+    atelier data tokenizer --corpus FILE... --vocab-size N --out DIR
+    atelier data synth --out DIR --n N --seed S
+    atelier data shards --images DIR --captions FILE --out DIR --shard-size N
+    atelier data validate DIR
+    atelier designer init --size tiny|0.6b|... --tokenizer DIR --out DIR
+    atelier designer train --config FILE [--set a.b=c ...]
+    atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
+    atelier imagegen init --size tiny|sd3-medium|... --out DIR
+    atelier imagegen cache --config FILE --out DIR [--set ...]
+    atelier imagegen train --config FILE [--set ...]
+    atelier imagegen sample --model DIR --captions FILE --out DIR
+    atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
+
+Each command imports only what it needs, so `atelier --help` is instant. Errors a user can fix (a bad
+config key, a missing file, a malformed line) print one line naming what is wrong and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from data.chat import DataError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.config import ConfigError
+    from pipeline.trainer import TrainingError
+
+    errors: list[type[BaseException]] = [ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError]
+    for module, name in (("designer.hf", "ModelLoadError"), ("imagegen.hf", "ModelLoadError"),
+                         ("data.shards", "ShardError")):
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+# ----------------------------------------------------------------------------- designer
+
+
+def designer_train(args: argparse.Namespace) -> int:
+    from designer.config import DesignerConfig
+    from designer.task import DesignerTask
+    from pipeline.config import load_config, save_config
+    from pipeline.trainer import Trainer, exit_code, resolve_device, seed_everything
+
+    cfg = load_config(DesignerConfig, args.config, args.set)
+    device = resolve_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.toml")
+    task = DesignerTask(cfg, device)
+    result = Trainer(task, cfg.train, cfg.output, device).fit()
+    _write_summary(out, result)
+    return exit_code(result)
+
+
+def designer_init(args: argparse.Namespace) -> int:
+    from designer.hf import init_random
+
+    path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=args.dtype)
+    print(f"wrote a random-init Qwen3 {args.size} model to {path}")
+    return 0
+
+
+def designer_generate(args: argparse.Namespace) -> int:
+    from designer.generate import generate_captions
+
+    generate_captions(model_dir=Path(args.model), adapter_dir=Path(args.adapter) if args.adapter else None,
+                      briefs_file=Path(args.briefs), out_file=Path(args.out), max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size)
+    return 0
+
+
+# ----------------------------------------------------------------------------- imagegen
+
+
+def imagegen_train(args: argparse.Namespace) -> int:
+    from imagegen.config import ImagegenConfig
+    from imagegen.task import ImagegenTask
+    from pipeline.config import load_config, save_config
+    from pipeline.trainer import Trainer, exit_code, resolve_device, seed_everything
+
+    cfg = load_config(ImagegenConfig, args.config, args.set)
+    device = resolve_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.toml")
+    task = ImagegenTask(cfg, device)
+    result = Trainer(task, cfg.train, cfg.output, device).fit()
+    _write_summary(out, result)
+    return exit_code(result)
+
+
+def imagegen_init(args: argparse.Namespace) -> int:
+    import torch
+
+    from imagegen.hf import init_random
+
+    overrides = {}
+    if args.in_channels:
+        overrides["in_channels"] = args.in_channels
+    path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
+    print(f"wrote a random-init MMDiT {args.size} to {path}")
+    return 0
+
+
+def imagegen_cache(args: argparse.Namespace) -> int:
+    from imagegen.cache import cache_latents
+    from imagegen.config import ImagegenConfig
+    from pipeline.config import load_config
+
+    cfg = load_config(ImagegenConfig, args.config, args.set)
+    cache_latents(cfg, Path(args.out), shard_size=args.shard_size)
+    return 0
+
+
+def imagegen_sample(args: argparse.Namespace) -> int:
+    from imagegen.sample import sample_to_dir
+
+    sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
+                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config)
+    return 0
+
+
+# ----------------------------------------------------------------------------- data and eval
+
+
+def data_tokenizer(args: argparse.Namespace) -> int:
+    from data.tokenizer import train_tokenizer
+
+    path = train_tokenizer([Path(p) for p in args.corpus], args.vocab_size, Path(args.out))
+    print(f"wrote a byte-level BPE tokenizer ({args.vocab_size} tokens) to {path}")
+    return 0
+
+
+def data_synth(args: argparse.Namespace) -> int:
+    from data.synthetic import generate_world
+
+    stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size)
+    print(f"wrote the shapes world to {args.out}: {stats}")
+    return 0
+
+
+def data_shards(args: argparse.Namespace) -> int:
+    from data.shards import write_image_shards
+
+    stats = write_image_shards(Path(args.images), Path(args.captions), Path(args.out), args.shard_size)
+    print(f"wrote shards to {args.out}: {stats}")
+    return 0
+
+
+def data_validate(args: argparse.Namespace) -> int:
+    from data.shards import validate_shards
+
+    report = validate_shards(Path(args.dir))
+    print(report)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from flows.evaluate import evaluate_brief_to_image
+
+    result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
+                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed)
+    print(result)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _write_summary(out: Path, result) -> None:
+    import json
+
+    summary = {"step": result.step, "interrupted": result.interrupted, "final_loss": result.final_loss,
+               "exports": {k: str(v) for k, v in result.exports.items()}, **result.summary}
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atelier", description=__doc__.split("\n")[0])
+    groups = p.add_subparsers(dest="group", required=True)
+
+    def command(group: argparse._SubParsersAction, name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
+        sp = group.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    def train_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", required=True, help="TOML config file")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+
+    d = groups.add_parser("designer", help="the caption LM").add_subparsers(dest="command", required=True)
+    sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
+    train_args(sp)
+    sp = command(d, "init", designer_init, "write a random-init Qwen3 model directory (HF layout)")
+    sp.add_argument("--size", required=True, help="tiny, 0.6b, 1.7b, 4b, 8b, 14b, 32b")
+    sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sp = command(d, "generate", designer_generate, "write captions for briefs (one per line)")
+    sp.add_argument("--model", required=True, help="HF model directory (base or fully fine-tuned)")
+    sp.add_argument("--adapter", default="", help="PEFT adapter directory to apply")
+    sp.add_argument("--briefs", required=True)
+    sp.add_argument("--out", required=True, help="JSONL of {brief, caption}")
+    sp.add_argument("--max-new-tokens", type=int, default=64)
+    sp.add_argument("--temperature", type=float, default=0.0)
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--batch-size", type=int, default=16)
+
+    i = groups.add_parser("imagegen", help="the MMDiT").add_subparsers(dest="command", required=True)
+    sp = command(i, "train", imagegen_train, "train the MMDiT with rectified flow")
+    train_args(sp)
+    sp = command(i, "init", imagegen_init, "write a random-init MMDiT (diffusers layout)")
+    sp.add_argument("--size", required=True, help="tiny, sd3-medium, sd3.5-medium, sd3.5-large")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sp.add_argument("--in-channels", type=int, default=0, help="latent channels (default: the size's)")
+    sp = command(i, "cache", imagegen_cache, "encode image shards into latent shards (once, offline)")
+    train_args(sp)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--shard-size", type=int, default=1000)
+    sp = command(i, "sample", imagegen_sample, "render images for captions (one per line)")
+    sp.add_argument("--model", required=True, help="a transformer/ or ema/ directory from a run")
+    sp.add_argument("--captions", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--config", default=None, help="the run's config.toml (default: next to the model dir)")
+    sp.add_argument("--steps", type=int, default=28)
+    sp.add_argument("--guidance", type=float, default=4.0)
+    sp.add_argument("--seed", type=int, default=0)
+
+    dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
+    sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")
+    sp.add_argument("--corpus", nargs="+", required=True)
+    sp.add_argument("--vocab-size", type=int, required=True)
+    sp.add_argument("--out", required=True)
+    sp = command(dd, "synth", data_synth, "generate the shapes world")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--n", type=int, default=2000)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--image-size", type=int, default=32)
+    sp = command(dd, "shards", data_shards, "write WebDataset image shards")
+    sp.add_argument("--images", required=True)
+    sp.add_argument("--captions", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--shard-size", type=int, default=1000)
+    sp = command(dd, "validate", data_validate, "check shards and count bad samples")
+    sp.add_argument("dir")
+
+    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → judge")
+    sp.add_argument("--designer", required=True)
+    sp.add_argument("--imagegen", required=True)
+    sp.add_argument("--briefs", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except _user_errors() as e:
+        print(f"atelier: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
