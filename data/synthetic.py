@@ -11,9 +11,9 @@ scores both without any learned judge. Every choice is drawn from one `random.Ra
 world is a pure function of (n, seed, image_size, eval_fraction, held_out).
 
 Geometry (all fractions of the image side S, origin top-left, y down):
-    cell centres   0.25, 0.50, 0.75 per axis (3 x 3 grid), jittered by up to +-JITTER
+    cell centres   0.25, 0.50, 0.75 per axis (3 x 3 grid), jittered by up to +-JITTER (0.015)
     half-extent r  SIZES[size]: half the side of the shape's bounding box
-    max extent     0.75 + JITTER + 0.20 = 0.97 < 1, so every shape lies fully inside the canvas
+    max extent     0.75 + 0.015 + 0.20 = 0.965: inside the canvas with > 1 px to spare at S >= 32
 
 Compositional split: the (colour, shape) pairs in HELD_OUT_PAIRS never occur in train; every colour
 and every shape still does. Half of the eval split is drawn from held-out pairs, the rest in-distribution.
@@ -65,12 +65,12 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "dark": ("purple", "black"),
 }
 
-# Pale backgrounds; each is >= 150 RGB units from every foreground colour (checked in tests).
+# Pale backgrounds: >= 150 RGB units from every foreground colour, >= 45 from each other (tested).
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "white": (255, 255, 255),
     "pale yellow": (250, 245, 205),
-    "light grey": (222, 222, 222),
-    "pale blue": (212, 228, 250),
+    "light grey": (215, 215, 215),
+    "pale blue": (195, 220, 255),
 }
 
 # Half-extent of the bounding box as a fraction of the image side.
@@ -83,7 +83,7 @@ POSITIONS: dict[str, tuple[int, int]] = {
     "lower left": (2, 0), "bottom center": (2, 1), "lower right": (2, 2),
 }
 CELL_CENTERS: tuple[float, float, float] = (0.25, 0.50, 0.75)
-JITTER = 0.02  # max centre offset, fraction of the side; keeps shapes far from cell boundaries
+JITTER = 0.015  # max centre offset (fraction of the side); at 32 px the border ring still stays pure background
 
 HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset({
     ("teal", "circle"), ("orange", "square"), ("black", "triangle"),
