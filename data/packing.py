@@ -89,7 +89,7 @@ class Batch:
 # Bin packing
 
 
-def _pieces(docs: Sequence[EncodedDoc], seq_len: int, overflow: str) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+def overflow_pieces(docs: Sequence[EncodedDoc], seq_len: int, overflow: str) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
     """(doc index, start, end) token ranges to pack, after the overflow policy; and the overflow counts."""
     if overflow not in ("split", "truncate", "drop"):
         raise ValueError(f"pack_documents: overflow must be 'split', 'truncate' or 'drop', got {overflow!r}")
@@ -180,7 +180,7 @@ def pack_documents(docs: Sequence[EncodedDoc], seq_len: int, overflow: Overflow 
     """
     if seq_len < 2:
         raise ValueError(f"pack_documents: seq_len must be >= 2, got {seq_len}")
-    pieces, counts = _pieces(docs, seq_len, overflow)
+    pieces, counts = overflow_pieces(docs, seq_len, overflow)
     bins = best_fit_decreasing([end - start for _, start, end in pieces], seq_len)
     R, T = len(bins), seq_len
     input_ids = torch.full((R, T), pad_id, dtype=torch.long)
