@@ -38,25 +38,31 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index: int, chunk_size: int):  # noqa: D102
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # The matmuls run in one compute dtype: autocast's when it is on (bf16 hidden against fp32 master
+        # weights), else the promoted input dtype. Softmax, loss and gradient accumulators stay fp32.
+        dev = hidden.device.type
+        c = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(c)
         n = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, n, chunk_size):
-            h, y = hidden[s : s + chunk_size], labels[s : s + chunk_size]
-            z = (h @ weight.t()).float()  # [C, V]
-            valid = y != ignore_index
-            y_safe = torch.where(valid, y, 0)
-            lse = torch.logsumexp(z, dim=-1)  # [C]
-            loss += ((lse - z.gather(1, y_safe[:, None]).squeeze(1)) * valid).sum()
-            if need_h or need_w:
-                dz = torch.softmax(z, dim=-1)  # [C, V], then p − onehot(y), zero on ignored rows
-                dz.scatter_add_(1, y_safe[:, None], -torch.ones_like(dz[:, :1]))
-                dz *= valid[:, None]
-                if need_h:
-                    dh[s : s + chunk_size] = dz @ weight.float()
-                if need_w:
-                    dw += dz.t() @ h.float()
+        with torch.autocast(dev, enabled=False):
+            for s in range(0, n, chunk_size):
+                h, y = hidden[s : s + chunk_size].to(c), labels[s : s + chunk_size]
+                z = (h @ w.t()).float()  # [C, V]
+                valid = y != ignore_index
+                y_safe = torch.where(valid, y, 0)
+                lse = torch.logsumexp(z, dim=-1)  # [C]
+                loss += ((lse - z.gather(1, y_safe[:, None]).squeeze(1)) * valid).sum()
+                if need_h or need_w:
+                    dz = torch.softmax(z, dim=-1)  # [C, V], then p − onehot(y), zero on ignored rows
+                    dz.scatter_add_(1, y_safe[:, None], -torch.ones_like(dz[:, :1]))
+                    dz = (dz * valid[:, None]).to(c)
+                    if need_h:
+                        dh[s : s + chunk_size] = dz @ w
+                    if need_w:
+                        dw += dz.t() @ h
         ctx.save_for_backward(dh if need_h else None, dw if need_w else None)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss

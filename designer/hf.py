@@ -1,0 +1,211 @@
+"""Hugging Face layout I/O for the designer: config.json + safetensors (one file, or shards + index).
+
+Directory layout written and read (the one transformers' Qwen3ForCausalLM uses):
+  config.json, generation_config.json,
+  model.safetensors                         — one shard, or
+  model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"})
+  tokenizer files (init_random, or save_pretrained(tokenizer_dir=...))
+
+Weights load from safetensors only (nothing is unpickled). Every file's header is checked against its
+size before any tensor is read, so a truncated or mismatched file fails with its path and key.
+Directories are written to a temporary sibling and renamed into place (atomic on one filesystem).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from designer.model import ModelArgs, Qwen3, hf_param_shapes, init_param
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor entries of a safetensors header, after checking every tensor lies inside the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: safetensors file not found")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        n = int.from_bytes(raw, "little")
+        if 8 + n > size:
+            raise ValueError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    data_bytes = size - 8 - n
+    header.pop("__metadata__", None)
+    for key, info in header.items():
+        start, end = info["data_offsets"]
+        want = math.prod(info["shape"]) * _ITEMSIZE.get(info["dtype"], 0)
+        if end - start != want:
+            raise ValueError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
+                             f"header gives {end - start}")
+        if end > data_bytes:
+            raise ValueError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
+                             f"(truncated file?)")
+    return header
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def _weight_files(d: Path) -> dict[str, Path]:
+    """HF key → safetensors file holding it, from the index or the single file."""
+    if (d / INDEX).is_file():
+        weight_map = _read_json(d / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{d / INDEX}: missing 'weight_map'")
+        return {k: d / f for k, f in weight_map.items()}
+    if (d / SINGLE).is_file():
+        return {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
+    extra = " (only .bin weights found: Atelier loads safetensors only)" if list(d.glob("*.bin")) else ""
+    raise FileNotFoundError(f"{d}: neither {SINGLE} nor {INDEX} found{extra}")
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    attention_impl: str = "auto") -> Qwen3:
+    """Qwen3 from an HF directory (config.json + safetensors), every key and shape checked."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
+    args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"))
+    expected = hf_param_shapes(args)
+    where = _weight_files(d)
+    if args.tie_embeddings:
+        where.pop("lm_head.weight", None)  # some exporters store the tied head too; it is the embedding
+    missing = [k for k in expected if k not in where]
+    if missing:
+        raise ValueError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
+    if unexpected:
+        raise ValueError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(set(where.values())):
+        header = read_safetensors_header(file)
+        keys = [k for k, f in where.items() if f == file]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for k in keys:
+                if k not in header:
+                    raise ValueError(f"{file}: key {k!r} listed in {INDEX} is not in the file")
+                if tuple(header[k]["shape"]) != expected[k]:
+                    raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+                state[k] = f.get_tensor(k).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for k, shape in shapes.items():
+        n = math.prod(shape) * itemsize
+        if shards[-1] and used + n > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(k)
+        used += n
+    return shards
+
+
+def write_hf_dir(out_dir: str | os.PathLike, args: ModelArgs, shapes: dict[str, tuple[int, ...]],
+                 make: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int,
+                 tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write an HF model directory atomically, building one shard of tensors at a time with `make(key)`.
+
+    Only one shard is in memory at once, so an 8B model is written without holding it twice.
+    """
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shards = _plan_shards(shapes, itemsize, max_shard_bytes)
+        weight_map: dict[str, str] = {}
+        for i, keys in enumerate(shards):
+            name = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for k in keys:
+                t = make(k)
+                if tuple(t.shape) != shapes[k]:
+                    raise ValueError(f"write_hf_dir: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
+                tensors[k] = t.detach().to(device="cpu", dtype=dtype).contiguous()
+                weight_map[k] = name
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            del tensors
+        if len(shards) > 1:
+            total = sum(math.prod(s) for s in shapes.values()) * itemsize
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype), indent=2))
+        gen = {"_from_model_config": True, "bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id,
+               "pad_token_id": args.pad_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(tmp))
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def save_pretrained(model: Qwen3, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                    max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write `model` as an HF Qwen3 directory (merge LoRA first: designer.lora.merge_lora)."""
+    state = model.state_dict()
+    lora = [k for k in state if "lora_" in k or ".base_layer." in k]
+    if lora:
+        raise ValueError(f"save_pretrained: model has LoRA weights ({lora[0]} ...); merge_lora(model) first, "
+                         f"or save the adapter with save_peft_adapter")
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return write_hf_dir(out_dir, model.args, shapes, state.__getitem__, dtype, max_shard_bytes, tokenizer_dir)
+
+
+def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0,
+                dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """A random-init HF directory of a SIZES entry, vocab and special tokens from the tokenizer (copied in).
+
+    Streams the same draws as Qwen3.init_weights(seed), one tensor at a time, so no model is built.
+    """
+    from transformers import AutoTokenizer
+
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"init_random: tokenizer directory {tokenizer_dir} does not exist")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    args = ModelArgs.from_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
+    shapes = hf_param_shapes(args)
+    gen = torch.Generator().manual_seed(seed)
+    # make() is called in state-dict order, which is named_parameters() order: same draws as init_weights.
+    return write_hf_dir(out_dir, args, shapes, lambda k: init_param(k, shapes[k], gen), dtype, max_shard_bytes,
+                        tokenizer_dir)

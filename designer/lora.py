@@ -1,0 +1,246 @@
+"""LoRA for the designer (Hu et al. 2021, arXiv:2106.09685), in PEFT's layout and key names.
+
+Shapes: T tokens (any leading dims), I in-features, O out-features, r rank.
+  LoRALinear(x [..., I]) = base(x) + B(A(dropout(x))) · s,  A [r, I], B [O, r],
+  s = alpha / r, or alpha / √r with rslora (Kalajdzievski 2023, arXiv:2312.03732).
+A is kaiming-uniform(a=√5) and B zeros, as PEFT's default, so a fresh adapter is the identity.
+The base is frozen (no weight gradient, PITFALLS.md "LoRA defaults"); the adapter runs in its own
+dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
+
+Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
+`base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
+`modules_to_save`, so PEFT and vLLM load them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from designer.hf import read_safetensors_header
+from designer.model import Qwen3
+
+# Atelier's short target names → Qwen3 module names and their parent (self_attn or mlp).
+TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+PEFT_PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter_model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    rslora: bool = False
+    dtype: str = "float32"  # adapter weights and adapter compute
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraArgs.rank must be a positive int, got {self.rank!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraArgs.dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise ValueError(f"LoraArgs.targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LoraArgs.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def target_modules(self) -> list[str]:
+        """PEFT's target_modules: the leaf names (q_proj, ..., down_proj)."""
+        return [TARGETS[t].split(".")[1] for t in self.targets]
+
+
+class LoRALinear(nn.Module):
+    """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
+
+    def __init__(self, base: nn.Linear, args: LoraArgs) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base).__name__}")
+        self.base_layer = base.requires_grad_(False)
+        dtype, device = _DTYPES[args.dtype], base.weight.device
+        self.lora_A = nn.Linear(base.in_features, args.rank, bias=False, device=device, dtype=dtype)  # weight [r, I]
+        self.lora_B = nn.Linear(args.rank, base.out_features, bias=False, device=device, dtype=dtype)  # weight [O, r]
+        self.dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
+        self.scale = args.scale
+        self.rank = args.rank
+        self.reset_parameters()
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lora_A.weight
+        delta = self.lora_B(self.lora_A(self.dropout(x.to(a.dtype))))  # [..., O] in the adapter dtype
+        return self.base_layer(x) + (delta * self.scale).to(x.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + s·B·A in fp32, cast to the base weight's dtype."""
+        w = self.base_layer.weight
+        return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
+
+
+def _targets(model: Qwen3, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
+    """(full module name, parent, attribute) of every target linear."""
+    out = []
+    for i, block in enumerate(model.model.layers):
+        for t in args.targets:
+            parent_name, leaf = TARGETS[t].split(".")
+            out.append((f"model.layers.{i}.{TARGETS[t]}", getattr(block, parent_name), leaf))
+    return out
+
+
+def apply_lora(model: Qwen3, args: LoraArgs) -> Qwen3:
+    """Freeze every base parameter and wrap the target linears in LoRALinear, in place."""
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("apply_lora: the model already has LoRA layers")
+    model.requires_grad_(False)
+    for _, parent, leaf in _targets(model, args):
+        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args))
+    return model
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter weights (lora_A, lora_B of every LoRALinear), in module order."""
+    return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT-named adapter tensors: base_model.model.<module>.lora_{A,B}.weight."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.weight
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.weight
+    return out
+
+
+def save_peft_adapter(model: Qwen3, args: LoraArgs, out_dir: str | os.PathLike, base_model_path: str) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT format) atomically."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in lora_state_dict(model).items()}
+    if not tensors:
+        raise ValueError("save_peft_adapter: the model has no LoRA layers (apply_lora first)")
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.rank, "lora_alpha": args.alpha,
+        "lora_dropout": args.dropout, "target_modules": args.target_modules, "use_rslora": args.rslora,
+        "bias": "none", "base_model_name_or_path": base_model_path, "modules_to_save": None,
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_dora": False,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+    }
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
+    """LoraArgs from a PEFT adapter_config.json dict; unsupported PEFT features raise, naming the key."""
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
+    for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {key}={cfg[key]!r} is not supported")
+    if cfg.get("use_dora") or cfg.get("bias", "none") != "none":
+        raise ValueError(f"{source}: only plain LoRA with bias='none' is supported")
+    modules = cfg.get("target_modules")
+    if not isinstance(modules, list):
+        raise ValueError(f"{source}: target_modules must be a list of module names, got {modules!r}")
+    by_leaf = {v.split(".")[1]: k for k, v in TARGETS.items()}
+    unknown = [m for m in modules if m not in by_leaf]
+    if unknown:
+        raise ValueError(f"{source}: target_modules {unknown} are not Qwen3 linears {list(by_leaf)}")
+    order = [t for t in TARGETS if t in {by_leaf[m] for m in modules}]
+    try:
+        return LoraArgs(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
+                        targets=tuple(order), rslora=bool(cfg.get("use_rslora", False)))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def load_peft_adapter(model: Qwen3, adapter_dir: str | os.PathLike) -> LoraArgs:
+    """Apply LoRA (unless already applied) and load a PEFT adapter's weights; returns its LoraArgs."""
+    d = Path(adapter_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"load_peft_adapter: adapter directory {d} does not exist")
+    cfg_path = d / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: not found")
+    try:
+        args = lora_args_from_peft_config(json.loads(cfg_path.read_text()), str(cfg_path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    file = d / ADAPTER_FILE
+    header = read_safetensors_header(file)
+    existing = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if existing:
+        if existing[0].rank != args.rank:
+            raise ValueError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank {existing[0].rank}")
+    else:
+        a_keys = [k for k in header if k.endswith("lora_A.weight")]
+        if a_keys:
+            args = LoraArgs(**{**args.__dict__, "dtype": "bfloat16" if header[a_keys[0]]["dtype"] == "BF16" else "float32"})
+        apply_lora(model, args)
+    params = lora_state_dict(model)
+    missing = sorted(set(params) - set(header))
+    unexpected = sorted(set(header) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{file}: missing keys {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected keys "
+                         f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
+        for k, p in params.items():
+            if tuple(header[k]["shape"]) != tuple(p.shape):
+                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects {tuple(p.shape)} "
+                                 f"(rank or model size mismatch)")
+            p.copy_(f.get_tensor(k))
+    return args
+
+
+def merge_lora(model: Qwen3) -> Qwen3:
+    """Fold every LoRALinear into a plain nn.Linear (W + s·B·A), in place; the result saves as a full HF model."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, LoRALinear):
+            parent_name, leaf = name.rsplit(".", 1)
+            base = m.base_layer
+            with torch.no_grad():
+                base.weight.copy_(m.merged_weight())
+            setattr(model.get_submodule(parent_name), leaf, base)
+    return model
