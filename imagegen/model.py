@@ -256,7 +256,8 @@ class Attention(nn.Module):
     """Multi-head attention. Joint (``context=True``): image and text tokens have their own
     projections and attend together over S = N + L tokens, image first (diffusers' order). Without
     context it is plain self-attention over image tokens (SD3.5's second, "dual" attention).
-    ``context_pre_only``: the last block drops the text output, so it has no ``to_add_out``.
+    ``context_pre_only``: the last block drops the text output, so it has no ``to_add_out`` and
+    its ``add_q_proj`` (kept for diffusers' layout) is never applied.
     """
 
     def __init__(self, args: MMDiTArgs, context: bool, context_pre_only: bool = False):
@@ -288,11 +289,15 @@ class Attention(nn.Module):
         k = self._heads(x, self.to_k, self.norm_k)
         v = self._heads(x, self.to_v, None)
         if self.context:
-            q = torch.cat([q, self._heads(ctx, self.add_q_proj, self.norm_added_q)], dim=2)  # [B, Hn, S, Dh]
+            # With context_pre_only the text outputs are discarded, so text queries would be dead
+            # work (diffusers computes them anyway): only image rows query. Each softmax row is
+            # independent, so the image output is unchanged; add_q_proj stays for the checkpoint.
+            if self.to_add_out is not None:
+                q = torch.cat([q, self._heads(ctx, self.add_q_proj, self.norm_added_q)], dim=2)  # [B, Hn, S, Dh]
             k = torch.cat([k, self._heads(ctx, self.add_k_proj, self.norm_added_k)], dim=2)
             v = torch.cat([v, self._heads(ctx, self.add_v_proj, None)], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v)  # [B, Hn, S, Dh]
-        o = o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim)  # [B, S, D]
+        o = F.scaled_dot_product_attention(q, k, v)  # [B, Hn, S or N, Dh]
+        o = o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim)  # [B, S or N, D]
         x_out = self.to_out[0](o[:, :N])
         if not self.context:
             return x_out
@@ -458,8 +463,8 @@ class MMDiT(nn.Module):
         """(forward matmul FLOPs, forward attention FLOPs) for a batch, walking the model's modules.
 
         Each token passes only its own stream's weights; modulation and conditioning linears run
-        once per image. Attention is 4*S^2*D per joint layer (QK^T and PV) plus 4*N^2*D per dual one.
-        The last block still projects text queries (diffusers computes them), so they count.
+        once per image. Attention is 4*Q*S*D per joint layer (QK^T and PV, Q query rows: S, or N in
+        the last block, which has no text queries) plus 4*N^2*D per dual-attention layer.
         """
         N, L, S, D = image_tokens, text_tokens, image_tokens + text_tokens, self.args.dim
         conv = self.pos_embed.proj
@@ -471,13 +476,16 @@ class MMDiT(nn.Module):
             per_image += _linear_flops(b.norm1, 1) + _linear_flops(b.norm1_context, 1)
             a = b.attn
             mm += sum(_linear_flops(m, N) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
-            mm += sum(_linear_flops(m, L) for m in (a.add_q_proj, a.add_k_proj, a.add_v_proj, a.to_add_out))
+            text_q = a.add_q_proj if a.to_add_out is not None else None  # see Attention.forward
+            mm += sum(_linear_flops(m, L) for m in (text_q, a.add_k_proj, a.add_v_proj, a.to_add_out))
             mm += _linear_flops(b.attn2, N) + _linear_flops(b.ff, N) + _linear_flops(b.ff_context, L)
-            attn += 4 * S * S * D + (4 * N * N * D if b.attn2 is not None else 0)
+            queries = S if a.to_add_out is not None else N
+            attn += 4 * queries * S * D + (4 * N * N * D if b.attn2 is not None else 0)
         return batch_size * (mm + per_image), batch_size * attn
 
     def train_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> int:
         """Useful FLOPs of one training step: 3 x forward matmuls + 3 x forward attention
-        (= 12*L*S^2*D for the joint attention). Padded text tokens are real work and count."""
+        (12*S^2*D per joint layer, 12*N*S*D for the last one). Padded text tokens count: they are
+        real work (SD3 uses no text mask)."""
         mm, attn = self.forward_flops(batch_size, image_tokens, text_tokens)
         return 3 * (mm + attn)

@@ -1,0 +1,173 @@
+"""MMDiT weights in diffusers' layout: config.json + diffusion_pytorch_model.safetensors (or shards).
+
+A directory written here loads with ``SD3Transformer2DModel.from_pretrained(dir)`` with no missing or
+unexpected keys, and any diffusers SD3 transformer directory (or a pipeline directory with a
+``transformer/`` subfolder) loads into :class:`imagegen.model.MMDiT`. Weights are read from
+safetensors only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from imagegen.model import SIZES, MMDiT, MMDiTArgs
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def resolve_dir(path: str | os.PathLike) -> Path:
+    """The transformer directory: ``path`` itself, or ``path/transformer`` for a pipeline directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory (expected a diffusers SD3 transformer directory)")
+    for candidate in (root, root / "transformer"):
+        if (candidate / CONFIG_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(f"{root}: no {CONFIG_NAME} here or in {root / 'transformer'}")
+
+
+def read_args(path: str | os.PathLike) -> MMDiTArgs:
+    """MMDiTArgs from a diffusers directory's config.json."""
+    cfg_path = resolve_dir(path) / CONFIG_NAME
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+    return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path))
+
+
+def _weight_files(model_dir: Path) -> dict[str, list[str]]:
+    """{file path: [keys]} for the single file or the sharded index."""
+    single, index = model_dir / WEIGHTS_NAME, model_dir / INDEX_NAME
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {str(single): list(f.keys())}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        files: dict[str, list[str]] = {}
+        for key, name in weight_map.items():
+            files.setdefault(str(model_dir / name), []).append(key)
+        for name in files:
+            if not Path(name).is_file():
+                raise FileNotFoundError(f"{index}: shard {name} is listed but missing")
+        return files
+    pickled = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
+    hint = f" (found {pickled}: pickle files are never loaded; convert them to safetensors)" if pickled else ""
+    raise FileNotFoundError(f"{model_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> MMDiT:
+    """Build an MMDiT from a diffusers SD3 transformer directory; every key and shape is checked."""
+    model_dir = resolve_dir(path)
+    args = read_args(model_dir)
+    with torch.device("meta"):  # no throw-away random init of a multi-GB model
+        model = MMDiT(args)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for file, keys in _weight_files(model_dir).items():
+        unexpected = [k for k in keys if k not in expected]
+        if unexpected:
+            raise ValueError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for key in keys:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != expected[key]:
+                    raise ValueError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
+                state[key] = f.get_tensor(key).to(dtype)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _diffusers_version() -> str:
+    try:
+        return metadata.version("diffusers")
+    except metadata.PackageNotFoundError:
+        return "0.35.0"
+
+
+def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 10 * 2**30) -> Path:
+    """Write ``model`` as a diffusers directory, atomically (temporary directory, then rename).
+
+    Tensors are cast to ``dtype`` (default: as stored). Above ``max_shard_bytes`` the weights are
+    split into diffusers-named shards plus an index, as ``from_pretrained`` expects.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        config = {**model.args.to_diffusers_config(), "_diffusers_version": _diffusers_version()}
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        # clone: save_file refuses tensors that share storage; contiguous: it needs dense tensors.
+        state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu().clone()
+                 for k, v in model.state_dict().items()}
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for k, v in state.items():
+            nbytes = v.numel() * v.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        else:
+            weight_map, n = {}, len(shards)
+            for i, shard in enumerate(shards, start=1):
+                name = f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        old = None
+        if out.exists():  # move the previous version aside so the swap is two renames
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def init_random(size: str, out_dir: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
+                **overrides) -> Path:
+    """Write a randomly initialised (``MMDiT.init_weights``) model of a named ``SIZES`` entry,
+    with MMDiTArgs field ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
+    if size not in SIZES:
+        raise ValueError(f"init_random: unknown size {size!r}; choose from {sorted(SIZES)}")
+    known = {f.name for f in dataclasses.fields(MMDiTArgs)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"init_random: unknown MMDiTArgs override(s) {unknown}; fields are {sorted(known)}")
+    args = dataclasses.replace(SIZES[size], **overrides)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = MMDiT(args)
+    return save_pretrained(model, out_dir, dtype=dtype)
