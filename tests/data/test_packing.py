@@ -202,3 +202,44 @@ def test_bad_arguments():
         loader.load_state_dict({"epoch": 0, "cursor": 0, "seed": 1})
     with pytest.raises(ValueError, match="'cursor' must be a non-negative int"):
         loader.load_state_dict({"epoch": 0, "cursor": "3"})
+
+
+class ToyLM(torch.nn.Module):
+    """One causal attention layer with learned absolute positions: enough to see leaks across documents."""
+
+    def __init__(self, vocab: int = 500, dim: int = 16, max_pos: int = 64):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_pos, dim)
+        self.qkv, self.head = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """ids, pos, seg [N] (seg = segment id per token) -> logits [N, V]; attention stays inside a segment."""
+        x = self.tok(ids) + self.pos(pos)  # [N, D]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [N, D] each
+        n = ids.shape[0]
+        allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()  # [N, N]
+        return self.head(torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed)[0])
+
+
+def test_packed_loss_equals_documents_one_by_one():
+    torch.manual_seed(0)
+    docs, T = random_docs(12, 12, 30), 32
+    model = ToyLM()
+    # one by one: shift inside the document, loss on the masked next tokens
+    loss_sum, count = 0.0, 0
+    for d in docs:
+        ids = torch.tensor(d.input_ids)
+        logits = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+        target = torch.where(torch.tensor(d.loss_mask[1:], dtype=torch.bool), ids[1:], IGNORE_INDEX)
+        loss_sum = loss_sum + torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum",
+                                                                ignore_index=IGNORE_INDEX)
+        count += int((target != IGNORE_INDEX).sum())
+    # packed: segment ids from cu_seqlens, labels already shifted
+    packed = pack_documents(docs, T, "split", pad_id=PAD)
+    b = make_batch(packed, list(range(len(packed))))
+    seg = torch.repeat_interleave(torch.arange(len(b.cu_seqlens) - 1), b.cu_seqlens.diff().long())
+    logits = model(b.input_ids.flatten(), b.position_ids.flatten(), seg)
+    packed_sum = torch.nn.functional.cross_entropy(logits, b.labels.flatten(), reduction="sum",
+                                                   ignore_index=IGNORE_INDEX)
+    assert b.num_loss_tokens == count > 0
+    torch.testing.assert_close(packed_sum, loss_sum, rtol=1e-5, atol=1e-4)
