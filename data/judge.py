@@ -10,7 +10,8 @@ Shape legend: S image side (pixels), image arrays are S x S x 3 float RGB in 0..
     4. coverage   = alpha in [0, 1]: each pixel's projection on the background -> colour line, inside the
        component dilated by 2 px, so anti-aliased and blurred edges count by how much they are covered
     5. shape      = analysis by synthesis: for every shape, the area of alpha fixes its half-extent r and
-       the centroid of alpha fixes its box centre; render that shape with the dataset's own renderer and
+       the centroid of alpha fixes its box centre (one calibration render corrects both for the
+       rasteriser); render that shape with the dataset's own renderer, sharp and slightly blurred, and
        keep the one with the least L1 error. The winner gives position (grid cell of the box centre) and
        size (nearest half-extent). A best error above MAX_TEMPLATE_ERROR means "no shape here" (noise).
 
@@ -174,6 +175,10 @@ def _dilate(mask: np.ndarray, steps: int) -> np.ndarray:
     return mask
 
 
+def _floats(v: np.ndarray) -> tuple[float, float, float]:
+    return tuple(float(x) for x in v)  # plain floats so a reading serialises to JSON
+
+
 def _cell(v: float) -> int:
     # Boundaries halfway between the cell centres (0.375 and 0.625).
     return int(np.searchsorted([(CELL_CENTERS[0] + CELL_CENTERS[1]) / 2, (CELL_CENTERS[1] + CELL_CENTERS[2]) / 2], v))
@@ -188,7 +193,7 @@ def read_image(image: ImageLike) -> ImageReading:
                              px[:, :ring].reshape(-1, 3), px[:, -ring:].reshape(-1, 3)])  # N x 3
     bg = np.median(border, axis=0)
     background = _nearest(bg, BACKGROUNDS, BACKGROUND_TOLERANCE)
-    nothing = ImageReading(False, None, None, None, None, background, math.inf, None, None, None, tuple(bg))
+    nothing = ImageReading(False, None, None, None, None, background, math.inf, None, None, None, _floats(bg))
 
     dist = np.linalg.norm(px - bg, axis=2)  # S x S
     comp = _largest_component(dist > FG_DISTANCE)
@@ -215,6 +220,14 @@ def read_image(image: ImageLike) -> ImageReading:
     for shape in SHAPES:
         r = math.sqrt(area / AREA_FACTOR[shape])
         bx, by = cx, cy + CENTROID_OFFSET_Y[shape] * r
+        # One calibration step: the rasteriser's area and centroid differ from the ideal shape's by a
+        # fraction of a pixel, which matters at 32 px; match both exactly before comparing.
+        t = np.asarray(render_mask(shape, bx, by, r, s), dtype=np.float64) / 255.0
+        t_area = t.sum()
+        if t_area > 0:
+            r *= math.sqrt(area / t_area)
+            bx += cx - (t * xs).sum() / t_area
+            by += cy - (t * ys).sum() / t_area
         mask = render_mask(shape, bx, by, r, s)
         for blur in TEMPLATE_BLURS:
             # A generator's output is slightly soft; blurring the template too keeps thin arms (cross) and
@@ -226,12 +239,12 @@ def read_image(image: ImageLike) -> ImageReading:
                 best = (err, shape, bx, by, r)
     err, shape, bx, by, r = best
     if err > MAX_TEMPLATE_ERROR:
-        return dataclasses.replace(nothing, template_error=float(err), fg_rgb=tuple(fg))
+        return dataclasses.replace(nothing, template_error=float(err), fg_rgb=_floats(fg))
     size = min(SIZES, key=lambda k: abs(SIZES[k] - r / s))
     cell = (_cell(by / s), _cell(bx / s))
     position = next(name for name, rc in POSITIONS.items() if rc == cell)
     return ImageReading(True, shape, color, size, position, background, float(err),
-                        (bx / s, by / s), r / s, tuple(fg), tuple(bg))
+                        (float(bx / s), float(by / s)), float(r / s), _floats(fg), _floats(bg))
 
 
 # ---------------------------------------------------------------------------------------------
