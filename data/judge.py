@@ -38,7 +38,7 @@ ImageLike = Union[Image.Image, np.ndarray, str, Path]
 FG_DISTANCE = 70.0          # RGB distance from the background that marks foreground; >= 150 separates every pair
 COLOR_TOLERANCE = 70.0      # a colour farther than this from every named colour is no named colour
 BACKGROUND_TOLERANCE = 45.0  # same for backgrounds; named backgrounds are >= 45 apart, so nearest still decides
-MAX_TEMPLATE_ERROR = 0.45   # L1(alpha - template) / template area; true shapes score ~0.05-0.2, noise >> 1
+MAX_TEMPLATE_ERROR = 0.45   # L1(alpha - template) / template area: clean ~0.01, noisy+blurred <= 0.36, noise > 1
 TEMPLATE_BLURS = (0.0, 0.6, 1.0)  # Gaussian sigmas (pixels) tried for every template
 MIN_PIXELS = 6              # a component smaller than this is a speck, not a shape
 
