@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from kernels.attention import packed_causal_attention, packed_causal_attention_ref
+from tests.kernels._compare import assert_close
+
+
+def _math(q, k, v, lens):
+    """Straightforward math: one N×N block-diagonal causal mask, explicit softmax, kv heads repeated."""
+    n, h, dh = q.shape
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    i = torch.arange(n)
+    allowed = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])  # [N, N]
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / dh**0.5
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def _inputs(lens, h, hkv, dh, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    return [torch.randn(n, x, dh, generator=g, dtype=torch.float64).to(dtype) for x in (h, hkv, hkv)]
+
+
+@pytest.mark.parametrize("lens,h,hkv,dh", [
+    ([1], 1, 1, 8), ([5, 7, 1, 3], 4, 2, 16), ([13, 13, 2], 3, 3, 6), ([11, 4, 17], 8, 2, 32),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ref_matches_math_with_grads(lens, h, hkv, dh, dtype):
+    q, k, v = (t.requires_grad_() for t in _inputs(lens, h, hkv, dh, dtype))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    o = packed_causal_attention(q, k, v, cu, max(lens), impl="sdpa")
+    assert o.dtype == dtype and o.shape == q.shape
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (o.double() * do).sum().backward()
+    qe, ke, ve = (t.detach().double().requires_grad_() for t in (q, k, v))
+    oe = _math(qe, ke, ve, lens)
+    (oe * do).sum().backward()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    assert_close(o, oe, **tol, what="o")
+    for name, a, e in (("dq", q, qe), ("dk", k, ke), ("dv", v, ve)):
+        assert_close(a.grad, e.grad, **tol, what=name)
+
+
+def test_documents_do_not_leak():
+    """Changing one document leaves every other document's output bit-identical."""
+    lens = [6, 9, 4]
+    q, k, v = _inputs(lens, 4, 2, 16, torch.float32)
+    cu = torch.tensor([0, 6, 15, 19], dtype=torch.int32)
+    o1 = packed_causal_attention_ref(q, k, v, cu, 9)
+    k2, v2 = k.clone(), v.clone()
+    k2[6:15] += 1.0
+    v2[6:15] -= 2.0
+    o2 = packed_causal_attention_ref(q, k2, v2, cu, 9)
+    assert torch.equal(o1[:6], o2[:6]) and torch.equal(o1[15:], o2[15:])
+    assert not torch.allclose(o1[6:15], o2[6:15])
+
+
+def test_bad_input_and_unavailable_impls():
+    q, k, v = _inputs([4, 4], 4, 2, 8, torch.float32)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        packed_causal_attention(q, k, v, cu, 4, impl="bogus")
+    for impl in ("flash", "varlen"):  # CPU tensors: never silently run the reference instead
+        with pytest.raises(RuntimeError, match=impl):
+            packed_causal_attention(q, k, v, cu, 4, impl=impl)
+    with pytest.raises(ValueError, match="int32"):
+        packed_causal_attention(q, k, v, cu.long(), 4)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        packed_causal_attention(q, k, v, cu, 3)
+    with pytest.raises(ValueError, match="rise from 0 to N"):
+        packed_causal_attention(q, k, v, torch.tensor([0, 4, 7], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="multiple"):
+        packed_causal_attention(q[:, :3], k, v, cu, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["auto", "varlen", "flash"])
+def test_fast_paths_match_ref_on_cuda(impl):
+    """FlashAttention's rule: the fast path's error vs an fp64 reference is at most ~2× eager bf16's."""
+    if impl == "flash":
+        pytest.importorskip("flash_attn")
+    lens = [37, 128, 1, 90]
+    q, k, v = (t.cuda().requires_grad_() for t in _inputs(lens, 8, 2, 128, torch.bfloat16))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    o = packed_causal_attention(q, k, v, cu, max(lens), impl=impl)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    qe, ke, ve = (t.detach().double().requires_grad_() for t in (q, k, v))
+    oe = _math(qe.cpu(), ke.cpu(), ve.cpu(), lens).cuda()
+    ge = torch.autograd.grad(oe, (qe, ke, ve), do.double())
+    ob = packed_causal_attention_ref(q, k, v, cu, max(lens))  # eager bf16 baseline
+    gb = torch.autograd.grad(ob, (q, k, v), do)
+    for name, a, b, e in (("o", o, ob, oe), ("dq", dq, gb[0], ge[0]), ("dk", dk, gb[1], ge[1]), ("dv", dv, gb[2], ge[2])):
+        err, base = (a.double() - e).abs().max(), (b.double() - e).abs().max()
+        assert err <= 2 * base + 1e-3, f"{impl} {name}: max error {err:.3e} vs eager bf16 {base:.3e}"
