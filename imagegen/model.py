@@ -438,7 +438,8 @@ class MMDiT(nn.Module):
             raise ValueError(f"MMDiT.forward: text_states must be [{B}, L, {a.joint_attention_dim}], "
                              f"got {tuple(text_states.shape)}")
         if pooled.shape != (B, a.pooled_projection_dim):
-            raise ValueError(f"MMDiT.forward: pooled must be [{B}, {a.pooled_projection_dim}], got {tuple(pooled.shape)}")
+            raise ValueError(f"MMDiT.forward: pooled must be [{B}, {a.pooled_projection_dim}], "
+                             f"got {tuple(pooled.shape)}")
         if timestep.shape != (B,):
             raise ValueError(f"MMDiT.forward: timestep must be [{B}] (sigma*1000), got {tuple(timestep.shape)}")
 

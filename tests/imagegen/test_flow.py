@@ -86,7 +86,8 @@ def test_euler_cfg_matches_diffusers_scheduler_loop():
 
     def model_fn(x, txt, pool, timestep):
         cond = txt.mean(dim=(1, 2)) + pool.mean(dim=1)  # [B]
-        return torch.einsum("dc,bchw->bdhw", mix, x) * (timestep / 1000)[:, None, None, None] + cond[:, None, None, None]
+        scale = (timestep / 1000)[:, None, None, None]
+        return torch.einsum("dc,bchw->bdhw", mix, x) * scale + cond[:, None, None, None]
 
     steps, g, shift = 7, 5.0, 3.0
     sched = FlowMatchEulerDiscreteScheduler(shift=shift)
