@@ -1,0 +1,256 @@
+"""Aspect-ratio buckets and a deterministic, resumable, rank-aware bucketed sampler.
+
+Shape legend: H/W bucket height/width in pixels, h/w an image's own height/width, B batch,
+C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect ratio is W/H.
+
+- `make_buckets` lists (H, W) with sides multiples of `multiple` (= VAE factor × patch) and area
+  <= resolution² (never more memory than the square bucket), both orientations, W/H within
+  [min_ratio, max_ratio]. `nearest_bucket` picks by |log(w/h) - log(W/H)| (a 2:1 and a 1:2 image are
+  equally far from square), ties to the lower index. `resize_and_crop` resizes to cover, then
+  centre-crops.
+- `BucketSampler` (the training path): every batch comes from one bucket. Epoch e draws from
+  numpy's generator seeded by (seed, e): shuffle inside each bucket, cut full batches, shuffle the
+  batch order, deal batch k to rank k % world_size, and drop the last len % world_size batches, so
+  ranks get disjoint samples and the same number of batches (no rank waits at the epoch end,
+  PITFALLS.md "Buckets"). Buckets smaller than the batch size are listed in one warning at
+  construction and their samples are skipped every epoch; with drop_last the remainder of each
+  bucket is skipped too (a different remainder each epoch, since the shuffle changes). `stats`
+  counts all of it. `state_dict` = (epoch, cursor); a restored sampler yields the exact sequence.
+  When a DataLoader prefetches, save the state of the batches the trainer has consumed, not of the
+  sampler the workers ran ahead with: the demo calls `LatentDataset.batch` in the main process.
+- `BucketBatcher` groups a stream (webdataset) into per-bucket batches. It is deterministic given
+  the stream but has no resume state (its state is the buffered samples themselves); the trainer
+  trains from cached latent shards loaded into `LatentDataset` with `BucketSampler` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from data.shards import read_latent_shards
+
+
+def make_buckets(
+    resolution: int, multiple: int, min_ratio: float = 0.25, max_ratio: float = 4.0, step: int | None = None
+) -> list[tuple[int, int]]:
+    """Buckets (H, W) of area <= resolution², sides multiples of `multiple`, sorted by W/H.
+
+    The shorter side runs over multiples of `step` (default `multiple`) up to `resolution`; the
+    longer side is the largest multiple of `multiple` keeping the area <= resolution².
+    """
+    step = step or multiple
+    if multiple < 1 or step % multiple or resolution % multiple:
+        raise ValueError(f"need resolution ({resolution}) and step ({step}) to be multiples of multiple ({multiple})")
+    if not 0 < min_ratio <= 1 <= max_ratio:
+        raise ValueError(f"need 0 < min_ratio ({min_ratio}) <= 1 <= max_ratio ({max_ratio})")
+    found = set()
+    for short in range(step, resolution + 1, step):
+        long = (resolution * resolution // short) // multiple * multiple
+        for h, w in ((short, long), (long, short)):
+            if min_ratio <= w / h <= max_ratio:
+                found.add((h, w))
+    return sorted(found, key=lambda hw: (hw[1] / hw[0], hw[0]))
+
+
+def nearest_bucket(h: int, w: int, buckets: Sequence[tuple[int, int]]) -> int:
+    """Index of the bucket nearest an h×w image by log aspect ratio (ties: lowest index)."""
+    if h <= 0 or w <= 0:
+        raise ValueError(f"image size must be positive, got h={h}, w={w}")
+    target = math.log(w / h)
+    return min(range(len(buckets)), key=lambda i: (abs(math.log(buckets[i][1] / buckets[i][0]) - target), i))
+
+
+def assign_buckets(sizes: Sequence[tuple[int, int]], buckets: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Vectorised `nearest_bucket` over many (h, w): bucket id per image, int64 [N]."""
+    hw = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)  # [N, 2]
+    if (hw <= 0).any():
+        raise ValueError(f"image sizes must be positive; first bad index {int(np.flatnonzero((hw <= 0).any(1))[0])}")
+    b = np.asarray(buckets, dtype=np.float64)  # [K, 2]
+    dist = np.abs(np.log(hw[:, 1] / hw[:, 0])[:, None] - np.log(b[:, 1] / b[:, 0])[None, :])  # [N, K]
+    return dist.argmin(axis=1)  # argmin takes the first minimum: same tie rule as nearest_bucket
+
+
+def resize_and_crop(image: Image.Image, bucket: tuple[int, int]) -> Image.Image:
+    """Resize (bicubic) so the image covers H×W, then centre-crop to exactly H×W."""
+    H, W = bucket
+    w, h = image.size
+    scale = max(W / w, H / h)
+    nw, nh = max(W, round(w * scale)), max(H, round(h * scale))
+    if (nw, nh) != (w, h):
+        image = image.resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = (nw - W) // 2, (nh - H) // 2
+    return image.crop((left, top, left + W, top + H))
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """8-bit RGB image -> float32 [3, H, W] in [-1, 1] (the autoencoders' input range)."""
+    if image.mode != "RGB":
+        raise ValueError(f"expected an RGB image, got mode {image.mode!r} (decode with data.shards.to_rgb)")
+    arr = torch.from_numpy(np.array(image, dtype=np.uint8))  # [H, W, 3]
+    return arr.permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+class BucketSampler:
+    """Yields lists of sample indices forever, one bucket per batch, equal batch counts per rank."""
+
+    def __init__(
+        self, bucket_of: Sequence[int], batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+        drop_last: bool = True,
+    ):
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size}, {rank}, {world_size}")
+        ids = np.asarray(bucket_of, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0 or (ids < 0).any():
+            raise ValueError(f"bucket_of must be a non-empty 1-D sequence of ids >= 0, got shape {ids.shape}")
+        self.batch_size, self.seed, self.rank, self.world_size, self.drop_last = batch_size, seed, rank, world_size, drop_last
+        self.num_samples = len(ids)
+        self.members = {int(b): np.flatnonzero(ids == b) for b in np.unique(ids)}  # bucket -> sample indices
+        self.small_buckets = {b: len(m) for b, m in self.members.items() if len(m) < batch_size}
+        if self.small_buckets:
+            warnings.warn(
+                f"BucketSampler: {len(self.small_buckets)} buckets have fewer samples than batch_size {batch_size} "
+                f"and are skipped every epoch ({sum(self.small_buckets.values())} samples), "
+                f"bucket id: samples = {self.small_buckets}",
+                stacklevel=2,
+            )
+        self.epoch, self.cursor = 0, 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"BucketSampler: no batch for rank {rank} of {world_size}: bucket sizes {self.bucket_sizes()} "
+                f"with batch_size {batch_size}"
+            )
+
+    def bucket_sizes(self) -> dict[int, int]:
+        return {b: len(m) for b, m in self.members.items()}
+
+    def _batch_sizes(self) -> list[int]:
+        sizes = []
+        for m in self.members.values():
+            if len(m) >= self.batch_size:
+                full, rem = divmod(len(m), self.batch_size)
+                sizes += [self.batch_size] * full + ([rem] if rem and not self.drop_last else [])
+        return sizes
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches this rank gets per epoch (the same on every rank and every epoch)."""
+        return len(self._batch_sizes()) // self.world_size
+
+    @property
+    def stats(self) -> dict:
+        """Per epoch: batches per rank, samples skipped (small buckets + remainders), batches undealt."""
+        sizes = self._batch_sizes()
+        dealt = self.batches_per_epoch * self.world_size
+        return {"batches_per_rank": self.batches_per_epoch, "small_buckets": dict(self.small_buckets),
+                "skipped_samples": self.num_samples - sum(sizes), "undealt_batches": len(sizes) - dealt}
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of `epoch`, in order (a pure function of seed, epoch, rank, world_size)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        batches = []
+        for b in sorted(self.members):
+            if len(self.members[b]) < self.batch_size:
+                continue
+            idx = rng.permutation(self.members[b])
+            stop = len(idx) - len(idx) % self.batch_size if self.drop_last else len(idx)
+            batches += [idx[i : i + self.batch_size].tolist() for i in range(0, stop, self.batch_size)]
+        order = rng.permutation(len(batches))
+        dealt = self.batches_per_epoch * self.world_size
+        return [batches[order[k]] for k in range(self.rank, dealt, self.world_size)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            if self._cache is None or self._cache[0] != self.epoch:
+                self._cache = (self.epoch, self.epoch_batches(self.epoch))
+            batches = self._cache[1]
+            while self.cursor < len(batches):
+                self.cursor += 1  # before yielding: a state saved after receiving k batches says cursor k
+                yield batches[self.cursor - 1]
+            self.epoch, self.cursor = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "num_samples": self.num_samples, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for k in ("seed", "batch_size", "world_size", "num_samples", "drop_last"):
+            if state.get(k) != mine[k]:
+                raise ValueError(f"BucketSampler state: {k} is {state.get(k)!r} in the checkpoint but {mine[k]!r} now")
+        if not 0 <= state["cursor"] <= self.batches_per_epoch:
+            raise ValueError(f"BucketSampler state: cursor {state['cursor']} outside 0..{self.batches_per_epoch}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+class BucketBatcher:
+    """Groups a stream of samples into single-bucket batches, one buffer per bucket (no resume state)."""
+
+    def __init__(self, batch_size: int, bucket_of: Callable[[dict], Hashable]):
+        self.batch_size, self.bucket_of = batch_size, bucket_of
+        self.dropped = 0  # samples left in partial buffers when the stream ended
+
+    def __call__(self, samples: Iterable[dict]) -> Iterator[list[dict]]:
+        buffers: dict[Hashable, list[dict]] = defaultdict(list)
+        for sample in samples:
+            buf = buffers[self.bucket_of(sample)]
+            buf.append(sample)
+            if len(buf) == self.batch_size:
+                yield buf.copy()
+                buf.clear()
+        self.dropped += sum(len(b) for b in buffers.values())
+
+
+class LatentDataset:
+    """Latent shards held in memory, indexable, with a bucket id per sample.
+
+    `buckets` are the distinct (H, W) of the shards sorted by (W/H, H), unless given (then every
+    sample's bucket must be one of them). `batch(indices)` stacks one bucket's samples:
+    {latent [B,C,h,w], text_states [B,L,D], pooled [B,P], captions, keys, bucket (H, W)}.
+    """
+
+    def __init__(self, source: str | Path | Sequence[str | Path], buckets: Sequence[tuple[int, int]] | None = None,
+                 max_bad_fraction: float = 0.0):
+        self.samples = list(read_latent_shards(source, max_bad_fraction=max_bad_fraction, min_samples_for_check=1))
+        if not self.samples:
+            raise ValueError(f"no latent samples in {source}")
+        found = {tuple(s["bucket"]) for s in self.samples}
+        self.buckets = [tuple(b) for b in buckets] if buckets is not None else sorted(found, key=lambda hw: (hw[1] / hw[0], hw[0]))
+        lookup = {b: i for i, b in enumerate(self.buckets)}
+        unknown = [s for s in self.samples if tuple(s["bucket"]) not in lookup]
+        if unknown:
+            raise ValueError(f"{len(unknown)} samples have buckets outside {self.buckets}, e.g. key "
+                             f"{unknown[0]['key']} in {unknown[0]['shard']} with bucket {unknown[0]['bucket']}")
+        self.bucket_ids = [lookup[tuple(s["bucket"])] for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+    def batch(self, indices: Sequence[int]) -> dict:
+        picked = [self.samples[i] for i in indices]
+        if not picked:
+            raise ValueError("LatentDataset.batch: empty index list")
+        ids = {self.bucket_ids[i] for i in indices}
+        if len(ids) != 1:
+            raise ValueError(f"LatentDataset.batch: indices {list(indices)[:8]} span buckets {sorted(ids)}")
+        out = {"captions": [s["caption"] for s in picked], "keys": [s["key"] for s in picked],
+               "bucket": self.buckets[ids.pop()]}
+        for name in ("latent", "text_states", "pooled"):
+            first = picked[0][name]
+            for s in picked[1:]:
+                if s[name].shape != first.shape or s[name].dtype != first.dtype:
+                    raise ValueError(f"LatentDataset.batch: {name} of key {s['key']} is {tuple(s[name].shape)} "
+                                     f"{s[name].dtype}, but key {picked[0]['key']} has {tuple(first.shape)} {first.dtype}")
+            out[name] = torch.stack([s[name] for s in picked])  # [B, ...]
+        return out
