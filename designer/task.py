@@ -69,7 +69,7 @@ class DesignerTask:
         self.autocast = (not exact)
         n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in self.model.parameters())
-        log(f"designer: {n_all / 1e6:.1f}M parameters, {n_train / 1e6:.3f}M trainable "
+        log(f"designer: {n_all / 1e6:.3f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({'full fine-tuning' if full else f'LoRA r{cfg.lora.rank}'}), {cfg.model.dtype} on {device}")
 
     # ------------------------------------------------------------------ data

@@ -63,9 +63,11 @@ def designer_train(args: argparse.Namespace) -> int:
 
 
 def designer_init(args: argparse.Namespace) -> int:
+    import torch
+
     from designer.hf import init_random
 
-    path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=args.dtype)
+    path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
     print(f"wrote a random-init Qwen3 {args.size} model to {path}")
     return 0
 

@@ -1,0 +1,156 @@
+"""The designer trainer end to end through the CLI: outputs, SIGKILL + exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.cli import main
+
+ROOT = Path(__file__).parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """A tokenizer trained on the fixture and a tiny random Qwen3 (fp32), shared by the tests here."""
+    d = tmp_path_factory.mktemp("designer")
+    assert main(["data", "tokenizer", "--corpus", str(FIXTURE), "--vocab-size", "400", "--out", str(d / "tok")]) == 0
+    assert main(["designer", "init", "--size", "tiny", "--tokenizer", str(d / "tok"), "--out", str(d / "model"),
+                 "--dtype", "float32"]) == 0
+    return d
+
+
+def train_args(world: Path, out: Path, *extra: str) -> list[str]:
+    return ["designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
+            "--set", f"model.path={world / 'model'}", "--set", f"data.train={FIXTURE}", "--set", f"data.eval={FIXTURE}",
+            "--set", "data.seq_len=128", "--set", "train.micro_batch=2", "--set", "train.log_every=1",
+            "--set", "output.tensorboard=false", "--set", f"output.dir={out}", *extra]
+
+
+def train_losses(out: Path) -> list[tuple[int, float]]:
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def test_lora_run_writes_every_output(world, tmp_path):
+    out = tmp_path / "run"
+    code = main(train_args(world, out, "--set", "lora.rank=4", "--set", "train.max_steps=6", "--set",
+                           "train.save_every=3", "--set", "train.eval_every=3", "--set", "output.tensorboard=true"))
+    assert code == 0
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "config.toml").is_file() and (out / "summary.json").is_file()
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-3", "step-6"]
+    assert any((out / "tensorboard").iterdir())
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 6 and summary["units_per_s"] > 0
+
+
+def test_full_finetune_learns_and_exports_hf_model(world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    assert main(train_args(world, out, "--set", "lora.rank=0", "--set", "train.max_steps=30",
+                           "--set", "train.lr=3e-3", "--set", "train.warmup_steps=3")) == 0
+    losses = [l for _, l in train_losses(out)]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5  # it learns
+    hf = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True, torch_dtype=torch.float32)
+    assert hf.config.model_type == "qwen3"
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkill_then_resume_is_exact(world, tmp_path):
+    """Kill -9 a training process after a checkpoint; the resumed run's losses equal the uninterrupted run's."""
+    common = ["--set", "lora.rank=4", "--set", "lora.dropout=0.1", "--set", "train.max_steps=40",
+              "--set", "train.save_every=8", "--set", "train.eval_every=0", "--set", "train.lr=1e-3"]
+    ref = tmp_path / "ref"
+    assert main(train_args(world, ref, *common)) == 0
+
+    out = tmp_path / "killed"
+    proc = _spawn(train_args(world, out, *common))
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "step-16").is_dir():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(s for s, _ in train_losses(out))
+    assert killed_at < 40, "the run finished before it could be killed"
+
+    assert main(train_args(world, out, *common)) == 0
+    assert train_losses(out) == train_losses(ref)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(world, tmp_path):
+    out = tmp_path / "term"
+    proc = _spawn(train_args(world, out, "--set", "lora.rank=4", "--set", "train.max_steps=100000",
+                             "--set", "train.save_every=0"))
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").is_file() or len(train_losses(out)) < 3:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
+    saved = sorted((out / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].name.startswith("step-")
+    assert not (out / "adapter").exists()  # an interrupted run exports nothing
+
+
+def test_bad_jsonl_line_is_named(world, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(FIXTURE.read_text().splitlines()[0] + "\n{not json\n")
+    code = main(train_args(world, tmp_path / "r", "--set", f"data.train={bad}"))
+    assert code == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+
+
+def test_empty_caption_is_named(world, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"brief": "a calm circle", "caption": ""}\n')
+    assert main(train_args(world, tmp_path / "r", "--set", f"data.train={bad}")) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1" in err and "caption" in err
+
+
+def test_unknown_key_and_wrong_type_are_named(world, tmp_path, capsys):
+    assert main(train_args(world, tmp_path / "r", "--set", "train.lr_max=1")) == 2
+    assert "train.lr_max: unknown key" in capsys.readouterr().err
+    assert main(train_args(world, tmp_path / "r", "--set", "train.micro_batch=two")) == 2
+    assert "train.micro_batch: expected an integer" in capsys.readouterr().err
+
+
+def test_missing_model_dir_is_named(world, tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(train_args(world, tmp_path / "r", "--set", f"model.path={missing}")) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_truncated_checkpoint_is_named_and_kept(world, tmp_path, capsys):
+    out = tmp_path / "trunc"
+    common = ["--set", "lora.rank=4", "--set", "train.save_every=2"]
+    assert main(train_args(world, out, *common, "--set", "train.max_steps=4")) == 0
+    f = out / "checkpoints" / "step-4" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    assert main(train_args(world, out, *common, "--set", "train.max_steps=8")) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "truncated" in err
+    assert f.stat().st_size == 100 and (out / "checkpoints" / "step-2").is_dir()
