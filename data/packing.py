@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence
 
 import torch
@@ -75,9 +75,9 @@ class Batch:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    doc_lens: list[int] = field(default_factory=list)  # real documents only (FLOPs: sum of len^2)
-    num_tokens: int = 0          # non-padding tokens
-    num_loss_tokens: int = 0     # labels != -100
+    doc_lens: list[int]          # real documents only (FLOPs: sum of len^2)
+    num_tokens: int              # non-padding tokens
+    num_loss_tokens: int         # labels != -100
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
