@@ -110,7 +110,8 @@ class BucketSampler:
         ids = np.asarray(bucket_of, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0 or (ids < 0).any():
             raise ValueError(f"bucket_of must be a non-empty 1-D sequence of ids >= 0, got shape {ids.shape}")
-        self.batch_size, self.seed, self.rank, self.world_size, self.drop_last = batch_size, seed, rank, world_size, drop_last
+        self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
+        self.rank, self.world_size = rank, world_size
         self.num_samples = len(ids)
         self.members = {int(b): np.flatnonzero(ids == b) for b in np.unique(ids)}  # bucket -> sample indices
         self.small_buckets = {b: len(m) for b, m in self.members.items() if len(m) < batch_size}
@@ -223,7 +224,8 @@ class LatentDataset:
         if not self.samples:
             raise ValueError(f"no latent samples in {source}")
         found = {tuple(s["bucket"]) for s in self.samples}
-        self.buckets = [tuple(b) for b in buckets] if buckets is not None else sorted(found, key=lambda hw: (hw[1] / hw[0], hw[0]))
+        by_ratio = sorted(found, key=lambda hw: (hw[1] / hw[0], hw[0]))
+        self.buckets = [tuple(b) for b in buckets] if buckets is not None else by_ratio
         lookup = {b: i for i, b in enumerate(self.buckets)}
         unknown = [s for s in self.samples if tuple(s["bucket"]) not in lookup]
         if unknown:
@@ -250,7 +252,9 @@ class LatentDataset:
             first = picked[0][name]
             for s in picked[1:]:
                 if s[name].shape != first.shape or s[name].dtype != first.dtype:
-                    raise ValueError(f"LatentDataset.batch: {name} of key {s['key']} is {tuple(s[name].shape)} "
-                                     f"{s[name].dtype}, but key {picked[0]['key']} has {tuple(first.shape)} {first.dtype}")
+                    raise ValueError(
+                        f"LatentDataset.batch: {name} of key {s['key']} is {tuple(s[name].shape)} {s[name].dtype}, "
+                        f"but key {picked[0]['key']} has {tuple(first.shape)} {first.dtype}"
+                    )
             out[name] = torch.stack([s[name] for s in picked])  # [B, ...]
         return out

@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,7 +225,9 @@ def write_image_shards(
             path = images_dir / row["image"]
             ext = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
             if ext not in IMAGE_EXTS:
-                raise ValueError(f"{where}: image {row['image']!r} has extension {path.suffix!r}; expected {IMAGE_EXTS}")
+                raise ValueError(
+                    f"{where}: image {row['image']!r} has extension {path.suffix!r}; expected {IMAGE_EXTS}"
+                )
             if not path.is_file():
                 raise ValueError(f"{where}: image file not found: {path}")
             data = path.read_bytes()
@@ -323,7 +324,8 @@ def _decode_latent_sample(sample: dict) -> dict:
         raise BadSample("undecodable latent", shard, key, f"{type(exn).__name__}: {exn}") from exn
     bad = [n for n in LATENT_TENSORS if n not in tensors or tensors[n].ndim != LATENT_NDIM[n]]
     if bad or not isinstance(meta.get("bucket"), list) or not isinstance(meta.get("caption"), str):
-        raise BadSample("malformed latent", shard, key, f"tensors {bad} missing or wrong rank, or json lacks bucket/caption")
+        detail = f"tensors {bad} missing or of wrong rank, or json lacks bucket/caption"
+        raise BadSample("malformed latent", shard, key, detail)
     return {"key": key, **{n: tensors[n] for n in LATENT_TENSORS}, "bucket": tuple(meta["bucket"]),
             "caption": meta["caption"], "shard": shard}
 
@@ -413,7 +415,9 @@ class ShardReader(torch.utils.data.IterableDataset):
     def _urls(self) -> Iterator[dict]:
         worker, num_workers = _worker()
         if num_workers != max(self.num_workers, 1):
-            raise ShardError(f"ShardReader declared num_workers={self.num_workers} but the DataLoader runs {num_workers}")
+            raise ShardError(
+                f"ShardReader declared num_workers={self.num_workers} but the DataLoader runs {num_workers}"
+            )
         g, groups = self.rank * num_workers + worker, self.world_size * num_workers
         if self.resample:
             rng = np.random.default_rng([self.seed, self.epoch, g])
@@ -484,6 +488,7 @@ def validate_shards(directory: Path, kind: str | None = None, min_side: int = 16
         ok = sum(1 for _ in reader)
         per_shard[name] = {"ok": ok, "bad": dict(reader.counter.by_reason), "indexed": indexed.get(name)}
         if name in indexed and indexed[name] != ok + reader.counter.bad:
-            problems.append(f"{name}: index.json says {indexed[name]} samples, read {ok} good + {reader.counter.bad} bad")
+            bad = reader.counter.bad
+            problems.append(f"{name}: {INDEX_NAME} says {indexed[name]} samples, read {ok} good + {bad} bad")
     return ShardReport(kind, per_shard, sum(s["ok"] for s in per_shard.values()),
                        sum(sum(s["bad"].values()) for s in per_shard.values()), tuple(problems))
