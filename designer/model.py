@@ -287,6 +287,9 @@ class Qwen3(nn.Module):
         Per weight W [in → out] on T tokens: 2·in·out·T forward + 2·in·out·T input-grad
         + 2·in·out·T weight-grad only if W.requires_grad (a LoRA's frozen base gets none).
         The LM head runs on `head_tokens` tokens (the ones with a loss).
+        Input-gradients are counted for every matmul (DESIGN.md's 2·N·T). With LoRA and a frozen
+        embedding, autograd skips layer 0's q/k/v/gate/up input-gradients, so this overstates the work
+        by 2·(those weights)·T, under 1/num_layers of the input-gradient FLOPs.
         """
         total = 0
         for m in self.model.layers.modules():

@@ -36,8 +36,9 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> 
 # --- autograd.Function ----------------------------------------------------------------------------
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk_size: int):  # noqa: D102
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk_size: int, grad_enabled: bool):  # noqa: D102
+        # needs_input_grad is True even under no_grad (eval): skip the gradient matmuls there.
+        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         # The matmuls run in one compute dtype: autocast's when it is on (bf16 hidden against fp32 master
         # weights), else the promoted input dtype. Softmax, loss and gradient accumulators stay fp32.
         dev = hidden.device.type
@@ -72,7 +73,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         gh = (dh * grad_loss).to(ctx.dtypes[0]) if dh is not None else None
         gw = (dw * grad_loss).to(ctx.dtypes[1]) if dw is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def linear_cross_entropy(
     _check(hidden, weight, labels)
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
-    return LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size)
+    return LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, torch.is_grad_enabled())
 
 
 # --- reference ------------------------------------------------------------------------------------

@@ -57,3 +57,13 @@ def test_linear_cross_entropy_checks_shapes():
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="int64"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int32))
+
+
+def test_linear_cross_entropy_under_no_grad_matches():
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(10, 8, generator=g, requires_grad=True), torch.randn(23, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 23, (10,), generator=g)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, labels, chunk_size=3)
+    assert not loss.requires_grad
+    assert_close(loss, cross_entropy_ref(h.detach() @ w.detach().t(), labels)[0], atol=1e-5, rtol=1e-5, what="loss")
