@@ -22,7 +22,9 @@ Asking for an implementation that is not available raises; there is no silent fa
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,13 @@ def _has_varlen() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _varlen_has_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -93,8 +102,13 @@ def packed_causal_attention(
                                "torch.nn.attention.varlen.varlen_attn")
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                           window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and not _varlen_has_gqa():
+            # torch < 2.14's varlen_attn has no enable_gqa: repeat the kv heads (costs kv memory, not FLOPs)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            group = 1
+        extra = {"enable_gqa": True} if group > 1 else {}
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **extra)
     return packed_causal_attention_ref(q, k, v, cu_seqlens, max_seqlen)
 
 
