@@ -136,10 +136,20 @@ def packed_causal_attention_ref(
     for start, length in zip(bounds[:-1], lengths):
         if length:
             by_len.setdefault(length, []).append(start)
+    # fp32 means fp32: an enclosing autocast must not turn the SDPA below into a bf16 one.
+    with torch.autocast(q.device.type, enabled=False):
+        _per_document(qf, kf, vf, out, by_len)
+    return out.to(q.dtype)
+
+
+def _per_document(qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, out: torch.Tensor,
+                  by_len: dict[int, list[int]]) -> None:
+    """Causal SDPA over each group of equal-length documents, written into out [N, H, Dh]."""
+    h, dh = qf.shape[1], qf.shape[2]
     for length, starts in by_len.items():
-        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-        shape = (len(starts), length, q.shape[1], q.shape[2])  # [docs, L, H, Dh]
+        dev = qf.device
+        idx = (torch.tensor(starts, device=dev)[:, None] + torch.arange(length, device=dev)).reshape(-1)
+        shape = (len(starts), length, h, dh)  # [docs, L, H, Dh]
         qd, kd, vd = (t[idx].view(shape).transpose(1, 2) for t in (qf, kf, vf))  # [docs, H, L, Dh]
         od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-        out[idx] = od.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
-    return out.to(q.dtype)
+        out[idx] = od.transpose(1, 2).reshape(-1, h, dh)

@@ -44,6 +44,16 @@ def test_ref_matches_math_with_grads(lens, h, hkv, dh, dtype):
         assert_close(a.grad, e.grad, **tol, what=name)
 
 
+def test_ref_ignores_autocast():
+    """Under an enclosing bf16 autocast the reference still computes in fp32 (and returns q's dtype)."""
+    q, k, v = _inputs([5, 8], 4, 2, 16, torch.float32)
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+    plain = packed_causal_attention_ref(q, k, v, cu, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = packed_causal_attention(q, k, v, cu, 8)
+    assert auto.dtype == torch.float32 and torch.equal(auto, plain)
+
+
 def test_documents_do_not_leak():
     """Changing one document leaves every other document's output bit-identical."""
     lens = [6, 9, 4]
