@@ -1,0 +1,49 @@
+"""Flow `train-designer`: fine-tune the designer LM by running `atelier designer train` under Prefect.
+
+    python -m flows.designer --config configs/designer/demo.toml [--set train.max_steps=50] [--nproc 2]
+    prefect deployment run train-designer/default -p config=configs/designer/demo.toml --watch --watch-timeout 1800
+
+Steps: check the config and the model path (flows/training.py) → the `train` task runs the trainer as a
+subprocess, retried once (it resumes from its newest checkpoint) → artifacts: metrics table and the
+throughput/MFU summary. Returns the run's output directory: flows pass paths, never tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from prefect import flow
+
+from flows.launch import kill_trainers_hook
+from flows.training import check_config, publish_task, require_path, train_task
+
+
+@flow(name="train-designer", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
+def train_designer(config: str = "configs/designer/demo.toml", overrides: list[str] | None = None,
+                   nproc: int = 1) -> str:
+    """Train the designer from `config` (+ `--set` style overrides) on nproc local processes; returns output.dir."""
+    overrides = list(overrides or [])
+    cfg = check_config("designer", config, overrides)
+    require_path(cfg.model.path, f"{config}: model.path", "create it with `atelier designer init`, or run `make demo`")
+    train_task("designer", str(config), overrides, nproc)
+    publish_task(cfg.output.dir, "train-designer")
+    return cfg.output.dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.designer", description="run the train-designer flow")
+    p.add_argument("--config", default="configs/designer/demo.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    from flows.serve import require_server
+
+    require_server("python -m flows.designer")
+    print(train_designer(args.config, args.set, args.nproc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Flow `train-imagegen`: train the MMDiT by running `atelier imagegen train` under Prefect.
+
+    python -m flows.imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50] [--nproc 2]
+    prefect deployment run train-imagegen/default -p config=configs/imagegen/demo.toml --watch --watch-timeout 1800
+
+Steps: check the config and the model path → `cache` task, only when needed → `train` task (a subprocess,
+retried once; it resumes from its newest checkpoint) → artifacts: metrics table, throughput/MFU summary and
+the newest sample grid from output.dir/samples/. Returns the run's output directory.
+
+The cache decision: frozen encoders run once, offline (STYLE.md), so training reads latent shards at
+`data.shards`. When `data.image_shards` is set and `data.shards` holds no `.tar` shard yet, the flow runs
+`atelier imagegen cache --out <data.shards>` first (same config and overrides); when latents exist it never
+re-encodes (delete the directory to rebuild). Without `data.image_shards` the trainer reads `data.shards`
+as they are (the trainer encodes image shards at start, see imagegen/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from prefect import flow, task
+
+from flows.launch import kill_trainers_hook, run_trainer
+from flows.report import artifact_key
+from flows.training import FlowInputError, check_config, publish_task, require_path, train_task
+
+
+def needs_cache(cfg: Any) -> bool:
+    """True when the config names image shards to cache and its latent directory has no shard yet."""
+    if not cfg.data.image_shards:
+        return False
+    return not any(Path(cfg.data.shards).glob("**/*.tar"))
+
+
+def cache_argv(config: str | Path, overrides: Sequence[str], out: str | Path) -> list[str]:
+    argv = ["imagegen", "cache", "--config", str(config), "--out", str(out)]
+    for o in overrides:
+        argv += ["--set", o]
+    return argv
+
+
+@task(name="cache-latents", retries=1, retry_delay_seconds=2)
+def cache_task(config: str, overrides: list[str], out: str) -> str:
+    """Encode image shards into latent shards once (the autoencoder and text encoder never run in the step)."""
+    run_trainer(cache_argv(config, overrides, out), progress_key=artifact_key("imagegen", "cache"))
+    return out
+
+
+@flow(name="train-imagegen", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
+def train_imagegen(config: str = "configs/imagegen/demo.toml", overrides: list[str] | None = None,
+                   nproc: int = 1) -> str:
+    """Train the MMDiT from `config` (+ overrides) on nproc local processes, caching latents first if missing."""
+    overrides = list(overrides or [])
+    cfg = check_config("imagegen", config, overrides)
+    require_path(cfg.model.path, f"{config}: model.path", "create it with `atelier imagegen init`, or run `make demo`")
+    if needs_cache(cfg):
+        require_path(cfg.data.image_shards, f"{config}: data.image_shards",
+                     "write them with `atelier data shards`, or run `make demo`")
+        cache_task(str(config), overrides, cfg.data.shards)
+    elif not Path(cfg.data.shards).exists():
+        raise FlowInputError(f"{config}: data.shards {cfg.data.shards} does not exist and data.image_shards is not "
+                             f"set, so there is nothing to cache it from")
+    train_task("imagegen", str(config), overrides, nproc)
+    publish_task(cfg.output.dir, "train-imagegen")
+    return cfg.output.dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.imagegen", description="run the train-imagegen flow")
+    p.add_argument("--config", default="configs/imagegen/demo.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    from flows.serve import require_server
+
+    require_server("python -m flows.imagegen")
+    print(train_imagegen(args.config, args.set, args.nproc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
