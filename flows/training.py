@@ -13,14 +13,18 @@ from typing import Any, Literal, Sequence
 
 from prefect import task
 
+from data.chat import DataError
 from flows.launch import run_trainer
 from flows.report import artifact_key, publish_training
 
 Kind = Literal["designer", "imagegen"]
 
 
-class FlowInputError(ValueError):
-    """A flow parameter that cannot be used (missing file, bad config, bad line); the message names it."""
+class FlowInputError(DataError):
+    """A flow parameter that cannot be used (missing file, bad config, bad line); the message names it.
+
+    A DataError (a ValueError), so `atelier eval` reports it as one line and exits 2 like any input error.
+    """
 
 
 def check_config(kind: Kind, config: str | Path, overrides: Sequence[str] = ()) -> Any:

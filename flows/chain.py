@@ -1,0 +1,56 @@
+"""Flow `brief-to-image`: train the designer, train the imagegen, evaluate the chain — three subflows.
+
+    python -m flows.chain                  # the demo configs
+    prefect deployment run brief-to-image/default --watch --watch-timeout 3600
+
+Each subflow is the same flow that is deployed on its own (`train-designer`, `train-imagegen`,
+`brief-to-image-eval`), called in-process so they show up nested under this run in the UI; they hand each
+other output directories, never tensors. The evaluation reads the designer run's export (model/ or
+adapter/) and the imagegen run's ema/ (else transformer/) directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from prefect import flow
+
+from flows.designer import train_designer
+from flows.evaluate import brief_to_image_eval
+from flows.imagegen import train_imagegen
+from flows.launch import kill_trainers_hook
+
+
+@flow(name="brief-to-image", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
+def brief_to_image(designer_config: str = "configs/designer/demo.toml",
+                   imagegen_config: str = "configs/imagegen/demo.toml",
+                   briefs: str = "runs/world/briefs_eval.txt", out_dir: str = "runs/eval",
+                   designer_overrides: list[str] | None = None, imagegen_overrides: list[str] | None = None,
+                   nproc: int = 1, seed: int = 0, steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
+    """Train both models, then judge brief → caption → image; returns the evaluation's aggregate and files."""
+    designer_dir = train_designer(designer_config, designer_overrides, nproc)
+    imagegen_dir = train_imagegen(imagegen_config, imagegen_overrides, nproc)
+    return brief_to_image_eval(designer_dir, imagegen_dir, briefs, out_dir, seed=seed, steps=steps, guidance=guidance)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.chain", description="run the brief-to-image flow")
+    p.add_argument("--designer-config", default="configs/designer/demo.toml")
+    p.add_argument("--imagegen-config", default="configs/imagegen/demo.toml")
+    p.add_argument("--briefs", default="runs/world/briefs_eval.txt")
+    p.add_argument("--out", default="runs/eval")
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    from flows.serve import require_server
+
+    require_server("python -m flows.chain")
+    result = brief_to_image(args.designer_config, args.imagegen_config, args.briefs, args.out, nproc=args.nproc)
+    print(json.dumps(result["aggregate"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Flow `brief-to-image-eval`: briefs → designer captions → imagegen images → judged scores.
+
+    atelier eval --designer runs/d1/model --imagegen runs/i1/ema --briefs runs/world/briefs_eval.txt --out runs/eval
+    python -m flows.evaluate --designer ... --imagegen ... --briefs ... --out ...     (as a Prefect flow)
+
+Steps, each a plain function taking and returning paths (the flow wraps each in a task):
+    1. `read_briefs`      briefs file → list of briefs (.txt: one per line; .jsonl: {"brief": ...} per line);
+                          a bad line is an error naming file:line
+    2. `write_captions`   designer.generate.generate_captions → <out>/captions.jsonl ({brief, caption})
+    3. `render_images`    imagegen.sample.sample_to_dir → <out>/images/*.png, one per caption, in order
+    4. `judge`            data.judge → <out>/scores.json (per brief + aggregate + caption statistics),
+                          <out>/scores.csv, <out>/grid.png, <out>/summary.md
+
+`designer` is a model directory (config.json + safetensors), a PEFT adapter directory
+(adapter_config.json; its base model is read from it) or a run directory (its summary.json exports);
+`imagegen` is a run's ema/ or transformer/ directory (or a run directory: ema/ preferred).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from prefect import flow, task
+
+from flows.report import image_markdown, in_prefect_run, make_grid
+from flows.training import FlowInputError
+
+GRID_MAX_IMAGES = 64
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def read_briefs(path: str | Path) -> list[str]:
+    """Briefs from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name file:line."""
+    from data.synthetic import brief_constraints
+
+    path = Path(path)
+    if not path.is_file():
+        raise FlowInputError(f"briefs file {path} does not exist")
+    briefs = []
+    jsonl = path.suffix == ".jsonl"
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        brief = line.strip()
+        if jsonl:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FlowInputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("brief"), str) or not obj["brief"].strip():
+                raise FlowInputError(f"{where}: expected an object with a non-empty string field 'brief'")
+            brief = obj["brief"].strip()
+        try:
+            brief_constraints(brief)  # the judge needs the brief's constraints: check now, not after sampling
+        except ValueError as e:
+            raise FlowInputError(f"{where}: brief {brief!r} cannot be judged in the shapes world ({e})") from None
+        briefs.append(brief)
+    if not briefs:
+        raise FlowInputError(f"briefs file {path} has no briefs")
+    return briefs
+
+
+def resolve_designer(path: str | Path) -> tuple[Path, Path | None]:
+    """(model_dir, adapter_dir or None) for a model, adapter or run directory."""
+    p = Path(path)
+    if not p.exists():
+        raise FlowInputError(f"designer {p} does not exist (a model, adapter or run directory)")
+    if (p / "adapter_config.json").is_file():
+        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if not base or not (Path(base) / "config.json").is_file():
+            raise FlowInputError(f"{p / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a local "
+                                 f"model directory with config.json")
+        return Path(base), p
+    if (p / "config.json").is_file():
+        return p, None
+    for sub in ("adapter", "model"):  # a run directory: its export
+        if (p / sub).is_dir():
+            return resolve_designer(p / sub)
+    raise FlowInputError(f"designer {p}: no config.json (model), adapter_config.json (adapter) or model/ or adapter/ "
+                         f"(run directory) in it")
+
+
+def resolve_imagegen(path: str | Path) -> Path:
+    """A transformer directory (config.json + weights) for a run's ema/ or transformer/ dir or the run dir itself."""
+    p = Path(path)
+    if not p.exists():
+        raise FlowInputError(f"imagegen {p} does not exist (a run's ema/ or transformer/ directory)")
+    if (p / "config.json").is_file():
+        return p
+    for sub in ("ema", "transformer"):
+        if (p / sub / "config.json").is_file():
+            return p / sub
+    raise FlowInputError(f"imagegen {p}: no config.json, ema/ or transformer/ in it (not a trained MMDiT)")
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | Path, seed: int = 0,
+                   max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                   batch_size: int = 16) -> Path:
+    """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order."""
+    from designer.generate import generate_captions
+
+    model_dir, adapter_dir = resolve_designer(designer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    briefs_file = out / "briefs.txt"
+    briefs_file.write_text("".join(b + "\n" for b in briefs), encoding="utf-8")
+    captions_file = out / "captions.jsonl"
+    generate_captions(model_dir=model_dir, adapter_dir=adapter_dir, briefs_file=briefs_file, out_file=captions_file,
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                      batch_size=batch_size)
+    return captions_file
+
+
+def read_captions(captions_file: str | Path) -> list[dict[str, str]]:
+    rows = []
+    for lineno, line in enumerate(Path(captions_file).read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise FlowInputError(f"{captions_file}:{lineno}: malformed JSON ({e.msg})") from None
+    return rows
+
+
+def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str | Path, seed: int = 0,
+                  steps: int = 20, guidance: float = 4.0) -> Path:
+    """One image per caption → <out>/images/, named in caption order."""
+    from imagegen.sample import sample_to_dir
+
+    model_dir = resolve_imagegen(imagegen)
+    out = Path(out_dir)
+    captions = [r["caption"] for r in read_captions(captions_file)]
+    # the sampler reads one caption per line: a newline inside a caption would split it
+    lines_file = out / "captions.txt"
+    lines_file.write_text("".join(" ".join(c.split()) + "\n" for c in captions), encoding="utf-8")
+    images_dir = out / "images"
+    sample_to_dir(model_dir=model_dir, captions_file=lines_file, out_dir=images_dir, steps=steps, guidance=guidance,
+                  seed=seed, config_path=None)
+    n = len(list_images(images_dir))
+    if n != len(captions):
+        raise RuntimeError(f"{images_dir}: the sampler wrote {n} images for {len(captions)} captions")
+    return images_dir
+
+
+def list_images(images_dir: str | Path) -> list[Path]:
+    return sorted(Path(images_dir).glob("*.png"))
+
+
+def caption_stats(captions: Sequence[str]) -> dict[str, float]:
+    from data.synthetic import parse_caption
+
+    words = [len(c.split()) for c in captions]
+    return {"n": len(captions), "mean_words": statistics.fmean(words), "min_words": min(words),
+            "max_words": max(words), "parsed_fraction": statistics.fmean(parse_caption(c) is not None for c in captions),
+            "distinct_fraction": len(set(captions)) / len(captions)}
+
+
+def judge(captions_file: str | Path, images_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Score every (brief, caption, image); write scores.json, scores.csv, grid.png, summary.md; return the summary."""
+    from data.judge import judge_caption, judge_image, judge_image_brief
+    from data.synthetic import parse_caption
+
+    out = Path(out_dir)
+    rows = read_captions(captions_file)
+    images = list_images(images_dir)
+    if len(images) != len(rows):
+        raise FlowInputError(f"{images_dir} has {len(images)} images for {len(rows)} captions in {captions_file}")
+    per_brief = []
+    for i, (row, img) in enumerate(zip(rows, images)):
+        brief, caption = row["brief"], row["caption"]
+        b = judge_image_brief(img, brief)
+        c = judge_caption(caption, brief)
+        fidelity = judge_image(img, caption).score if parse_caption(caption) is not None else None
+        per_brief.append({"index": i, "brief": brief, "caption": caption, "image": str(img),
+                          "score": b.score, "color_ok": b.color_ok, "shape_ok": b.shape_ok,
+                          "position_ok": b.position_ok, "detected": b.detected,
+                          "caption_score": c.score, "caption_parsed": c.parsed, "image_caption_score": fidelity})
+    mean = lambda key: statistics.fmean(float(r[key]) for r in per_brief)  # noqa: E731
+    fid = [r["image_caption_score"] for r in per_brief if r["image_caption_score"] is not None]
+    aggregate = {"n": len(per_brief), "score": mean("score"), "color_ok": mean("color_ok"),
+                 "shape_ok": mean("shape_ok"), "position_ok": mean("position_ok"), "detected": mean("detected"),
+                 "caption_score": mean("caption_score"),
+                 "image_caption_score": statistics.fmean(fid) if fid else None}
+    stats = caption_stats([r["caption"] for r in per_brief])
+    grid = make_grid(images[:GRID_MAX_IMAGES], out / "grid.png", cols=8, scale=2)
+    result = {"aggregate": aggregate, "captions": stats, "per_brief": per_brief,
+              "files": {"scores_json": str(out / "scores.json"), "scores_csv": str(out / "scores.csv"),
+                        "grid": str(grid), "captions": str(captions_file), "images": str(images_dir),
+                        "summary": str(out / "summary.md")}}
+    _atomic_write(out / "scores.json", json.dumps(result, indent=1))
+    with open(out / "scores.csv.tmp", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(per_brief[0]))
+        w.writeheader()
+        w.writerows(per_brief)
+    (out / "scores.csv.tmp").replace(out / "scores.csv")
+    _atomic_write(out / "summary.md", summary_markdown(result, with_grid=False))
+    return {k: v for k, v in result.items() if k != "per_brief"}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def summary_markdown(result: dict[str, Any], with_grid: bool = True) -> str:
+    a, c = result["aggregate"], result["captions"]
+    pct = lambda v: "–" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = ["# brief → image evaluation", "",
+             f"**Judged score: {pct(a['score'])}** over {a['n']} briefs (image against brief: colour, shape, "
+             "position).", "",
+             "| check | accuracy |", "|---|---|"]
+    lines += [f"| {k} | {pct(a[k])} |" for k in ("score", "color_ok", "shape_ok", "position_ok", "detected",
+                                                 "caption_score", "image_caption_score")]
+    lines += ["", "Captions: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in c.items()), "",
+              f"Files: `{result['files']['scores_json']}`, `{result['files']['scores_csv']}`, "
+              f"`{result['files']['grid']}`"]
+    if with_grid:
+        lines += ["", image_markdown(Path(result["files"]["grid"]), "generated images")]
+    return "\n".join(lines)
+
+
+def publish_eval(result: dict[str, Any]) -> list[str]:
+    """Markdown summary (scores + the grid) and a per-brief table as artifacts; [] outside a Prefect run."""
+    if not in_prefect_run():
+        return []
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    create_markdown_artifact(summary_markdown(result), key="brief-to-image-eval-summary",
+                             description="judged scores of the brief → caption → image chain")
+    per_brief = json.loads(Path(result["files"]["scores_json"]).read_text())["per_brief"]
+    table = [{k: (f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in r.items() if k != "image"}
+             for r in per_brief]
+    create_table_artifact(table, key="brief-to-image-eval-scores", description="per-brief scores")
+    return ["brief-to-image-eval-summary", "brief-to-image-eval-scores"]
+
+
+# ----------------------------------------------------------------------------- plain entry point and flow
+
+
+def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: str | Path, out_dir: str | Path,
+                            seed: int = 0, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                            steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
+    """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, caption stats, file paths."""
+    _check_inputs(designer, imagegen)
+    brief_list = read_briefs(briefs)
+    captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
+    images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
+    return judge(captions, images, out_dir)
+
+
+def _check_inputs(designer: str | Path, imagegen: str | Path) -> None:
+    resolve_designer(designer)  # fail before the designer runs, not after
+    resolve_imagegen(imagegen)
+
+
+@task(name="generate-captions")
+def captions_task(designer: str, briefs: list[str], out_dir: str, seed: int, max_new_tokens: int, temperature: float,
+                  top_p: float) -> str:
+    return str(write_captions(designer, briefs, out_dir, seed, max_new_tokens, temperature, top_p))
+
+
+@task(name="sample-images")
+def images_task(imagegen: str, captions_file: str, out_dir: str, seed: int, steps: int, guidance: float) -> str:
+    return str(render_images(imagegen, captions_file, out_dir, seed, steps, guidance))
+
+
+@task(name="judge")
+def judge_task(captions_file: str, images_dir: str, out_dir: str) -> dict[str, Any]:
+    result = judge(captions_file, images_dir, out_dir)
+    publish_eval(result)
+    return result
+
+
+@flow(name="brief-to-image-eval")
+def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str = "runs/eval", seed: int = 0,
+                        max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, steps: int = 20,
+                        guidance: float = 4.0) -> dict[str, Any]:
+    """briefs → captions → images → scores; every step's output is a path under out_dir."""
+    _check_inputs(designer, imagegen)
+    brief_list = read_briefs(briefs)
+    captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
+    images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
+    return judge_task(captions, images, str(out_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.evaluate", description="run the brief-to-image-eval flow")
+    p.add_argument("--designer", required=True)
+    p.add_argument("--imagegen", required=True)
+    p.add_argument("--briefs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from flows.serve import require_server
+
+    require_server("python -m flows.evaluate")
+    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed)
+    print(json.dumps(result["aggregate"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The local Prefect server and the process serving Atelier's deployments: start, stop, status, run.
+
+    python -m flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process, in the background
+    python -m flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then the server
+    python -m flows.serve status
+    python -m flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
+
+Served deployments, all named `default`: train-designer/default, train-imagegen/default,
+brief-to-image-eval/default, brief-to-image/default; start one with
+`prefect deployment run train-designer/default --watch --watch-timeout 1800`.
+
+The API URL comes from Prefect's settings: prefect.toml at the repo root says http://127.0.0.1:4200/api and
+PREFECT_HOME=.prefect. When PREFECT_API_URL names anything else (a user's own server), `start` uses that
+server and starts only the serve process. Logs go to <PREFECT_HOME>/logs/{server,serve}.log and pid files
+to <PREFECT_HOME>/{server,serve}.pid; each process leads its own process group so `stop` ends its children
+(the serve process's flow runs and their trainers) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from flows.launch import kill_process_group
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+DEPLOYMENTS = ("train-designer/default", "train-imagegen/default", "brief-to-image-eval/default",
+               "brief-to-image/default")
+SERVER_START_TIMEOUT_S = 180.0  # a fresh SQLite server takes 30-60 s to become healthy on 2 cores
+SERVE_START_TIMEOUT_S = 120.0
+
+
+class ServerNotRunning(RuntimeError):
+    """No Prefect API answers at the configured URL; the message says which command starts it."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where Prefect lives for this checkout: the API URL and the home directory (database, logs, pids)."""
+
+    api_url: str
+    home: Path
+
+    @property
+    def local(self) -> bool:
+        return urllib.parse.urlparse(self.api_url).hostname in LOCAL_HOSTS
+
+    @property
+    def host(self) -> str:
+        return urllib.parse.urlparse(self.api_url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return urllib.parse.urlparse(self.api_url).port or 4200
+
+    @property
+    def ui_url(self) -> str:
+        return self.api_url.removesuffix("/").removesuffix("/api")
+
+    def path(self, name: str) -> Path:
+        return self.home / name
+
+
+def endpoint() -> Endpoint:
+    """The API URL and home from Prefect's settings (env beats prefect.toml), home made absolute."""
+    from prefect.settings import get_current_settings
+
+    s = get_current_settings()
+    url = str(s.api.url or "http://127.0.0.1:4200/api")
+    home = Path(s.home)
+    if not home.is_absolute():
+        home = REPO / home  # prefect.toml's ".prefect" is relative to the repo root, where it is read
+    return Endpoint(url, home)
+
+
+def child_env(ep: Endpoint) -> dict[str, str]:
+    """Environment of every Prefect process started here: pinned to this endpoint, no telemetry."""
+    env = dict(os.environ)
+    env.update({"PREFECT_API_URL": ep.api_url, "PREFECT_HOME": str(ep.home), "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+# ----------------------------------------------------------------------------- health
+
+
+def healthy(ep: Endpoint, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{ep.api_url.rstrip('/')}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def require_server(command: str, ep: Endpoint | None = None) -> Endpoint:
+    """Raise ServerNotRunning, naming `make serve`, unless the API answers."""
+    ep = ep or endpoint()
+    if not healthy(ep):
+        how = ("start it with `make serve` (or `python -m flows.serve start`)" if ep.local else
+               "that is PREFECT_API_URL: start that server, or unset PREFECT_API_URL to use the local one "
+               "(`make serve`)")
+        raise ServerNotRunning(f"{command}: no Prefect server answers at {ep.api_url}; {how}")
+    return ep
+
+
+def served_deployments(ep: Endpoint) -> list[str]:
+    """Which of DEPLOYMENTS the API knows (a served deployment is registered when its serve process starts)."""
+    req = urllib.request.Request(f"{ep.api_url.rstrip('/')}/deployments/filter", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            deps = json.load(r)
+        flows_req = urllib.request.Request(f"{ep.api_url.rstrip('/')}/flows/filter", data=b"{}", method="POST",
+                                           headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(flows_req, timeout=5) as r:
+            flow_names = {f["id"]: f["name"] for f in json.load(r)}
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+    have = {f"{flow_names.get(d['flow_id'], '?')}/{d['name']}" for d in deps}
+    return [d for d in DEPLOYMENTS if d in have]
+
+
+# ----------------------------------------------------------------------------- pid files
+
+
+def read_pid(ep: Endpoint, name: str) -> int | None:
+    f = ep.path(f"{name}.pid")
+    try:
+        pid = int(f.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        f.unlink(missing_ok=True)  # stale: the process is gone
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+def _spawn(ep: Endpoint, name: str, cmd: Sequence[str]) -> int:
+    logs = ep.path("logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=REPO, env=child_env(ep), start_new_session=True)
+    ep.path(f"{name}.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+def _log_tail(ep: Endpoint, name: str, n: int = 20) -> str:
+    f = ep.path("logs") / f"{name}.log"
+    if not f.is_file():
+        return "(no log)"
+    return "\n".join(f.read_text(errors="replace").splitlines()[-n:])
+
+
+def _wait(what: str, ep: Endpoint, name: str, pid: int, ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if read_pid(ep, name) is None or _exited(pid):
+            raise RuntimeError(f"{what} exited during startup; see {ep.path('logs') / (name + '.log')}:\n"
+                               f"{_log_tail(ep, name)}")
+        time.sleep(1.0)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f} s; see {ep.path('logs') / (name + '.log')}:\n"
+                       f"{_log_tail(ep, name)}")
+
+
+def _exited(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+        return done == pid
+    except ChildProcessError:
+        return False  # not our child (started by an earlier command): read_pid checks it
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def start(ep: Endpoint | None = None, server_timeout: float = SERVER_START_TIMEOUT_S,
+          serve_timeout: float = SERVE_START_TIMEOUT_S) -> Endpoint:
+    """Start the local server (unless one answers, or the URL is not local) and the serve process; idempotent."""
+    ep = ep or endpoint()
+    ep.home.mkdir(parents=True, exist_ok=True)
+    if healthy(ep):
+        print(f"Prefect server already answers at {ep.api_url}")
+    elif not ep.local:
+        raise ServerNotRunning(f"PREFECT_API_URL={ep.api_url} is not local and does not answer; start that server, "
+                               f"or unset PREFECT_API_URL to use the local one")
+    else:
+        pid = _spawn(ep, "server", [sys.executable, "-m", "prefect", "server", "start", "--host", ep.host,
+                                    "--port", str(ep.port)])
+        print(f"starting the Prefect server (pid {pid}, database {ep.home / 'prefect.db'}); waiting for "
+              f"{ep.api_url}/health (up to {server_timeout:.0f} s) ...", flush=True)
+        _wait("the Prefect server", ep, "server", pid, lambda: healthy(ep), server_timeout)
+    if read_pid(ep, "serve") is not None and len(served_deployments(ep)) == len(DEPLOYMENTS):
+        print(f"already serving {', '.join(DEPLOYMENTS)}")
+    else:
+        pid = _spawn(ep, "serve", [sys.executable, "-m", "flows.serve", "run"])
+        print(f"starting the serve process (pid {pid}) ...", flush=True)
+        _wait("the serve process", ep, "serve", pid, lambda: len(served_deployments(ep)) == len(DEPLOYMENTS),
+              serve_timeout)
+        print(f"serving {', '.join(DEPLOYMENTS)}")
+    print(f"Prefect UI: {ep.ui_url}   logs: {ep.path('logs')}   stop with `make stop`")
+    return ep
+
+
+def stop(ep: Endpoint | None = None) -> list[str]:
+    """Stop the serve process (and its flow runs) first, then the server; only processes started here."""
+    ep = ep or endpoint()
+    stopped = []
+    for name in ("serve", "server"):
+        pid = read_pid(ep, name)
+        if pid is None:
+            continue
+        kill_process_group(pid, grace_s=15.0)
+        _exited(pid)
+        ep.path(f"{name}.pid").unlink(missing_ok=True)
+        stopped.append(name)
+    print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop (no serve or server pid file)")
+    return stopped
+
+
+def status(ep: Endpoint | None = None) -> dict:
+    ep = ep or endpoint()
+    st = {"api_url": ep.api_url, "healthy": healthy(ep), "server_pid": read_pid(ep, "server"),
+          "serve_pid": read_pid(ep, "serve"), "home": str(ep.home)}
+    st["deployments"] = served_deployments(ep) if st["healthy"] else []
+    return st
+
+
+def run() -> None:
+    """Serve the four deployments in the foreground until interrupted."""
+    from prefect import serve
+
+    from flows.chain import brief_to_image
+    from flows.designer import train_designer
+    from flows.evaluate import brief_to_image_eval
+    from flows.imagegen import train_imagegen
+
+    require_server("python -m flows.serve run")
+    serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,
+                                                      brief_to_image)),
+          pause_on_shutdown=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__.split("\n")[0])
+    p.add_argument("command", choices=["start", "stop", "status", "run"])
+    p.add_argument("--timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to wait for the server")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "start":
+            start(server_timeout=args.timeout)
+        elif args.command == "stop":
+            stop()
+        elif args.command == "status":
+            print(json.dumps(status(), indent=1))
+        else:
+            run()
+    except (ServerNotRunning, RuntimeError, TimeoutError) as e:
+        print(f"flows.serve {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM from `stop` → KeyboardInterrupt → clean exit
+    sys.exit(main())
