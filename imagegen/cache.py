@@ -1,0 +1,163 @@
+"""`atelier imagegen cache`: image shards -> latent shards, once, offline (STYLE.md "Data").
+
+Shape legend: B images per encoder call, H/W bucket pixels, C latent channels, h/w latent size,
+L text tokens, D text hidden size.
+
+Each image is resized and centre-cropped to its nearest aspect bucket (`data.buckets`), images are
+grouped by bucket into batches of `data.cache_batch`, and each batch runs through the autoencoder and
+the text encoder together. The latent shards carry per sample {latent [C,h,w], text_states [L,D],
+pooled [D]} plus the bucket, caption and the image shard's key. A `cache.json` beside them records
+what produced them (autoencoder spec, text encoder, resolution, counts) so the trainer can check them.
+
+Ranks (PITFALLS.md "Frozen work in the step"): under torchrun each rank reads only its own slice of
+the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
+index) writes the combined `out_dir/index.json`, listing `rank-RRRRR/shard-NNNNNN.tar`. A single
+process writes `out_dir/shard-*.tar` directly. Resume: a (rank) directory whose index.json exists is
+complete and is skipped. Corrupt image samples are skipped and counted by the shard reader; past
+`data.max_bad_fraction` it raises `ShardError` naming the worst shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from rich.progress import Progress
+
+from data.buckets import image_to_tensor, make_buckets, nearest_bucket, resize_and_crop
+from data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
+from imagegen.autoencoder import load_autoencoder
+from imagegen.config import ImagegenConfig
+from imagegen.hf import read_args
+from imagegen.text import TextEncoder, load_text_encoder
+from pipeline.progress import log
+
+CACHE_META = "cache.json"
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment; (0, 1) for a plain process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int = 2) -> list[tuple[int, int]]:
+    """Pixel buckets whose sides are multiples of autoencoder factor x MMDiT patch (latents split into patches)."""
+    multiple = downsample_factor * patch_size
+    return make_buckets(cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
+
+
+@torch.no_grad()
+def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], autoencoder, text: TextEncoder,
+                   batch_size: int, device: torch.device) -> Iterator[dict]:
+    """Image samples {key, image, caption} -> latent samples, batched per bucket (remainders flushed at the end)."""
+    pending: dict[int, list[dict]] = {}
+
+    def flush(b: int) -> Iterator[dict]:
+        group = pending.pop(b)
+        images = torch.stack([image_to_tensor(resize_and_crop(s["image"], buckets[b])) for s in group])  # [B,3,H,W]
+        latents = autoencoder.encode(images.to(device)).float().cpu()  # [B, C, h, w]
+        states, pooled, _ = text.encode([s["caption"] for s in group])  # [B, L, D], [B, D]
+        for i, s in enumerate(group):
+            yield {"key": s["key"], "latent": latents[i], "text_states": states[i].cpu(), "pooled": pooled[i].cpu(),
+                   "bucket": buckets[b], "caption": s["caption"]}
+
+    for s in samples:
+        w, h = s["image"].size
+        b = nearest_bucket(h, w, buckets)
+        pending.setdefault(b, []).append(s)
+        if len(pending[b]) == batch_size:
+            yield from flush(b)
+    for b in sorted(pending):
+        yield from flush(b)
+
+
+def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
+    meta = {"autoencoder": cfg.autoencoder.spec, "latent_channels": autoencoder.latent_channels,
+            "downsample_factor": autoencoder.downsample_factor, "text_encoder": str(text.path.resolve()),
+            "text_kind": text.kind, "max_length": text.max_length, "layer": text.layer, "pooled": text.pooled,
+            "hidden_size": text.hidden_size, "resolution": cfg.data.resolution, **counts}
+    tmp = out_dir / f".{CACHE_META}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, out_dir / CACHE_META)
+
+
+def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
+    """Write out_dir/index.json from every rank's index once all exist; True when written."""
+    dirs = [out_dir / f"rank-{r:05d}" for r in range(world_size)]
+    indexes = [read_index(d) for d in dirs]
+    if any(i is None for i in indexes):
+        return False
+    shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]} for d, i in zip(dirs, indexes) for s in i["shards"]]
+    merged = {"kind": "latent", "shards": shards, "total": sum(s["count"] for s in shards)}
+    tmp = out_dir / f".{INDEX_NAME}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(merged, indent=1))
+    os.replace(tmp, out_dir / INDEX_NAME)
+    return True
+
+
+def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int, autoencoder, text: TextEncoder,
+                device: torch.device, rank: int = 0, world_size: int = 1, patch_size: int = 2,
+                progress: bool = True) -> Path:
+    """Encode one image shard set into latent shards at out_dir (this rank's slice); returns the directory."""
+    out_dir = Path(out_dir)
+    target = out_dir / f"rank-{rank:05d}" if world_size > 1 else out_dir
+    if read_index(target) is not None and (target / CACHE_META).is_file():
+        log(f"cache: {target} is complete, skipping")
+    else:
+        buckets = cache_buckets(cfg, autoencoder.downsample_factor, patch_size)
+        reader = ShardReader(source, kind="image", rank=rank, world_size=world_size, num_workers=cfg.data.num_workers,
+                             max_bad_fraction=cfg.data.max_bad_fraction)
+        images: Iterable[dict] = reader
+        if cfg.data.num_workers > 0:
+            images = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=cfg.data.num_workers)
+        index = read_index(Path(source)) if Path(source).is_dir() else None
+        total = index["total"] // world_size if index else None
+        written = 0
+
+        def counted(samples: Iterator[dict], bar: Progress, task) -> Iterator[dict]:
+            nonlocal written
+            for s in samples:
+                written += 1
+                bar.advance(task)
+                yield s
+
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"caching {Path(source).name} (rank {rank}/{world_size})", total=total)
+            stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device)
+            write_latent_shards(counted(stream, bar, task), target, shard_size)
+        c = reader.counter  # this process's count (each DataLoader worker keeps its own)
+        counts = {"samples": written, "bad": c.bad, "bad_by_reason": dict(c.by_reason)}
+        _write_meta(target, cfg, text, autoencoder, counts)
+        log(f"cache: {written} samples from {source} -> {target}; bad samples skipped: {c.bad} {dict(c.by_reason)}")
+    if world_size > 1 and _merge_rank_indexes(out_dir, world_size):
+        (out_dir / CACHE_META).write_text((target / CACHE_META).read_text())
+        log(f"cache: all {world_size} ranks done, wrote {out_dir / INDEX_NAME}")
+    return out_dir
+
+
+def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) -> Path:
+    """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval."""
+    if not cfg.data.image_shards:
+        from pipeline.config import ConfigError
+
+        raise ConfigError("data.image_shards: required by `atelier imagegen cache` (image shards from `atelier data "
+                          "shards`)")
+    rank, world_size = dist_env()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    autoencoder = load_autoencoder(cfg.autoencoder.spec).to(device)
+    text = load_text_encoder(cfg.text, device)
+    patch = read_args(cfg.model.path).patch_size  # buckets must tile into whole MMDiT patches
+    out_dir = Path(out_dir)
+    cache_split(cfg, cfg.data.image_shards, out_dir, shard_size, autoencoder, text, device, rank, world_size, patch)
+    if cfg.data.eval_image_shards:
+        cache_split(cfg, cfg.data.eval_image_shards, out_dir / "eval", shard_size, autoencoder, text, device, rank,
+                    world_size, patch)
+    return out_dir
+
+
+__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "dist_env", "CACHE_META"]

@@ -1,0 +1,75 @@
+"""Exponential moving average of the trainable weights, kept in fp32.
+
+    shadow <- decay * shadow + (1 - decay) * param        (every `update_every` optimizer steps)
+
+computed as one `torch._foreach_lerp_(shadow, params, 1 - decay)` over all tensors (no Python loop
+over tensors on the hot path). The shadow starts as a copy of the weights at construction. It is part
+of the trainer's checkpoint (`state_tensors`) so a resumed run continues the same average, and
+`swapped_in()` puts it into the model for sampling, evaluation and export, then restores the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def ema_update_ref(shadow: dict[str, torch.Tensor], params: dict[str, torch.Tensor], decay: float) -> None:
+    """Plain reference: the formula, one tensor at a time, in fp32."""
+    for name, s in shadow.items():
+        s.copy_(decay * s + (1.0 - decay) * params[name].detach().float())
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float, update_every: int = 1):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay} (ema.decay = 0 disables EMA)")
+        if update_every < 1:
+            raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
+        self.decay, self.update_every = decay, update_every
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    def _sources(self) -> list[torch.Tensor]:
+        return [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """After optimizer step `step` (1-based): lerp toward the weights when step % update_every == 0."""
+        if step % self.update_every == 0:
+            torch._foreach_lerp_(self.shadow, self._sources(), 1.0 - self.decay)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"ema.{n}": s for n, s in zip(self.names, self.shadow)}
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if f"ema.{n}" not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint has no EMA weights for {len(missing)} parameter(s), e.g. {missing[:3]} "
+                             f"(was it written with ema.decay = 0?)")
+        for n, s in zip(self.names, self.shadow):
+            src = tensors[f"ema.{n}"]
+            if src.shape != s.shape:
+                raise ValueError(f"checkpoint EMA weight {n} has shape {tuple(src.shape)}, expected {tuple(s.shape)}")
+            s.copy_(src)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Inside the block the model holds the EMA weights; the trained weights come back afterwards."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], self.shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], backup)
+
+
+__all__ = ["EMA", "ema_update_ref"]
