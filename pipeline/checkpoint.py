@@ -12,6 +12,21 @@ It is written to `.step-N.tmp/`, each file fsynced, then renamed into place, so 
 either a complete checkpoint or a temporary directory that is ignored (and never a half-written
 `step-N`). Loading checks the manifest first, so a truncated or altered file is reported by name
 before anything is read. Only safetensors and JSON are read: nothing is unpickled.
+
+Under torchrun (pipeline/distributed.py) a checkpoint is sharded instead, written by every rank through
+`torch.distributed.checkpoint` (DCP), and resumable on any number of processes (DCP re-shards on load;
+one process without a process group loads it too):
+
+    .metadata, __<rank>_0.distcp   DCP: trainable weights, optimizer state, task tensors (by parameter name)
+    state.json                     step, task metadata, world size; written by rank 0
+    rank-<r>.json                  rank r's RNG states (Python, NumPy, torch CPU/CUDA)
+    manifest.json                  size and SHA-256 of every file above; written last, by rank 0
+
+The same atomicity: every rank writes into `.step-N.tmp/`, rank 0 writes the manifest once all ranks are
+done and renames. With `async_save` the files are written by a background thread while training goes on;
+the rename happens when the write has finished (`PendingSave.wait`, called at the next save and at the
+end of the run), so a crash mid-write leaves only a temporary directory. DCP's files are read with
+torch.load(weights_only=True) semantics inside DCP: tensors and plain containers only.
 """
 
 from __future__ import annotations
@@ -133,6 +148,95 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         return
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- sharded (DCP) checkpoints
+
+DCP_METADATA = ".metadata"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (Path(path) / DCP_METADATA).is_file()
+
+
+class PendingSave:
+    """A sharded save in flight: `wait()` finishes the write (async) and, on rank 0, finalises the directory."""
+
+    def __init__(self, tmp: Path, final: Path, state: dict[str, Any], ctx: Any, future: Any = None):
+        self.tmp, self.final, self.state, self.ctx, self.future = tmp, final, state, ctx, future
+
+    def wait(self) -> Path:
+        from pipeline.distributed import barrier
+
+        if self.future is not None:
+            self.future.result()  # every rank's shard written; DCP's coordinator wrote .metadata
+            self.future = None
+        barrier(self.ctx)  # rank 0 renames only once every rank's files are complete
+        if self.ctx.is_main:
+            _write_json(self.tmp / "state.json", self.state)
+            names = sorted(p.name for p in self.tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+            _write_json(self.tmp / MANIFEST, {name: _describe(self.tmp / name) for name in names})
+            for name in [*names, MANIFEST]:
+                _fsync(self.tmp / name)
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _fsync_dir(self.final.parent)
+        barrier(self.ctx)
+        return self.final
+
+
+def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], state: dict[str, Any],
+                            rank_state: dict[str, Any], ctx: Any, async_save: bool = False) -> PendingSave:
+    """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into `root/.step-N.tmp`.
+
+    A collective: all ranks call it with the same step. `state` (JSON, rank 0's copy is kept) and
+    `rank_state` (JSON, one file per rank) go next to the shards. Returns the pending save; its `wait()`
+    renames the directory into place (called right away unless `async_save`).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.distributed import barrier
+
+    root = Path(root)
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # a write killed earlier: never mix its files with this one
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier(ctx)
+    _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
+    state = {"step": step, "format": "dcp", "world_size": ctx.world_size, **state}
+    if async_save:
+        future = dcp.async_save(app_state, checkpoint_id=str(tmp))
+        return PendingSave(tmp, final, state, ctx, future)
+    dcp.save(app_state, checkpoint_id=str(tmp))
+    pending = PendingSave(tmp, final, state, ctx)
+    pending.wait()
+    return pending
+
+
+def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) -> tuple[int, dict[str, Any],
+                                                                                           dict[str, Any] | None]:
+    """Load a sharded checkpoint into `app_state` in place (any number of processes, or one without a group).
+
+    Returns (step, state.json without the step, this rank's rank-<r>.json or None when the checkpoint was
+    written by fewer ranks). Keys of `app_state` missing from the checkpoint raise CheckpointError.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        dcp.load(app_state, checkpoint_id=str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load the sharded checkpoint: {e}") from e
+    rank_file = path / f"rank-{rank}.json"
+    rank_state = json.loads(rank_file.read_text()) if rank_file.is_file() else None
+    return int(state.pop("step")), state, rank_state
 
 
 # ----------------------------------------------------------------------------- optimizer state by name

@@ -34,6 +34,32 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """`[train.distributed]`: how the model is spread over processes under torchrun (pipeline/distributed.py).
+
+    Activation checkpointing and compile also apply to a single process; FSDP only under torchrun.
+    """
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: NCCL on CUDA, gloo on CPU
+    # FSDP2 all-gather dtype. "auto" lets the task choose: bf16 for bf16 full fine-tuning, fp32 for exact
+    # runs, each parameter's own dtype for LoRA (a bf16 frozen base with fp32 adapters).
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduce-scatter dtype
+    # "default": reshard every block after forward except the last (backward needs it first) — torchtitan's
+    # policy; "always": every block (least memory); "never": keep blocks unsharded until backward (ZeRO-2-like).
+    # The root (embeddings, final norm, LM head) is never resharded after forward: the loss reads the LM head
+    # weight outside the model's forward.
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    activation_checkpointing: bool = False  # recompute each block in backward
+    compile: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
+    # "sharded": build on the meta device and read each rank's rows of every tensor from the safetensors
+    # files; "full": every rank loads the whole model on the CPU first, then shards it (small models only).
+    init: Literal["sharded", "full"] = "sharded"
+    async_checkpoint: bool = False  # write checkpoints in a background thread; finalised at the next save
+    balance: bool = True  # balance packed rows across ranks by attention cost (sum of len^2 per row)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The training loop's settings, shared by both trainers."""
 
@@ -56,6 +82,7 @@ class TrainConfig:
     resume: str = "auto"  # "auto" (newest checkpoint in output.dir), "never", or a checkpoint path
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
     peak_tflops: float = 0.0  # override the detected device peak for MFU; 0 = detect
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         _positive(self, "max_steps", "micro_batch", "grad_accum", "log_every")
@@ -286,6 +313,6 @@ def save_config(cfg: Any, path: str | Path) -> None:
 
 
 __all__ = [
-    "ConfigError", "TrainConfig", "OutputConfig", "load_config", "config_from_dict", "config_to_dict",
+    "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict", "config_to_dict",
     "config_to_toml", "save_config", "field",
 ]

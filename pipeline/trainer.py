@@ -7,6 +7,13 @@ step AdamW. Around it: logging (progress bar, metrics.jsonl, TensorBoard), evalu
 cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor).
 
 The step itself reads nothing back from the device; the host syncs only where a value is logged.
+
+Under torchrun (a `DistContext` with `enabled`, pipeline/distributed.py) the same loop runs on every rank
+over its own slice of each global micro-batch: the loss weights are summed over ranks (so the mean is over
+the GLOBAL accumulated batch — one small all-reduce per step), FSDP2 reduce-scatters gradients only on the
+last micro-batch of a step, the gradient norm is taken over the sharded (DTensor) gradients, checkpoints are
+sharded (torch.distributed.checkpoint, optionally async), and logging, metrics and exports happen on rank 0
+only, exports from the consolidated weights. A stop signal on any rank stops every rank after the same step.
 """
 
 from __future__ import annotations
@@ -32,7 +39,17 @@ from pipeline.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from pipeline.config import OutputConfig, TrainConfig
+from pipeline.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    consolidated,
+    is_sharded,
+    set_gradient_sync,
+)
 from pipeline.mfu import ThroughputMeter, device_peak_flops
 from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
 from pipeline.task import Task
@@ -82,9 +99,20 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
+class _Silent:
+    """Stands in for the progress bar and metric logs on ranks other than 0."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+    def update(self, step: int, record: dict[str, Any]) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
 class Trainer:
-    def __init__(self, task: Task, train: TrainConfig, output: OutputConfig, device: torch.device):
+    def __init__(self, task: Task, train: TrainConfig, output: OutputConfig, device: torch.device,
+                 dist: DistContext | None = None):
         self.task = task
+        self.dist = dist if dist is not None else DistContext(device=device)
         self.cfg = train
         self.out = Path(output.dir)
         self.output_cfg = output
@@ -97,6 +125,7 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.step = 0
         self._stop_signal: int | None = None
+        self._pending: PendingSave | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -110,6 +139,19 @@ class Trainer:
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
 
     def _resume_path(self) -> Path | None:
+        """The checkpoint to resume from; under torchrun rank 0 decides (and verifies) for every rank."""
+        if not self.dist.enabled:
+            return self._find_resume_path()
+        try:
+            found: Any = self._find_resume_path() if self.dist.is_main else None
+        except TrainingError as e:
+            found = e
+        found = broadcast_object(self.dist, found)
+        if isinstance(found, TrainingError):
+            raise found
+        return found
+
+    def _find_resume_path(self) -> Path | None:
         resume = self.cfg.resume
         if resume == "never":
             if list_checkpoints(self.ckpt_dir):
@@ -137,6 +179,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
+        if self.dist.enabled:
+            return self._save_sharded()
         opt_tensors, opt_meta = optimizer_state_to_tensors(self.optimizer, self.param_names)
         extra = {f"task.{k}": v for k, v in self.task.state_tensors().items()}
         extra["rng.torch"] = torch.get_rng_state()
@@ -164,6 +208,11 @@ class Trainer:
         return path
 
     def load(self, path: Path) -> None:
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(Path(path))
+        if self.dist.enabled:
+            raise CheckpointError(f"{path}: a single-process checkpoint cannot be resumed under torchrun; resume it "
+                                  f"with one process, or start the multi-process run from its exported weights")
         ckpt = load_checkpoint(path)
         names = {n for n, _ in self.named_params}
         missing = sorted(names - set(ckpt.model))
@@ -192,6 +241,75 @@ class Trainer:
         np.random.set_state((npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
         self.step = ckpt.step
 
+    def _app_state(self) -> dict[str, Any]:
+        """Trainable weights and optimizer state by parameter name (DTensors under FSDP), plus task tensors."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.task.model, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=True))
+        return {"model": model_sd, "optimizer": optim_sd, "task": dict(self.task.state_tensors())}
+
+    def _rank_state(self) -> dict[str, Any]:
+        py_state = random.getstate()
+        np_state = np.random.get_state()
+        out: dict[str, Any] = {
+            "python": [py_state[0], list(py_state[1]), py_state[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "torch": torch.get_rng_state().tolist(),
+        }
+        if self.device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(self.device).tolist()
+        return out
+
+    def _set_rank_state(self, st: dict[str, Any]) -> None:
+        py = st["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        npy = st["numpy"]
+        np.random.set_state((npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
+        torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+        if self.device.type == "cuda" and "cuda" in st:
+            torch.cuda.set_rng_state(torch.tensor(st["cuda"], dtype=torch.uint8), self.device)
+
+    def _save_sharded(self) -> Path:
+        self.finish_pending_save()
+        async_save = self.cfg.distributed.async_checkpoint
+        self._pending = save_sharded_checkpoint(self.ckpt_dir, self.step, self._app_state(),
+                                                {"task": self.task.state_meta()}, self._rank_state(), self.dist,
+                                                async_save=async_save)
+        if not async_save:
+            self._after_save()
+        return self._pending.final
+
+    def finish_pending_save(self) -> None:
+        """Finish (and rename into place) a checkpoint still being written in the background."""
+        if self._pending is not None and self._pending.future is not None:
+            self._pending.wait()
+            self._after_save()
+        self._pending = None
+
+    def _after_save(self) -> None:
+        if self.dist.is_main:
+            prune_checkpoints(self.ckpt_dir, self.cfg.keep_checkpoints)
+        barrier(self.dist)
+
+    def _load_sharded(self, path: Path) -> None:
+        """Resume from a sharded checkpoint written by any number of ranks (DCP re-shards on load)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        app = self._app_state()
+        step, state, rank_state = load_sharded_checkpoint(path, app, self.dist.rank)
+        try:
+            set_state_dict(self.task.model, self.optimizer, model_state_dict=app["model"],
+                           optim_state_dict=app["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+        except Exception as e:
+            raise CheckpointError(f"{path}: does not fit this model and optimizer: {e}") from e
+        self.task.load_state(app["task"], state["task"])
+        if rank_state is not None:
+            self._set_rank_state(rank_state)
+        else:  # written by fewer ranks: a fresh, still deterministic stream for this rank
+            seed_everything(self.cfg.seed + 1_000_003 * step + self.dist.rank)
+        self.step = step
+
     # ------------------------------------------------------------------ signals
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -209,10 +327,11 @@ class Trainer:
         if resume is not None:
             self.load(resume)
             log(f"resumed from {resume} at step {self.step}")
-        metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step)
-        tb = TensorBoardLog(self.out / "tensorboard", self.output_cfg.tensorboard)
+        main = self.dist.is_main
+        metrics: Any = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step) if main else _Silent()
+        tb: Any = TensorBoardLog(self.out / "tensorboard", self.output_cfg.tensorboard) if main else _Silent()
         meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
-        bar = ProgressBar(cfg.max_steps, self.step, self.task.unit)
+        bar: Any = ProgressBar(cfg.max_steps, self.step, self.task.unit) if main else _Silent()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         model = self.task.model
         model.train()
@@ -224,20 +343,23 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            while self.step < cfg.max_steps and self._stop_signal is None:
+            while self.step < cfg.max_steps and not self._should_stop():
                 lr = cfg.lr * lr_factor(self.step, cfg)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 micro = [next(batches) for _ in range(cfg.grad_accum)]
                 weight = sum(self.task.batch_weight(b) for b in micro)
+                if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
+                    weight = int(all_reduce_sum(self.dist, [weight])[0])
                 loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
                 if weight > 0:
-                    for b in micro:
+                    for i, b in enumerate(micro):
+                        set_gradient_sync(model, i == len(micro) - 1)  # one reduce-scatter per step
                         loss = self.task.loss_sum(b) / weight
                         loss.backward()
                         loss_total += loss.detach()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+                grad_norm = self._clip(params, max_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
@@ -245,7 +367,10 @@ class Trainer:
                 meter.add(sum(self.task.batch_units(b) for b in micro), sum(self.task.batch_flops(b) for b in micro))
 
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                    last_loss = loss_total.item()  # the host sync of this step
+                    if self.dist.enabled:  # each rank holds its share of the global mean
+                        last_loss = all_reduce_sum(self.dist, [loss_total.item()])[0]
+                    else:
+                        last_loss = loss_total.item()  # the host sync of this step
                     if not math.isfinite(last_loss):
                         raise TrainingError(
                             f"loss is {last_loss} at step {self.step}; stopping without saving over the last good "
@@ -277,11 +402,12 @@ class Trainer:
             if saved_step != self.step:
                 path = self.save()
                 bar.message(f"saved {path}")
+            self.finish_pending_save()
             exports: dict[str, Path] = {}
             if not interrupted:
                 if evaluated_step != self.step:
                     self._evaluate(metrics, tb, bar)
-                exports = self.task.export(self.out)
+                exports = self._export()
                 for name, p in exports.items():
                     bar.message(f"exported {name}: {p}")
         finally:
@@ -295,6 +421,36 @@ class Trainer:
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,
                            summary=summary, signal=self._stop_signal)
+
+    def _should_stop(self) -> bool:
+        """A signal on any rank stops every rank after the same step (or ranks would wait on each other)."""
+        if self.dist.enabled:
+            stop = all_reduce_sum(self.dist, [1.0 if self._stop_signal is not None else 0.0])[0]
+            if stop and self._stop_signal is None:
+                self._stop_signal = signal.SIGTERM
+        return self._stop_signal is not None
+
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        foreach = self.device.type == "cuda"
+        if not is_sharded(self.task.model):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=foreach)
+        if isinstance(norm, DTensor):  # partial norms of the shards → the global norm, on every rank
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
+        return norm
+
+    def _export(self) -> dict[str, Path]:
+        """The task's export from rank 0, of the consolidated weights: equal to a one-process export."""
+        exports: dict[str, Path] = {}
+        with consolidated(self.task.model, self.dist):
+            if self.dist.is_main:
+                exports = self.task.export(self.out)
+        barrier(self.dist)
+        return exports
 
     def _evaluate(self, metrics: MetricsLog, tb: TensorBoardLog, bar: ProgressBar) -> None:
         model = self.task.model
