@@ -109,7 +109,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                    batch_size: int = 16) -> Path:
     """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order."""
-    from designer.generate import generate_captions
+    from designer.captions import generate_captions
 
     model_dir, adapter_dir = resolve_designer(designer)
     out = Path(out_dir)
@@ -155,7 +155,12 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
 
 
 def list_images(images_dir: str | Path) -> list[Path]:
-    return sorted(Path(images_dir).glob("*.png"))
+    """The sampler's images in caption order: from its index.jsonl, else the numbered PNGs (never its grid.png)."""
+    d = Path(images_dir)
+    index = d / "index.jsonl"
+    if index.is_file():
+        return [d / json.loads(line)["image"] for line in index.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return sorted(p for p in d.glob("*.png") if p.stem.isdigit())
 
 
 def caption_stats(captions: Sequence[str]) -> dict[str, float]:

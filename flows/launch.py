@@ -99,21 +99,31 @@ def pid_dir() -> Path:
     return home / "trainers"
 
 
-def kill_process_group(pgid: int, grace_s: float = KILL_GRACE_S) -> bool:
-    """SIGTERM the group, wait up to grace_s for it to empty, then SIGKILL. True if anything was signalled."""
+def kill_process_group(pgid: int, grace_s: float = KILL_GRACE_S, proc: subprocess.Popen | None = None) -> bool:
+    """SIGTERM the group, wait up to grace_s for it to empty, then SIGKILL. True if anything was signalled.
+
+    proc: the group leader when it is our child; it is reaped while waiting (an unreaped zombie leader keeps
+    the group "alive" for killpg). A second signal during the grace period (Prefect's runner escalating)
+    still ends in SIGKILL: the group never outlives this call.
+    """
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _group_alive(pgid):
-            return True
-        time.sleep(0.1)
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc is not None:
+                proc.poll()
+            if not _group_alive(pgid):
+                return True
+            time.sleep(0.05)
+    finally:
+        if _group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     return True
 
 
@@ -256,15 +266,17 @@ def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: C
         proc.wait()
         finished = True
     finally:
-        if not finished:
-            # Cancelled (TerminationSignal), interrupted or crashed mid-stream: the trainer must not outlive us.
-            kill_process_group(pgid, kill_grace_s)
-            proc.wait()
-        elif _group_alive(pgid):
-            # The leader exited but left workers behind (a torchrun worker that ignored the exit): end them.
-            kill_process_group(pgid, kill_grace_s)
-        if pid_file is not None:
-            pid_file.unlink(missing_ok=True)
+        try:
+            if not finished:
+                # Cancelled (TerminationSignal), interrupted or crashed mid-stream: the trainer must not outlive us.
+                kill_process_group(pgid, kill_grace_s, proc)
+                proc.wait()
+            elif _group_alive(pgid):
+                # The leader exited but left workers behind (a torchrun worker that ignored the exit): end them.
+                kill_process_group(pgid, kill_grace_s)
+        finally:
+            if pid_file is not None:
+                pid_file.unlink(missing_ok=True)
     summary = {"last_step": last_step, "lines": n_lines, "tail": list(tail)}
     if check and proc.returncode != 0:
         raise TrainerFailed(cmd, proc.returncode, list(tail))
