@@ -8,11 +8,19 @@ The LM head and the cross-entropy run only on the tokens that carry a label (the
 chunks (`kernels.cross_entropy.linear_cross_entropy`), so the [tokens, vocab] logits never exist at
 once. The indices of those tokens are computed on the host with the batch, so selecting them costs
 no device sync.
+
+Under torchrun (`dist.enabled`) each rank takes its share of every global micro-batch (rows balanced by
+attention cost, data/balance.py), and the model is built on the meta device, wrapped (activation
+checkpointing → compile → FSDP2, pipeline/distributed.py) and filled shard by shard straight from the
+safetensors files: no rank holds the whole base model (`train.distributed.init = "full"` loads it whole
+on every rank first). LoRA adapters start from the same draws as in one process, so the runs agree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +28,28 @@ from typing import Any, Iterator
 
 import torch
 
+from torch import nn
+
+from data.balance import BalancedPackedLoader
 from data.chat import encode_examples, load_examples
-from data.packing import Batch, PackedLoader, pack_documents
+from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import load_pretrained, save_pretrained
-from designer.lora import LoraArgs, apply_lora, load_peft_adapter, merge_lora, save_peft_adapter
+from designer.hf import _weight_files, hf_param_shapes, load_pretrained, read_safetensors_header, save_pretrained
+from designer.lora import (
+    ADAPTER_FILE,
+    PEFT_PREFIX,
+    LoraArgs,
+    LoRALinear,
+    _targets,
+    apply_lora,
+    load_peft_adapter,
+    merge_lora,
+    save_peft_adapter,
+)
+from designer.model import ModelArgs, Qwen3
 from kernels.cross_entropy import linear_cross_entropy
+from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -44,9 +67,11 @@ class DeviceBatch:
 class DesignerTask:
     unit = "tokens"
 
-    def __init__(self, cfg: DesignerConfig, device: torch.device, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: DesignerConfig, device: torch.device, dist: DistContext | None = None):
         self.cfg = cfg
         self.device = device
+        self.dist = dist if dist is not None else DistContext(device=device)
+        rank, world_size = self.dist.rank, self.dist.world_size
         model_dir = Path(cfg.model.path)
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
@@ -56,25 +81,83 @@ class DesignerTask:
         full = cfg.lora.rank == 0
         # full FT: fp32 master weights; LoRA: the frozen base in the compute dtype
         base_dtype = torch.float32 if (exact or full) else torch.bfloat16
-        self.model = load_pretrained(model_dir, dtype=base_dtype, device=device)
-        self.model.args = _with_attention(self.model.args, cfg.model.attention)
         self.lora_args: LoraArgs | None = None
         if not full:
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
-            if cfg.lora.init_adapter:
-                load_peft_adapter(self.model, cfg.lora.init_adapter)
-            else:
-                apply_lora(self.model, self.lora_args)
+        sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
+        self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
         n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in self.model.parameters())
         log(f"designer: {n_all / 1e6:.3f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({'full fine-tuning' if full else f'LoRA r{cfg.lora.rank}'}), {cfg.model.dtype} on {device}")
 
+    # ------------------------------------------------------------------ model
+
+    def _fsdp_param_dtype(self) -> torch.dtype | None:
+        """FSDP2's compute dtype: fp32 when exact, bf16 for full FT (fp32 master), own dtypes for LoRA."""
+        choice = self.cfg.train.distributed.param_dtype
+        if choice != "auto":
+            return getattr(torch, choice)
+        if self.cfg.model.dtype == "float32":
+            return torch.float32
+        return None if self.lora_args is not None else torch.bfloat16
+
+    def _wrap(self, model: Qwen3) -> Qwen3:
+        return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
+                           self._fsdp_param_dtype())
+
+    def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+        """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
+        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device)
+        model.args = _with_attention(model.args, self.cfg.model.attention)
+        if self.lora_args is not None:
+            if self.cfg.lora.init_adapter:
+                load_peft_adapter(model, self.cfg.lora.init_adapter)
+            else:
+                apply_lora(model, self.lora_args)
+        return self._wrap(model)
+
+    def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+        """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
+        from safetensors import safe_open
+
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path}: not found")
+        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()), self.cfg.model.attention,
+                                        source=str(config_path))
+        where = _check_weight_files(model_dir, args)
+        with torch.device("meta"):
+            model = Qwen3(args).to(base_dtype)
+        lora_init: dict[str, torch.Tensor] = {}
+        if self.lora_args is not None:
+            if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
+                load_peft_adapter(model, self.cfg.lora.init_adapter)
+                adapter = Path(self.cfg.lora.init_adapter) / ADAPTER_FILE
+                with safe_open(str(adapter), framework="pt", device="cpu") as f:
+                    lora_init = {k[len(PEFT_PREFIX):]: f.get_tensor(k) for k in f.keys()}
+            else:
+                lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
+                apply_lora(model, self.lora_args)
+        self._wrap(model)
+        with contextlib.ExitStack() as stack:
+            files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                     for f in sorted(set(where.values()))}
+
+            def read(name: str, rows: slice) -> torch.Tensor:
+                if name in lora_init:
+                    return lora_init[name][rows]
+                key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
+                return files[where[key]].get_slice(key)[rows]
+
+            materialize_(model, self.device, read)
+        return model
+
     # ------------------------------------------------------------------ data
 
-    def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> PackedLoader:
+    def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> BalancedPackedLoader:
         examples = load_examples(path)
         docs = encode_examples(self.tokenizer, examples)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -82,8 +165,8 @@ class DesignerTask:
         s = packed.stats
         log(f"data {path}: {s.num_docs} documents → {s.num_rows} rows of {self.cfg.data.seq_len} tokens, "
             f"{s.padding_fraction:.1%} padding, split {s.num_split}, truncated {s.num_truncated}, dropped {s.num_dropped}")
-        return PackedLoader(packed, self.cfg.train.micro_batch, self.cfg.train.seed, rank, world_size,
-                            drop_last=drop_last)
+        return BalancedPackedLoader(packed, self.cfg.train.micro_batch, self.cfg.train.seed, rank, world_size,
+                                    drop_last=drop_last, balance=self.cfg.train.distributed.balance)
 
     def _to_device(self, batch: Batch) -> DeviceBatch:
         loss_index = batch.labels.reshape(-1).ne(-100).nonzero().squeeze(1)  # on the host: no device sync
@@ -129,6 +212,9 @@ class DesignerTask:
                 continue
             total += self.loss_sum(self._to_device(batch)).double()
             count += batch.num_loss_tokens
+        if self.dist.enabled:  # each rank saw its own rows: sum over ranks
+            total_all, count = all_reduce_sum(self.dist, [float(total), count])
+            total = torch.tensor(total_all, dtype=torch.float64)
         if count == 0:
             return {}
         loss = float(total) / count
@@ -165,6 +251,46 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+
+
+def _check_weight_files(model_dir: Path, args: ModelArgs) -> dict[str, Path]:
+    """HF key → safetensors file, after checking keys and shapes against config.json (as load_pretrained does)."""
+    expected = hf_param_shapes(args)
+    where = _weight_files(model_dir)
+    if args.tie_embeddings:
+        where.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in where]
+    if missing:
+        raise ValueError(f"{model_dir}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
+    if unexpected:
+        raise ValueError(f"{model_dir}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for file in sorted(set(where.values())):
+        header = read_safetensors_header(file)
+        for k in (k for k, f in where.items() if f == file):
+            if k not in header:
+                raise ValueError(f"{file}: key {k!r} listed in the index is not in the file")
+            if tuple(header[k]["shape"]) != expected[k]:
+                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+    return where
+
+
+def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
+    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
+
+    Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
+    nothing), so the draws are exactly apply_lora's; the stand-in is one linear at a time. Adapters are
+    small: every rank draws all of them and keeps its rows, so a sharded run starts from the adapter a
+    one-process run with the same seed starts from.
+    """
+    out = {}
+    for name, parent, leaf in _targets(model, args):
+        base = getattr(parent, leaf)
+        stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
+        lora = LoRALinear(stand_in, args)
+        out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
+        out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
+    return out
 
 
 def _with_attention(args: Any, impl: str) -> Any:

@@ -5,13 +5,16 @@
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|... --tokenizer DIR --out DIR
-    atelier designer train --config FILE [--set a.b=c ...]
+    atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
-    atelier imagegen train --config FILE [--set ...]
+    atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
+
+`--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
+train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
 
 Each command imports only what it needs, so `atelier --help` is instant. Errors a user can fix (a bad
 config key, a missing file, a malformed line) print one line naming what is wrong and exit with 2.
@@ -29,9 +32,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from data.chat import DataError
     from pipeline.checkpoint import CheckpointError
     from pipeline.config import ConfigError
+    from pipeline.distributed import DistributedError
     from pipeline.trainer import TrainingError
 
-    errors: list[type[BaseException]] = [ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError,
+                                         DistributedError]
     for module, name in (("designer.hf", "ModelLoadError"), ("imagegen.hf", "ModelLoadError"),
                          ("data.shards", "ShardError")):
         try:
@@ -44,22 +49,71 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # ----------------------------------------------------------------------------- designer
 
 
+def _torchrun(args: argparse.Namespace) -> int | None:
+    """Re-launch this train command under torchrun when asked for several processes; None: run here."""
+    import os
+    import subprocess
+
+    from pipeline.distributed import launched_by_torchrun
+
+    from pipeline.distributed import DistributedError
+
+    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise DistributedError(f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank}: need "
+                               f"nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes")
+    if (args.nproc <= 1 and args.nnodes <= 1) or launched_by_torchrun():
+        return None
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+           "--nnodes", str(args.nnodes)]
+    if args.nnodes == 1 and not args.master_addr:
+        cmd += ["--standalone"]  # a free local port: runs on one machine never collide
+    else:
+        cmd += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr or "127.0.0.1",
+                "--master-port", str(args.master_port)]
+    cmd += ["-m", "pipeline.cli", args.group, args.command, "--config", args.config]
+    for item in args.set:
+        cmd += ["--set", item]
+    # this process's process group is the launcher's: a cancelled flow kills both (flows/launch.py)
+    return subprocess.call(cmd, env=os.environ.copy())
+
+
+def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> int:
+    """Shared by both train commands: config, process group, task, the loop; rank 0 writes the run files."""
+    import contextlib
+    import os
+
+    from pipeline.config import load_config, save_config
+    from pipeline.distributed import init_distributed, shutdown
+    from pipeline.trainer import Trainer, exit_code, seed_everything
+
+    launched = _torchrun(args)
+    if launched is not None:
+        return launched
+    cfg = load_config(config_cls, args.config, args.set)
+    dist = init_distributed(cfg.train)
+    try:
+        seed_everything(cfg.train.seed)
+        out = Path(cfg.output.dir)
+        if dist.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.toml")
+        # progress lines from rank 0 only; errors (stderr) from every rank
+        quiet = contextlib.nullcontext() if dist.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))
+        with quiet:
+            task = task_cls(cfg, dist.device, dist) if dist.enabled else task_cls(cfg, dist.device)
+            result = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist).fit()
+        if dist.is_main:
+            _write_summary(out, result)
+        return exit_code(result)
+    finally:
+        shutdown(dist)
+
+
 def designer_train(args: argparse.Namespace) -> int:
     from designer.config import DesignerConfig
     from designer.task import DesignerTask
-    from pipeline.config import load_config, save_config
-    from pipeline.trainer import Trainer, exit_code, resolve_device, seed_everything
 
-    cfg = load_config(DesignerConfig, args.config, args.set)
-    device = resolve_device(cfg.train.device)
-    seed_everything(cfg.train.seed)
-    out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.toml")
-    task = DesignerTask(cfg, device)
-    result = Trainer(task, cfg.train, cfg.output, device).fit()
-    _write_summary(out, result)
-    return exit_code(result)
+    return _train(args, DesignerConfig, DesignerTask)
 
 
 def designer_init(args: argparse.Namespace) -> int:
@@ -73,7 +127,7 @@ def designer_init(args: argparse.Namespace) -> int:
 
 
 def designer_generate(args: argparse.Namespace) -> int:
-    from designer.generate import generate_captions
+    from designer.captions import generate_captions
 
     generate_captions(model_dir=Path(args.model), adapter_dir=Path(args.adapter) if args.adapter else None,
                       briefs_file=Path(args.briefs), out_file=Path(args.out), max_new_tokens=args.max_new_tokens,
@@ -87,19 +141,8 @@ def designer_generate(args: argparse.Namespace) -> int:
 def imagegen_train(args: argparse.Namespace) -> int:
     from imagegen.config import ImagegenConfig
     from imagegen.task import ImagegenTask
-    from pipeline.config import load_config, save_config
-    from pipeline.trainer import Trainer, exit_code, resolve_device, seed_everything
 
-    cfg = load_config(ImagegenConfig, args.config, args.set)
-    device = resolve_device(cfg.train.device)
-    seed_everything(cfg.train.seed)
-    out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.toml")
-    task = ImagegenTask(cfg, device)
-    result = Trainer(task, cfg.train, cfg.output, device).fit()
-    _write_summary(out, result)
-    return exit_code(result)
+    return _train(args, ImagegenConfig, ImagegenTask)
 
 
 def imagegen_init(args: argparse.Namespace) -> int:
@@ -204,11 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
 
+    def launch_args(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_argument_group("several processes (torchrun; see docs/distributed.md)")
+        g.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
+        g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+        g.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+        g.add_argument("--master-addr", default="", help="address of node 0 (several nodes)")
+        g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
+
     d = groups.add_parser("designer", help="the caption LM").add_subparsers(dest="command", required=True)
     sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
     train_args(sp)
+    launch_args(sp)
     sp = command(d, "init", designer_init, "write a random-init Qwen3 model directory (HF layout)")
-    sp.add_argument("--size", required=True, help="tiny, 0.6b, 1.7b, 4b, 8b, 14b, 32b")
+    sp.add_argument("--size", required=True, help="tiny, demo, 0.6b, 1.7b, 4b, 8b, 14b, 32b")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
@@ -227,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = groups.add_parser("imagegen", help="the MMDiT").add_subparsers(dest="command", required=True)
     sp = command(i, "train", imagegen_train, "train the MMDiT with rectified flow")
     train_args(sp)
+    launch_args(sp)
     sp = command(i, "init", imagegen_init, "write a random-init MMDiT (diffusers layout)")
     sp.add_argument("--size", required=True, help="tiny, sd3-medium, sd3.5-medium, sd3.5-large")
     sp.add_argument("--out", required=True)
