@@ -7,7 +7,8 @@ Steps, each a plain function taking and returning paths (the flow wraps each in 
     1. `read_briefs`      briefs file → list of briefs (.txt: one per line; .jsonl: {"brief": ...} per line);
                           a bad line is an error naming file:line
     2. `write_captions`   designer.generate.generate_captions → <out>/captions.jsonl ({brief, caption})
-    3. `render_images`    imagegen.sample.sample_to_dir → <out>/images/*.png, one per caption, in order
+    3. `render_images`    imagegen.sample.sample_to_dir → <out>/images/*.png, one per non-empty caption, and
+                          <out>/images.json (caption row → image path, null for an empty caption: scores 0)
     4. `judge`            data.judge → <out>/scores.json (per brief + aggregate + caption statistics),
                           <out>/scores.csv, <out>/grid.png, <out>/summary.md
 
@@ -136,31 +137,32 @@ def read_captions(captions_file: str | Path) -> list[dict[str, str]]:
 
 def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str | Path, seed: int = 0,
                   steps: int = 20, guidance: float = 4.0) -> Path:
-    """One image per caption → <out>/images/, named in caption order."""
+    """One image per non-empty caption → <out>/images/; <out>/images.json maps each caption row to its image.
+
+    An empty caption (an untrained designer emits one) gets no image and scores 0: the chain failed there.
+    Returns the images.json path.
+    """
     from imagegen.sample import sample_to_dir
 
     model_dir = resolve_imagegen(imagegen)
     out = Path(out_dir)
-    captions = [r["caption"] for r in read_captions(captions_file)]
-    # the sampler reads one caption per line: a newline inside a caption would split it
-    lines_file = out / "captions.txt"
-    lines_file.write_text("".join(" ".join(c.split()) + "\n" for c in captions), encoding="utf-8")
+    # the sampler reads one caption per line and skips blank ones: flatten newlines, keep the non-empty
+    captions = [" ".join(r["caption"].split()) for r in read_captions(captions_file)]
+    rows = [i for i, c in enumerate(captions) if c]
     images_dir = out / "images"
-    sample_to_dir(model_dir=model_dir, captions_file=lines_file, out_dir=images_dir, steps=steps, guidance=guidance,
-                  seed=seed, config_path=None)
-    n = len(list_images(images_dir))
-    if n != len(captions):
-        raise RuntimeError(f"{images_dir}: the sampler wrote {n} images for {len(captions)} captions")
-    return images_dir
-
-
-def list_images(images_dir: str | Path) -> list[Path]:
-    """The sampler's images in caption order: from its index.jsonl, else the numbered PNGs (never its grid.png)."""
-    d = Path(images_dir)
-    index = d / "index.jsonl"
-    if index.is_file():
-        return [d / json.loads(line)["image"] for line in index.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return sorted(p for p in d.glob("*.png") if p.stem.isdigit())
+    mapping: list[str | None] = [None] * len(captions)
+    if rows:
+        lines_file = out / "captions.txt"
+        lines_file.write_text("".join(captions[i] + "\n" for i in rows), encoding="utf-8")
+        paths = sample_to_dir(model_dir=model_dir, captions_file=lines_file, out_dir=images_dir, steps=steps,
+                              guidance=guidance, seed=seed, config_path=None)
+        if len(paths) != len(rows):
+            raise RuntimeError(f"{images_dir}: the sampler wrote {len(paths)} images for {len(rows)} captions")
+        for i, p in zip(rows, paths):
+            mapping[i] = str(p)
+    index = out / "images.json"
+    _atomic_write(index, json.dumps(mapping, indent=0))
+    return index
 
 
 def caption_stats(captions: Sequence[str]) -> dict[str, float]:
@@ -172,26 +174,30 @@ def caption_stats(captions: Sequence[str]) -> dict[str, float]:
             "distinct_fraction": len(set(captions)) / len(captions)}
 
 
-def judge(captions_file: str | Path, images_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Score every (brief, caption, image); write scores.json, scores.csv, grid.png, summary.md; return the summary."""
     from data.judge import judge_caption, judge_image, judge_image_brief
     from data.synthetic import parse_caption
 
     out = Path(out_dir)
     rows = read_captions(captions_file)
-    images = list_images(images_dir)
+    images = json.loads(Path(images_index).read_text())
     if len(images) != len(rows):
-        raise FlowInputError(f"{images_dir} has {len(images)} images for {len(rows)} captions in {captions_file}")
+        raise FlowInputError(f"{images_index} lists {len(images)} images for {len(rows)} captions in {captions_file}")
     per_brief = []
     for i, (row, img) in enumerate(zip(rows, images)):
         brief, caption = row["brief"], row["caption"]
-        b = judge_image_brief(img, brief)
         c = judge_caption(caption, brief)
-        fidelity = judge_image(img, caption).score if parse_caption(caption) is not None else None
-        per_brief.append({"index": i, "brief": brief, "caption": caption, "image": str(img),
-                          "score": b.score, "color_ok": b.color_ok, "shape_ok": b.shape_ok,
-                          "position_ok": b.position_ok, "detected": b.detected,
-                          "caption_score": c.score, "caption_parsed": c.parsed, "image_caption_score": fidelity})
+        entry = {"index": i, "brief": brief, "caption": caption, "image": img, "score": 0.0, "color_ok": False,
+                 "shape_ok": False, "position_ok": False, "detected": False, "caption_score": c.score,
+                 "caption_parsed": c.parsed, "image_caption_score": None}
+        if img is not None:
+            b = judge_image_brief(img, brief)
+            entry.update(score=b.score, color_ok=b.color_ok, shape_ok=b.shape_ok, position_ok=b.position_ok,
+                         detected=b.detected)
+            if parse_caption(caption) is not None:
+                entry["image_caption_score"] = judge_image(img, caption).score
+        per_brief.append(entry)
     mean = lambda key: statistics.fmean(float(r[key]) for r in per_brief)  # noqa: E731
     fid = [r["image_caption_score"] for r in per_brief if r["image_caption_score"] is not None]
     aggregate = {"n": len(per_brief), "score": mean("score"), "color_ok": mean("color_ok"),
@@ -199,10 +205,12 @@ def judge(captions_file: str | Path, images_dir: str | Path, out_dir: str | Path
                  "caption_score": mean("caption_score"),
                  "image_caption_score": statistics.fmean(fid) if fid else None}
     stats = caption_stats([r["caption"] for r in per_brief])
-    grid = make_grid(images[:GRID_MAX_IMAGES], out / "grid.png", cols=8, scale=2)
+    drawn = [Path(p) for p in images if p is not None][:GRID_MAX_IMAGES]
+    grid = make_grid(drawn, out / "grid.png", cols=8, scale=2) if drawn else None
     result = {"aggregate": aggregate, "captions": stats, "per_brief": per_brief,
               "files": {"scores_json": str(out / "scores.json"), "scores_csv": str(out / "scores.csv"),
-                        "grid": str(grid), "captions": str(captions_file), "images": str(images_dir),
+                        "grid": str(grid) if grid else None, "captions": str(captions_file),
+                        "images": str(images_index),
                         "summary": str(out / "summary.md")}}
     _atomic_write(out / "scores.json", json.dumps(result, indent=1))
     with open(out / "scores.csv.tmp", "w", newline="", encoding="utf-8") as f:
@@ -233,7 +241,7 @@ def summary_markdown(result: dict[str, Any], with_grid: bool = True) -> str:
                                           for k, v in c.items()), "",
               f"Files: `{result['files']['scores_json']}`, `{result['files']['scores_csv']}`, "
               f"`{result['files']['grid']}`"]
-    if with_grid:
+    if with_grid and result["files"]["grid"]:
         lines += ["", image_markdown(Path(result["files"]["grid"]), "generated images")]
     return "\n".join(lines)
 
@@ -284,8 +292,8 @@ def images_task(imagegen: str, captions_file: str, out_dir: str, seed: int, step
 
 
 @task(name="judge")
-def judge_task(captions_file: str, images_dir: str, out_dir: str) -> dict[str, Any]:
-    result = judge(captions_file, images_dir, out_dir)
+def judge_task(captions_file: str, images_index: str, out_dir: str) -> dict[str, Any]:
+    result = judge(captions_file, images_index, out_dir)
     publish_eval(result)
     return result
 

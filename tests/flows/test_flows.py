@@ -1,0 +1,217 @@
+"""The flows under a Prefect test harness: artifacts, bad input, retry after a killed trainer, the eval chain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.designer import train_designer
+from flows.evaluate import brief_to_image_eval, evaluate_brief_to_image, read_briefs
+from flows.imagegen import needs_cache, train_imagegen
+from flows.launch import pid_dir
+from flows.training import FlowInputError
+from tests.flows.conftest import designer_config
+from tests.imagegen._world import DEMO, build_world, config_overrides
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def run_flow(fn, *args, **kwargs):
+    """(result, flow_run_id) of a flow called in-process."""
+    state = fn(*args, return_state=True, **kwargs)
+    return state.result(), state.state_details.flow_run_id
+
+
+def artifacts_of(flow_run_id) -> dict[str, dict]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {a.key: {"type": a.type, "data": a.data} for a in arts if a.key}
+
+
+def logs_of(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [entry.message for entry in logs]
+
+
+@pytest.fixture(scope="module")
+def designer_run(designer_world, tmp_path_factory):
+    out = tmp_path_factory.mktemp("flows") / "d1"
+    result, run_id = run_flow(train_designer, str(designer_config(designer_world, out)))
+    return Path(result), run_id
+
+
+def test_train_designer_publishes_metrics_summary_and_progress(designer_run):
+    out, run_id = designer_run
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["step"] == 6
+    arts = artifacts_of(run_id)
+    assert {"train-designer-summary", "train-designer-metrics", "designer-progress"} <= set(arts)
+    summary = arts["train-designer-summary"]["data"]
+    assert "throughput (tokens/s, median)" in summary and "MFU" in summary and str(out.resolve()) in summary
+    rows = json.loads(arts["train-designer-metrics"]["data"])
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [str(s) for s in range(1, 7)]
+    assert float(arts["designer-progress"]["data"]) == 100.0
+    assert any(m.startswith("step 6/6 loss") for m in logs_of(run_id))  # the trainer's lines reached Prefect
+
+
+def test_bad_config_and_missing_model_are_named_before_training(designer_world, tmp_path):
+    cfg = designer_config(designer_world, tmp_path / "run")
+    with pytest.raises(FlowInputError, match=r"train\.lr.*fast"):
+        train_designer(str(cfg), ["train.lr=fast"])
+    with pytest.raises(FlowInputError, match=r"train\.no_such_key"):
+        train_designer(str(cfg), ["train.no_such_key=1"])
+    with pytest.raises(FlowInputError, match=r"model\.path .*nowhere.*atelier designer init"):
+        train_designer(str(cfg), [f"model.path={tmp_path / 'nowhere'}"])
+    with pytest.raises(FlowInputError, match="does not exist"):
+        train_designer(str(tmp_path / "missing.toml"))
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def _kill_trainer_after_checkpoint(out: Path, ckpt: str, killed: list) -> None:
+    """SIGKILL the trainer's process group (found through launch's pid files) once `ckpt` is written."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (out / "checkpoints" / ckpt / "manifest.json").is_file():
+            for f in pid_dir().glob("*.pgid"):
+                pgid = int(f.read_text())
+                try:
+                    cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().decode(errors="replace")
+                except FileNotFoundError:
+                    continue
+                if str(out) in cmdline or str(out.parent) in cmdline:
+                    os.killpg(pgid, signal.SIGKILL)
+                    killed.append((pgid, (out / "checkpoints" / ckpt / "manifest.json").stat().st_mtime_ns))
+                    return
+        time.sleep(0.05)
+
+
+def test_failed_training_keeps_checkpoints_and_the_retry_resumes(designer_world, tmp_path):
+    out = tmp_path / "killed"
+    cfg = designer_config(designer_world, out, max_steps=40, save_every=4, extra="keep_checkpoints = 0")
+    killed: list = []
+    killer = threading.Thread(target=_kill_trainer_after_checkpoint, args=(out, "step-4", killed))
+    killer.start()
+    result, run_id = run_flow(train_designer, str(cfg))
+    killer.join()
+    assert killed, "the trainer finished before it could be killed"
+    # the first attempt died by SIGKILL; its checkpoint survived untouched and the retry resumed from it
+    assert (out / "checkpoints" / "step-4" / "manifest.json").stat().st_mtime_ns == killed[0][1]
+    logs = logs_of(run_id)
+    assert any("trainer exited with code -9" in m for m in logs)
+    resumed = [m for m in logs if m.startswith("resumed from")]
+    assert resumed and "step-" in resumed[0]
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l)["kind"] == "train"]
+    assert steps == list(range(1, 41))  # one curve, no duplicates after the resume
+    assert json.loads((out / "summary.json").read_text())["step"] == 40
+
+
+# ----------------------------------------------------------------------------- imagegen and the evaluation
+
+
+@pytest.fixture(scope="module")
+def imagegen_run(tmp_path_factory):
+    """train-imagegen on a world with image shards but no latents yet: (base, out, overrides, needed_cache, run id)."""
+    from imagegen.config import ImagegenConfig
+    from pipeline.config import load_config
+
+    base = build_world(tmp_path_factory.mktemp("flows-imagegen"), cache=False)
+    out = base / "i1"
+    overrides = config_overrides(base, out) + ["train.max_steps=4", "train.save_every=0", "train.eval_every=0",
+                                               "sample.every=2", "sample.steps=2", "ema.decay=0.5"]
+    needed = needs_cache(load_config(ImagegenConfig, DEMO, overrides))
+    result, run_id = run_flow(train_imagegen, str(DEMO), overrides)
+    assert Path(result) == out
+    return base, out, overrides, needed, run_id
+
+
+def test_train_imagegen_caches_latents_first_then_trains(imagegen_run):
+    from imagegen.config import ImagegenConfig
+    from pipeline.config import load_config
+
+    base, out, overrides, needed, run_id = imagegen_run
+    assert needed and any((base / "latents").glob("*.tar"))
+    assert (out / "ema" / "config.json").is_file()
+    assert not needs_cache(load_config(ImagegenConfig, DEMO, overrides))  # a second run would not re-encode
+    arts = artifacts_of(run_id)
+    assert {"train-imagegen-summary", "train-imagegen-metrics", "imagegen-progress"} <= set(arts)
+    assert "images/s" in arts["train-imagegen-summary"]["data"]
+    assert "data:image/png;base64," in arts["train-imagegen-summary"]["data"]  # the sample grid, inline
+
+
+def test_eval_flow_scores_briefs_and_matches_the_plain_function(designer_run, imagegen_run, tmp_path):
+    designer_dir, _ = designer_run
+    base, out = imagegen_run[:2]
+    briefs = tmp_path / "briefs.txt"
+    briefs.write_text("".join(b + "\n" for b in read_briefs(base / "world" / "briefs_eval.txt")[:6]))
+    result, run_id = run_flow(brief_to_image_eval, str(designer_dir), str(out / "ema"), str(briefs),
+                              str(tmp_path / "eval"), seed=1, max_new_tokens=12, steps=2)
+    agg = result["aggregate"]
+    assert agg["n"] == 6 and 0.0 <= agg["score"] <= 1.0
+    scores = json.loads((tmp_path / "eval" / "scores.json").read_text())
+    assert [r["brief"] for r in scores["per_brief"]] == read_briefs(briefs)
+    assert (tmp_path / "eval" / "scores.csv").read_text().count("\n") == 7
+    drawn = [r for r in scores["per_brief"] if r["image"] is not None]
+    assert all(r["score"] == 0.0 for r in scores["per_brief"] if r["image"] is None)  # empty caption: no image
+    assert (tmp_path / "eval" / "grid.png").is_file() == bool(drawn)
+    arts = artifacts_of(run_id)
+    assert "Judged score" in arts["brief-to-image-eval-summary"]["data"]
+    assert len(json.loads(arts["brief-to-image-eval-scores"]["data"])) == 6
+    # the CLI's plain entry point (no Prefect) gives the same scores for the same seed
+    plain = evaluate_brief_to_image(designer_dir, out / "ema", briefs, tmp_path / "plain", seed=1,
+                                    max_new_tokens=12, steps=2)
+    assert plain["aggregate"] == agg
+
+
+def test_judge_scores_true_images_high_and_empty_captions_zero(tmp_path):
+    """The world's own images with their true captions: the judge agrees; a row with no caption scores 0."""
+    from data.synthetic import generate_world
+    from flows.evaluate import judge
+
+    world = tmp_path / "world"
+    generate_world(world, n=40, seed=3, image_size=32, eval_fraction=0.25)
+    rows = [json.loads(l) for l in (world / "eval.jsonl").read_text().splitlines()]
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text("".join(json.dumps({"brief": r["brief"], "caption": r["caption"] if i else ""}) + "\n"
+                                for i, r in enumerate(rows)))
+    index = tmp_path / "images.json"
+    index.write_text(json.dumps([None] + [str(world / r["image"]) for r in rows[1:]]))
+    result = judge(captions, index, tmp_path / "out")
+    per = json.loads((tmp_path / "out" / "scores.json").read_text())["per_brief"]
+    assert per[0]["score"] == 0.0 and per[0]["caption_score"] == 0.0
+    assert all(r["score"] == 1.0 and r["image_caption_score"] == 1.0 for r in per[1:])
+    assert result["aggregate"]["score"] == pytest.approx((len(rows) - 1) / len(rows))
+    assert result["captions"]["parsed_fraction"] == pytest.approx((len(rows) - 1) / len(rows))
+    assert (tmp_path / "out" / "grid.png").is_file() and (tmp_path / "out" / "scores.csv").is_file()
+
+
+def test_eval_bad_inputs_are_named(designer_run, imagegen_run, tmp_path):
+    designer_dir, _ = designer_run
+    out = imagegen_run[1]
+    bad = tmp_path / "briefs.jsonl"
+    bad.write_text('{"brief": "something calm with a circle"}\n\n{"brief": 3}\n')
+    with pytest.raises(FlowInputError, match=rf"{bad}:3: .*'brief'"):
+        read_briefs(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"brief": "something calm with a circle"}\n{"brief": \n')
+    with pytest.raises(FlowInputError, match=rf"{broken}:2: malformed JSON"):
+        brief_to_image_eval(str(designer_dir), str(out / "ema"), str(broken), str(tmp_path / "e"))
+    good = tmp_path / "good.txt"
+    good.write_text("something calm with a circle\n")
+    with pytest.raises(FlowInputError, match=r"designer .*nope.* does not exist"):
+        brief_to_image_eval(str(tmp_path / "nope"), str(out / "ema"), str(good), str(tmp_path / "e"))
+    with pytest.raises(FlowInputError, match=r"imagegen .*no config.json"):
+        brief_to_image_eval(str(designer_dir), str(tmp_path), str(good), str(tmp_path / "e"))
