@@ -1,0 +1,130 @@
+"""`make demo`: the whole product on the shapes world, from a fresh clone, on a CPU, through Prefect.
+
+    python -m flows.demo [--skip-eval]
+
+Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
+    1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32`)
+    2. runs/tokenizer        a byte-level BPE tokenizer trained on the world's corpus
+    3. models/designer-tiny  a random tiny Qwen3 (fp32);  models/imagegen-tiny  a random tiny MMDiT
+    4. runs/world-shards(-eval)  image shards; the latents are cached by train-imagegen's cache step
+    5. the local Prefect server + the serve process (`make serve`'s code), left running at the end
+    6. prefect deployment run train-designer/default, train-imagegen/default, brief-to-image-eval/default,
+       each with --watch --watch-timeout, so every step shows up in the UI with its logs and artifacts
+    7. prints the judged scores, where the grid is, and the UI URL
+
+The server and serve process stay up afterwards so the runs can be browsed; `make stop` ends them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from flows.serve import REPO, child_env, start
+
+WORLD = Path("runs/world")
+TOKENIZER = Path("runs/tokenizer")
+DESIGNER_MODEL = Path("models/designer-tiny")
+IMAGEGEN_MODEL = Path("models/imagegen-tiny")
+SHARDS, EVAL_SHARDS = Path("runs/world-shards"), Path("runs/world-shards-eval")
+DESIGNER_CONFIG, IMAGEGEN_CONFIG = "configs/designer/demo.toml", "configs/imagegen/demo.toml"
+EVAL_OUT = Path("runs/eval")
+WATCH_TIMEOUT_S = 1500  # one deployment run; the whole demo must fit in 30 minutes on 2 cores
+# the MMDiT's text dims must equal MiniLM's hidden size (384); the pixel codec gives 12 latent channels
+IMAGEGEN_DIMS = dict(in_channels=12, out_channels=12, joint_attention_dim=384, pooled_projection_dim=384,
+                     sample_size=16)
+
+
+def step(name: str, done: bool) -> bool:
+    print(f"[demo] {name}: {'exists, skipped' if done else 'running'}", flush=True)
+    return not done
+
+
+def atelier(*argv: str) -> None:
+    from pipeline.cli import main
+
+    code = main(list(argv))
+    if code != 0:
+        raise SystemExit(f"[demo] `atelier {' '.join(argv)}` failed with exit code {code}")
+
+
+def prepare() -> None:
+    if step("shapes world", (WORLD / "world.json").is_file()):
+        atelier("data", "synth", "--out", str(WORLD), "--n", "2000", "--image-size", "32")
+    if step("tokenizer", (TOKENIZER / "tokenizer.json").is_file()):
+        atelier("data", "tokenizer", "--corpus", str(WORLD / "corpus.txt"), "--vocab-size", "1024",
+                "--out", str(TOKENIZER))
+    if step("tiny designer", (DESIGNER_MODEL / "config.json").is_file()):
+        atelier("designer", "init", "--size", "tiny", "--tokenizer", str(TOKENIZER), "--out", str(DESIGNER_MODEL),
+                "--dtype", "float32")
+    if step("tiny imagegen", (IMAGEGEN_MODEL / "config.json").is_file()):
+        import torch
+
+        from imagegen.hf import init_random
+
+        init_random("tiny", IMAGEGEN_MODEL, seed=0, dtype=torch.float32, **IMAGEGEN_DIMS)
+    for out, captions in ((SHARDS, "captions.jsonl"), (EVAL_SHARDS, "eval.jsonl")):
+        if step(f"image shards {out}", any(out.glob("*.tar"))):
+            atelier("data", "shards", "--images", str(WORLD), "--captions", str(WORLD / captions), "--out", str(out),
+                    "--shard-size", "500")
+
+
+def finished(run_dir: Path) -> bool:
+    f = run_dir / "summary.json"
+    return f.is_file() and not json.loads(f.read_text()).get("interrupted", False)
+
+
+def deployment_run(name: str, params: dict, env: dict) -> None:
+    cmd = [sys.executable, "-m", "prefect", "deployment", "run", name, "--params", json.dumps(params), "--watch",
+           "--watch-timeout", str(WATCH_TIMEOUT_S)]
+    print(f"[demo] $ prefect deployment run {name} --params '{json.dumps(params)}' --watch", flush=True)
+    code = subprocess.call(cmd, cwd=REPO, env=env)
+    if code != 0:
+        raise SystemExit(f"[demo] {name} did not complete (exit {code}); see the run in the Prefect UI and "
+                         f"{env['PREFECT_HOME']}/logs/serve.log. Re-run `make demo` to resume: finished steps "
+                         f"are skipped and training resumes from its last checkpoint.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.demo", description="the brief-to-image demo on a CPU")
+    p.add_argument("--skip-eval", action="store_true")
+    args = p.parse_args(argv)
+    import os
+
+    os.chdir(REPO)  # the configs' relative paths (runs/, models/) are relative to the repo root
+    prepare()
+    ep = start()
+    env = child_env(ep)
+    from pipeline.config import load_config
+
+    from designer.config import DesignerConfig
+    from imagegen.config import ImagegenConfig
+
+    d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
+    i_dir = Path(load_config(ImagegenConfig, IMAGEGEN_CONFIG, []).output.dir)
+    if step(f"train-designer -> {d_dir}", finished(d_dir)):
+        deployment_run("train-designer/default", {"config": DESIGNER_CONFIG}, env)
+    if step(f"train-imagegen -> {i_dir}", finished(i_dir)):
+        deployment_run("train-imagegen/default", {"config": IMAGEGEN_CONFIG}, env)
+    if not args.skip_eval:
+        if step(f"brief-to-image-eval -> {EVAL_OUT}", (EVAL_OUT / "scores.json").is_file()):
+            deployment_run("brief-to-image-eval/default",
+                           {"designer": str(d_dir), "imagegen": str(i_dir), "briefs": str(WORLD / "briefs_eval.txt"),
+                            "out_dir": str(EVAL_OUT)}, env)
+        scores = json.loads((EVAL_OUT / "scores.json").read_text())
+        agg = scores["aggregate"]
+        print("\n[demo] judged scores (image against brief):")
+        for k in ("score", "color_ok", "shape_ok", "position_ok", "caption_score", "image_caption_score"):
+            v = agg.get(k)
+            print(f"    {k:20s} {'–' if v is None else f'{100 * v:.1f}%'}")
+        print(f"[demo] grid: {scores['files']['grid']}   scores: {scores['files']['scores_csv']}")
+    print(f"[demo] Prefect UI: {ep.ui_url}  (server and serve process left running; `make stop` ends them)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
