@@ -20,14 +20,18 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
 
+# Prefect: the local server (SQLite under .prefect/, see prefect.toml) and the serve process; no telemetry.
+PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+# The whole product on the shapes world, through Prefect; leaves the server running (`make stop`). See docs/demo.md.
 demo: $(STAMP)
-	$(PY) -m flows.demo
+	$(PREFECT_ENV) $(PY) -m flows.demo
 
 serve: $(STAMP)
-	$(PY) -m flows.serve start
+	$(PREFECT_ENV) $(PY) -m flows.serve start
 
 stop:
-	$(PY) -m flows.serve stop
+	$(PREFECT_ENV) $(PY) -m flows.serve stop
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs models
