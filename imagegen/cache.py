@@ -91,7 +91,8 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
     indexes = [read_index(d) for d in dirs]
     if any(i is None for i in indexes):
         return False
-    shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]} for d, i in zip(dirs, indexes) for s in i["shards"]]
+    shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]}
+              for d, i in zip(dirs, indexes) for s in i["shards"]]
     merged = {"kind": "latent", "shards": shards, "total": sum(s["count"] for s in shards)}
     tmp = out_dir / f".{INDEX_NAME}.{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(merged, indent=1))

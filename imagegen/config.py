@@ -59,12 +59,13 @@ class TextConfig:
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ConfigError(f"caption_dropout: must be in [0, 1), got {self.caption_dropout}")
         if self.kind == "encoder" and self.layer != -1:
-            raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', got {self.layer}")
+            raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', "
+                              f"got {self.layer}")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    shards: str = ""  # training latent shards (from `atelier imagegen cache`), or image shards (encoded once at start)
+    shards: str = ""  # training latent shards (`atelier imagegen cache`), or image shards (encoded once at start)
     eval_shards: str = ""  # optional held-out latent (or image) shards
     image_shards: str = ""  # `atelier imagegen cache` input: image shards (from `atelier data shards`)
     eval_image_shards: str = ""  # optional; cached into <cache out>/eval

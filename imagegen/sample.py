@@ -15,6 +15,7 @@ without the training config.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
@@ -110,10 +111,8 @@ def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
         from pipeline.config import load_config
 
         cfg = load_config(ImagegenConfig, config_path)
-        tmp = json.loads(json.dumps({"autoencoder": cfg.autoencoder.spec, "text": cfg.text.__dict__,
-                                     "resolution": cfg.data.resolution, "flow": cfg.flow.__dict__,
-                                     "model_dtype": cfg.model.dtype}))
-        return tmp
+        return {"autoencoder": cfg.autoencoder.spec, "text": dataclasses.asdict(cfg.text),
+                "resolution": cfg.data.resolution, "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
     for candidate in (model_dir / RUN_META, model_dir.parent / RUN_META):
         if candidate.is_file():
             try:

@@ -161,7 +161,8 @@ class ImagegenTask:
 
     def _to_device(self, b: dict) -> ImageBatch:
         d = self.device
-        return ImageBatch(b["latent"].to(d, non_blocking=True).float(), b["text_states"].to(d, non_blocking=True).float(),
+        return ImageBatch(b["latent"].to(d, non_blocking=True).float(),
+                          b["text_states"].to(d, non_blocking=True).float(),
                           b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]))
 
     def train_batches(self) -> Iterator[ImageBatch]:

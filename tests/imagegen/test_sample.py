@@ -96,3 +96,20 @@ def test_sample_to_dir_without_metadata_is_named(setup, tmp_path):
         sample_to_dir(tmp_path / "lone", captions, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="captions file"):
         sample_to_dir(d / "run" / "ema", tmp_path / "missing.txt", tmp_path / "out")
+
+
+def test_sample_to_dir_with_the_run_config(setup, tmp_path):
+    from imagegen.config import ImagegenConfig
+    from pipeline.config import load_config, save_config
+    from tests.imagegen._world import DEMO
+
+    d, _, _ = setup
+    cfg = load_config(ImagegenConfig, DEMO, ["model.path=x", "data.shards=x"])
+    save_config(cfg, tmp_path / "config.toml")
+    write_run_meta(d / "run", cfg)
+    captions = tmp_path / "c.txt"
+    captions.write_text(CAPTIONS[0] + "\n")
+    via_meta = sample_to_dir(d / "run" / "ema", captions, tmp_path / "a", steps=2, guidance=2.0, seed=0)
+    via_cfg = sample_to_dir(d / "run" / "ema", captions, tmp_path / "b", steps=2, guidance=2.0, seed=0,
+                            config_path=str(tmp_path / "config.toml"))
+    assert via_meta[0].read_bytes() == via_cfg[0].read_bytes()
