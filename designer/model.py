@@ -132,6 +132,9 @@ SIZES: dict[str, dict[str, Any]] = {
     # head_dim (32) != dim / num_heads (16) on purpose: it catches code that assumes D = H·Dh.
     "tiny": dict(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=128, max_seq_len=512,
                  rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True),
+    # Big enough to learn the shapes world's brief → caption mapping on a CPU in minutes (the demo).
+    "demo": dict(dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=384, max_seq_len=1024,
+                 rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True),
     # The real Qwen3 dense shapes (Qwen/Qwen3-*/config.json).
     "0.6b": dict(dim=1024, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=3072, tie_embeddings=True, **_QWEN3),
     "1.7b": dict(dim=2048, num_layers=28, num_heads=16, num_kv_heads=8, ffn_dim=6144, tie_embeddings=True, **_QWEN3),

@@ -150,9 +150,9 @@ def imagegen_init(args: argparse.Namespace) -> int:
 
     from imagegen.hf import init_random
 
-    overrides = {}
-    if args.in_channels:
-        overrides["in_channels"] = args.in_channels
+    overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
+                                                         "joint_attention_dim", "pooled_projection_dim")
+                 if getattr(args, name)}
     path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
     print(f"wrote a random-init MMDiT {args.size} to {path}")
     return 0
@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     sp.add_argument("--in-channels", type=int, default=0, help="latent channels (default: the size's)")
+    sp.add_argument("--out-channels", type=int, default=0, help="output channels (default: in-channels)")
+    sp.add_argument("--sample-size", type=int, default=0, help="latent side the model is built for")
+    sp.add_argument("--joint-attention-dim", type=int, default=0,
+                    help="text encoder hidden size (e.g. 384 for MiniLM, 4096 for T5-XXL)")
+    sp.add_argument("--pooled-projection-dim", "--pooled-dim", type=int, default=0, dest="pooled_projection_dim",
+                    help="pooled text vector size")
     sp = command(i, "cache", imagegen_cache, "encode image shards into latent shards (once, offline)")
     train_args(sp)
     sp.add_argument("--out", required=True)

@@ -1,0 +1,87 @@
+"""Briefs file → captions file: the designer's inference entry point (`atelier designer generate`).
+
+A designer output is either an HF model directory (`runs/d1/model`, or any base model) or a PEFT
+adapter directory (`runs/d1/adapter`), whose `adapter_config.json` names its base model. Briefs come one
+per line (blank lines skipped) or as JSONL with a "brief" field; every line is checked and a bad one is
+reported as `file:line`. The output is JSONL: {"brief", "caption"} per brief, in input order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from data.chat import DataError, prompt_ids
+from data.tokenizer import load_tokenizer
+from designer.generate import generate
+from designer.hf import load_pretrained
+from designer.lora import load_peft_adapter
+from designer.model import Qwen3
+
+
+def read_briefs(path: Path) -> list[str]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: briefs file not found")
+    briefs = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            text = obj.get("brief") if isinstance(obj, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                raise DataError(f"{path}:{n}: expected a non-empty \"brief\" string")
+            text = text.strip()
+        briefs.append(text)
+    if not briefs:
+        raise DataError(f"{path}: no briefs")
+    return briefs
+
+
+def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Qwen3, object]:
+    """A model directory, or an adapter directory applied to its base. Returns (model, tokenizer)."""
+    path = Path(path)
+    adapter_cfg = path / "adapter_config.json"
+    if adapter_cfg.is_file():
+        base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
+        if not base or not Path(base).is_dir():
+            raise FileNotFoundError(f"{adapter_cfg}: base_model_name_or_path {base!r} is not a local directory")
+        model = load_pretrained(base, dtype=dtype, device=device)
+        load_peft_adapter(model, path)
+        tokenizer_dir = path if (path / "tokenizer.json").is_file() else Path(base)
+    else:
+        model = load_pretrained(path, dtype=dtype, device=device)
+        tokenizer_dir = path
+    model.eval()
+    return model, load_tokenizer(tokenizer_dir)
+
+
+def generate_captions(model_dir: Path, adapter_dir: Path | None, briefs_file: Path, out_file: Path,
+                      max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                      batch_size: int = 16, device: str = "auto") -> list[dict[str, str]]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    briefs = read_briefs(briefs_file)
+    model, tokenizer = load_designer(Path(model_dir), dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if adapter_dir is not None:
+        load_peft_adapter(model, adapter_dir)
+    prompts = [prompt_ids(tokenizer, b) for b in briefs]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        outputs = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed, eos_token_id=eos, batch_size=batch_size)
+    rows = [{"brief": b, "caption": tokenizer.decode(ids, skip_special_tokens=True).strip()}
+            for b, ids in zip(briefs, outputs)]
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_suffix(out_file.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out_file)
+    return rows
