@@ -19,16 +19,6 @@ ROOT = Path(__file__).parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    """A tokenizer trained on the fixture and a tiny random Qwen3 (fp32), shared by the tests here."""
-    d = tmp_path_factory.mktemp("designer")
-    assert main(["data", "tokenizer", "--corpus", str(FIXTURE), "--vocab-size", "400", "--out", str(d / "tok")]) == 0
-    assert main(["designer", "init", "--size", "tiny", "--tokenizer", str(d / "tok"), "--out", str(d / "model"),
-                 "--dtype", "float32"]) == 0
-    return d
-
-
 def train_args(world: Path, out: Path, *extra: str) -> list[str]:
     return ["designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
             "--set", f"model.path={world / 'model'}", "--set", f"data.train={FIXTURE}", "--set", f"data.eval={FIXTURE}",
