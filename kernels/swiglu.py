@@ -1,28 +1,92 @@
 """SwiGLU gate: y = silu(g) · u, with silu(g) = g · σ(g).
 
-Shapes: gate [..., F], up [..., F] → [..., F].
+Shapes: E elements (gate and up flattened; any shape, e.g. [T, F]).  gate [..., F], up [..., F] → [..., F].
 
+Forward:   y = g · σ(g) · u.
 Backward:  du = dy · silu(g);  dg = dy · u · σ(g) · (1 + g · (1 − σ(g))).
-Saved for backward: g, u (silu is recomputed). Accumulation dtype: fp32, cast back.
+Saved for backward: g, u (σ and silu are recomputed, so nothing [T, F]-sized is added).
+Accumulation dtype: fp32 in registers, one rounding on store; y in gate.dtype, dg/du in their inputs' dtypes.
+The gradients are written to new tensors (not into g and u in place, as Liger does): g and u may be
+referenced elsewhere, and the MLP's peak memory is set by the [T, F] matmul outputs either way.
+
+Implementations (argument `impl`): "triton" (any device; CPU through TRITON_INTERPRET=1), "ref",
+"auto" (Triton on CUDA, the reference elsewhere).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+IMPLS = ("auto", "triton", "ref")
+BLOCK = 4096  # elements per program: a 16 B vector per thread at 8 warps for bf16, few tail programs
+
 
 # --- Triton kernels -------------------------------------------------------------------------------
-# (none yet: every device runs the reference below.)
+@triton.jit
+def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(du_ptr + offs, (dy * silu).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up contiguous, same shape → y (gate.dtype)."""
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy, gate, up contiguous, same shape → (dgate, dup) in gate's and up's dtypes."""
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, gate, up, dg, du, n, BLOCK=BLOCK, num_warps=8)
+    return dg, du
+
 
 # --- autograd.Function ----------------------------------------------------------------------------
-# (comes with the Triton kernel)
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):  # noqa: D102
+        ctx.save_for_backward(gate, up)
+        return swiglu_fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        gate, up = ctx.saved_tensors
+        return swiglu_bwd(dy.contiguous(), gate, up)
 
 
 # --- public ---------------------------------------------------------------------------------------
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up. gate, up [..., F] (same shape) → [..., F]."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """silu(gate) · up. gate, up [..., F] (same shape) → [..., F] in gate.dtype."""
+    if impl not in IMPLS:
+        raise ValueError(f"swiglu: impl must be one of {IMPLS}, got {impl!r}")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    return swiglu_ref(gate, up)
+    if impl == "ref" or (impl == "auto" and not gate.is_cuda):
+        return swiglu_ref(gate, up)
+    return SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
 
 
 # --- reference ------------------------------------------------------------------------------------
