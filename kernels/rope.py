@@ -3,9 +3,17 @@
 Shapes: N tokens (any leading dims), H heads, Dh head dim (even).
   q [N, H, Dh], k [N, Hkv, Dh], cos/sin [N, Dh] (broadcast over heads) → q', k' same shapes.
 
-Forward:  x' = x · cos + rotate_half(x) · sin,  rotate_half([x1, x2]) = [−x2, x1] (halves of Dh).
-Backward: dx = dy · cos − rotate_half(dy · sin)  (the rotation is orthogonal, so its transpose).
-Saved: cos, sin. Accumulation dtype: fp32, cast back.
+Forward:  x' = x · cos + rotate_half(x) · sin,  rotate_half([x1, x2]) = [−x2, x1] (halves of Dh), i.e.
+          x1' = x1·c1 − x2·s1,  x2' = x2·c2 + x1·s2  (c1, c2 the halves of cos; Qwen3's are equal).
+Backward: dx = dy · cos − rotate_half(dy · sin)  (the rotation is orthogonal, so its transpose), i.e.
+          dx1 = dy1·c1 + dy2·s2,  dx2 = dy2·c2 − dy1·s1.
+Saved: cos, sin (no activation). Accumulation dtype: fp32 in registers, one rounding on store.
+cos/sin are constants of the integer positions: the Triton path gives them no gradient (and refuses
+cos/sin that require one). Out of place: q and k are left untouched, so autograd needs no version
+bookkeeping and q/k may be views of the projection outputs.
+
+Implementations (argument `impl`): "triton" (any device; CPU through TRITON_INTERPRET=1), "ref",
+"auto" (Triton on CUDA, the reference elsewhere). One Triton launch rotates q and k together.
 
 Frequencies: inv_freq[i] = θ^(−2i/Dh), i < Dh/2, optionally rescaled by `scaling`, a Hugging Face
 config.json ``rope_scaling`` dict ({"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}).
@@ -17,14 +25,88 @@ import math
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+IMPLS = ("auto", "triton", "ref")
+
 
 # --- Triton kernels -------------------------------------------------------------------------------
-# (none yet: every device runs the reference below.)
+@triton.jit
+def _rotate_heads(x_ptr, y_ptr, n_heads, half, c1, c2, s1, s2, tok,
+                  BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # x/y [N, n_heads, 2·half] contiguous; c*/s* [BLOCK_HALF] fp32 of this token.
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < n_heads) & (cols[None, :] < half)
+    offs = tok.to(tl.int64) * n_heads * 2 * half + heads[:, None] * 2 * half + cols[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transpose of the rotation
+        y1 = x1 * c1[None, :] + x2 * s2[None, :]
+        y2 = x2 * c2[None, :] - x1 * s1[None, :]
+    else:
+        y1 = x1 * c1[None, :] - x2 * s1[None, :]
+        y2 = x2 * c2[None, :] + x1 * s2[None, :]
+    tl.store(y_ptr + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, H, HKV, half,
+                 BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per token: cos/sin are read once and applied to all H + Hkv heads.
+    tok = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_HALF)
+    cmask = cols < half
+    row = tok.to(tl.int64) * 2 * half
+    c1 = tl.load(cos_ptr + row + cols, mask=cmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + row + half + cols, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row + cols, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row + half + cols, mask=cmask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, qo_ptr, H, half, c1, c2, s1, s2, tok, BACKWARD, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr, ko_ptr, HKV, half, c1, c2, s1, s2, tok, BACKWARD, BLOCK_HKV, BLOCK_HALF)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, H, Dh], k [N, Hkv, Dh], cos/sin [N, Dh], all contiguous → rotated copies (or the transpose)."""
+    n, h, dh = q.shape
+    hkv = k.shape[1]
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if n == 0:
+        return qo, ko
+    block_h, block_hkv, block_half = triton.next_power_of_2(h), triton.next_power_of_2(hkv), triton.next_power_of_2(dh // 2)
+    num_warps = 8 if block_h * block_half >= 4096 else 4
+    _rope_kernel[(n,)](q, k, qo, ko, cos, sin, h, hkv, dh // 2, BACKWARD=backward, BLOCK_H=block_h,
+                       BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, num_warps=num_warps)
+    return qo, ko
+
 
 # --- autograd.Function ----------------------------------------------------------------------------
-# (comes with the Triton kernel)
+class RoPEFunction(torch.autograd.Function):
+    """q [N, H, Dh], k [N, Hkv, Dh], cos/sin [N, Dh] → (q', k'); cos/sin get no gradient."""
+
+    @staticmethod
+    def forward(q, k, cos, sin):  # noqa: D102
+        return rope_apply(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        # An unused output arrives as None: rotate zeros so both grads exist (rare; costs one small tensor).
+        dq = dq.contiguous() if dq is not None else torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0], device=cos.device)
+        dk = dk.contiguous() if dk is not None else torch.zeros(ctx.shapes[1], dtype=ctx.dtypes[1], device=cos.device)
+        gq, gk = rope_apply(dq, dk, cos, sin, backward=True)
+        return gq, gk, None, None
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # noqa: D102
+        q, k, cos, sin = inputs
+        ctx.save_for_backward(cos, sin)
+        ctx.shapes, ctx.dtypes = (q.shape, k.shape), (q.dtype, k.dtype)
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -103,12 +185,27 @@ def rope_cos_sin(
 
 
 # --- public ---------------------------------------------------------------------------------------
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [..., H, Dh] and k [..., Hkv, Dh] by cos/sin [..., Dh] (leading dims equal)."""
+    if impl not in IMPLS:
+        raise ValueError(f"rope: impl must be one of {IMPLS}, got {impl!r}")
     for name, t in (("q", q), ("k", k)):
         if t.shape[:-2] != cos.shape[:-1] or t.shape[-1] != cos.shape[-1]:
             raise ValueError(f"rope: {name} {tuple(t.shape)} does not match cos {tuple(cos.shape)} ([..., H, Dh] vs [..., Dh])")
-    return rope_ref(q, k, cos, sin)
+    if sin.shape != cos.shape:
+        raise ValueError(f"rope: sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
+    if q.shape[-1] % 2:
+        raise ValueError(f"rope: head_dim must be even, got q {tuple(q.shape)}")
+    if impl == "ref" or (impl == "auto" and not q.is_cuda):
+        return rope_ref(q, k, cos, sin)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError("rope: the Triton path treats cos/sin as constants; got cos/sin that require grad "
+                         "(use impl='ref' to differentiate through them)")
+    dh = q.shape[-1]
+    qo, ko = RoPEFunction.apply(q.reshape(-1, q.shape[-2], dh).contiguous(), k.reshape(-1, k.shape[-2], dh).contiguous(),
+                                cos.reshape(-1, dh).contiguous(), sin.reshape(-1, dh).contiguous())  # [N,H,Dh], [N,Hkv,Dh]
+    return qo.view(q.shape), ko.view(k.shape)
 
 
 # --- reference ------------------------------------------------------------------------------------

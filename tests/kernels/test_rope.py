@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels.rope import rope, rope_cos_sin, rope_inv_freq, rope_ref
-from tests.kernels._compare import assert_close
+from tests.kernels._compare import assert_close, assert_error_within
 
 
 def _rope_complex(x, pos, inv_freq):
@@ -71,3 +71,80 @@ def test_rope_rejects_bad_input():
     cos, sin = rope_cos_sin(torch.arange(5), 8, 1e4)
     with pytest.raises(ValueError, match="does not match"):
         rope(torch.randn(4, 2, 8), torch.randn(4, 2, 8), cos, sin)
+
+
+# --- the Triton kernel (CPU: through the interpreter; see conftest.py) ------------------------------
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(lead, h, hkv, dh, dtype, device=DEV, seed=0, scaling=None):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 4096, lead, generator=g)
+    q64, k64 = torch.randn(*lead, h, dh, generator=g, dtype=torch.float64), torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64)
+    dq, dk = torch.randn(*lead, h, dh, generator=g, dtype=torch.float64).to(device), torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64).to(device)
+    cos, sin = (t.to(device) for t in rope_cos_sin(pos, dh, 1e6, scaling))  # fp32, as the model passes them
+
+    def go(dt, fn, cs):
+        q, k = q64.to(device, dt).requires_grad_(), k64.to(device, dt).requires_grad_()
+        qo, ko = fn(q, k, *cs)
+        return [qo, ko, *torch.autograd.grad((qo.double() * dq).sum() + (ko.double() * dk).sum(), (q, k))]
+
+    got = go(dtype, lambda *a: rope(*a, impl="triton"), (cos, sin))
+    exp = go(torch.float64, rope_ref, (cos.double(), sin.double()))
+
+    def eager(q, k, c, s):  # HF's apply_rotary_pos_emb in the kernel's dtype
+        c, s = c.to(q.dtype).unsqueeze(-2), s.to(q.dtype).unsqueeze(-2)
+        rh = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), -1)  # noqa: E731
+        return q * c + rh(q) * s, k * c + rh(k) * s
+
+    base = go(dtype, eager, (cos, sin))
+    return got, exp, base
+
+
+NAMES = ("q'", "k'", "dq", "dk")
+
+
+@pytest.mark.parametrize("lead,h,hkv,dh", [((1,), 1, 1, 2), ((7,), 4, 2, 32), ((2, 13), 3, 1, 6), ((5,), 5, 5, 130)])
+def test_rope_triton_fp32(lead, h, hkv, dh):
+    got, exp, _ = _run(lead, h, hkv, dh, torch.float32)
+    assert got[0].shape == (*lead, h, dh) and got[1].shape == (*lead, hkv, dh) and got[0].dtype == torch.float32
+    for name, a, e in zip(NAMES, got, exp):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, what=f"{name} {lead, h, hkv, dh}")
+
+
+@pytest.mark.parametrize("lead,h,hkv,dh", [((7,), 4, 2, 32), ((2, 13), 3, 1, 6)])
+def test_rope_triton_fp16_within_2x_eager(lead, h, hkv, dh):
+    got, exp, base = _run(lead, h, hkv, dh, torch.float16, seed=1)
+    assert all(t.dtype == torch.float16 for t in got)
+    for name, a, e, b in zip(NAMES, got, exp, base):
+        assert_error_within(a, e, b, what=f"{name} {lead, h, hkv, dh}", atol=1e-3)
+
+
+def test_rope_triton_yarn_scaled_cos_and_strided_q():
+    """YaRN's attention factor scales cos/sin (so c² + s² ≠ 1); q a strided view of a fused projection."""
+    got, exp, _ = _run((9,), 4, 2, 16, torch.float32, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 512})
+    for name, a, e in zip(NAMES, got, exp):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, what=f"yarn {name}")
+    qkv = torch.randn(9, 8, 16, device=DEV)
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.arange(9), 16, 1e4))
+    q, k = qkv[:, :4], qkv[:, 4:6]  # non-contiguous views
+    for a, e in zip(rope(q, k, cos, sin, impl="triton"), rope_ref(q, k, cos, sin)):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, what="strided")
+
+
+def test_rope_triton_refuses_cos_with_grad():
+    cos, sin = rope_cos_sin(torch.arange(3), 8, 1e4)
+    with pytest.raises(ValueError, match="constants"):
+        rope(torch.randn(3, 2, 8), torch.randn(3, 1, 8), cos.requires_grad_(), sin, impl="triton")
+    with pytest.raises(ValueError, match="impl"):
+        rope(torch.randn(3, 2, 8), torch.randn(3, 1, 8), cos.detach(), sin, impl="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_triton_bf16_real_shape():
+    """Qwen3-8B: 4 packed rows of 2048 tokens, H=32, Hkv=8, Dh=128, positions up to 4096."""
+    got, exp, base = _run((4, 2048), 32, 8, 128, torch.bfloat16, device="cuda")
+    for name, a, e, b in zip(NAMES, got, exp, base):
+        assert_error_within(a, e, b, what=f"{name} real shape", atol=1e-3)
