@@ -284,8 +284,8 @@ def imagegen_run(work: Path, log: Path, tiny: bool = False, dtype: str = "bfloat
         if out.exists():  # a stale summary.json must not pass for this run's
             shutil.rmtree(out)
         offset = log.stat().st_size
-        code, seconds = atelier("imagegen", "train", "--config", str(config), "--set", f"train.micro_batch={micro_batch}",
-                                "--set", f"output.dir={out}", log=log)
+        code, seconds = atelier("imagegen", "train", "--config", str(config),
+                                "--set", f"train.micro_batch={micro_batch}", "--set", f"output.dir={out}", log=log)
         oom = code != 0 and bool(OOM.search(_log_tail(log, offset)))
         result["runs"][f"bs{micro_batch}"] = {"code": code, "seconds": seconds, "oom": oom, **read_run(out)}
         if not keep_weights:  # summary.json's "exports" then name deleted paths: say so
