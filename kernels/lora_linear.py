@@ -1,0 +1,144 @@
+"""LoRA linear over a frozen base: y = x Wᵀ + b + s · (dropout(x) Aᵀ) Bᵀ, with dX, dA, dB only (never dW).
+
+Shapes: T tokens (leading dims flattened), I in-features, O out-features, r rank.
+  x [..., I], weight [O, I] (frozen), bias [O] or None (frozen), lora_a [r, I], lora_b [O, r] → y [..., O].
+
+Forward, with m the dropout mask (scaled by 1/(1−p)) and xd = x ∘ m:
+  u = xd Aᵀ [T, r] (saved: it is the only input dB needs, so x·Aᵀ is never recomputed);
+  y = x Wᵀ + b, then y += s · u Bᵀ accumulated into y by one addmm (cuBLAS adds in its fp32
+  accumulator: no [T, O] temporary, no extra pass) when base and adapter compute in one dtype.
+Backward, for dy [T, O]:
+  g = s · dy B [T, r];  dB = s · dyᵀ u [O, r];  dA = gᵀ xd [r, I];
+  dx = dy W + (g A) ∘ m, again one addmm into dy W when there is no dropout and one dtype.
+  No dW and no d(bias): the base is frozen (PITFALLS.md "LoRA defaults"); dx is skipped when x needs
+  no gradient (layer 0 of a frozen-embedding LoRA run), which autograd over nn.Linear also does.
+Saved: x, the dropout mask (bool, only with dropout), u, and the weights (no copies).
+Dtypes: under autocast both matmul chains run in the autocast dtype (as nn.Linear would); otherwise
+the base runs in x.dtype and the adapter in lora_a's dtype (PEFT: fp32 adapters on a bf16 base), and
+the adapter's [T, O] product is cast to the base dtype before the add, exactly as PEFT computes it.
+Fusing x·[W; A]ᵀ into one matmul is not done: W is bf16 and A may be fp32, and casting A would
+change PEFT's numerics; the frozen W is what makes the big saving (no dW matmul, 1/3 of the FLOPs).
+Accumulation: fp32 inside cuBLAS; dA, dB returned in the adapter weights' dtypes.
+
+No Triton here: every product is a cuBLAS matmul; the win is skipping dW, reusing u and fusing the
+adds into the matmuls' epilogues. Implementations (argument `impl`): "fused" (the Function below,
+any device), "ref" (lora_linear_ref, differentiated by autograd), "auto" (fused on CUDA, ref elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("auto", "fused", "ref")
+
+
+# --- Triton kernels -------------------------------------------------------------------------------
+# (none: see the docstring; the matmuls are cuBLAS.)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+def _compute_dtypes(x: torch.Tensor, lora_a: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(base dtype, adapter dtype): autocast's for both when it is on, else x's and the adapter's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        c = torch.get_autocast_dtype(dev)
+        return c, c
+    return x.dtype, lora_a.dtype
+
+
+def _dropped(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
+    return x if mask is None else x * mask * (1.0 / (1.0 - p))
+
+
+def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
+    """Bool keep-mask [..., I] with P(keep) = 1 − p (None for p = 0), from torch's global RNG."""
+    if p == 0.0:
+        return None
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+
+
+# --- autograd.Function ----------------------------------------------------------------------------
+class LoRALinearFunction(torch.autograd.Function):
+    """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p → y [T, O]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, mask, p: float):  # noqa: D102
+        cb, ca = _compute_dtypes(x, lora_a)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x.to(cb), weight.to(cb), bias.to(cb) if bias is not None else None)  # [T, O]
+            a, b = lora_a.to(ca), lora_b.to(ca)
+            u = _dropped(x.to(ca), mask, p) @ a.t()  # [T, r]
+            if ca == cb:
+                torch.addmm(y, u, b.t(), alpha=scale, out=y)  # y += s·u Bᵀ inside the matmul (out=, which FlopCounterMode counts)
+            else:
+                y += ((u @ b.t()) * scale).to(cb)  # PEFT's order: adapter product in its dtype, then cast
+        ctx.save_for_backward(x, weight, lora_a, lora_b, u, mask)
+        ctx.scale, ctx.p, ctx.dtypes = scale, p, (cb, ca)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, lora_a, lora_b, u, mask = ctx.saved_tensors
+        cb, ca = ctx.dtypes
+        s, p = ctx.scale, ctx.p
+        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        a, b = lora_a.to(ca), lora_b.to(ca)
+        dy = dy.to(cb)
+        dy_a = dy.to(ca)  # a no-op unless the adapter is fp32 on a bf16 base
+        g = (dy_a @ b).mul_(s) if (need_x or need_a) else None  # [T, r]
+        db = (dy_a.t() @ u).mul_(s).to(lora_b.dtype) if need_b else None  # [O, r]
+        da = (g.t() @ _dropped(x.to(ca), mask, p)).to(lora_a.dtype) if need_a else None  # [r, I]
+        dx = None
+        if need_x:
+            dx = dy @ weight.to(cb)  # [T, I]; the frozen W gets no dW
+            if mask is None and ca == cb:
+                torch.addmm(dx, g, a, out=dx)  # dx += g A inside the matmul
+            else:
+                dx += _dropped(g @ a, mask, p).to(cb)
+            dx = dx.to(x.dtype)
+        return dx, None, None, da, db, None, None, None
+
+
+# --- public ---------------------------------------------------------------------------------------
+def _check(x, weight, bias, lora_a, lora_b, dropout, impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"lora_linear: impl must be one of {IMPLS}, got {impl!r}")
+    o, i = weight.shape if weight.dim() == 2 else (None, None)
+    r = lora_a.shape[0] if lora_a.dim() == 2 else None
+    if (i is None or r is None or x.shape[-1] != i or lora_a.shape != (r, i) or lora_b.shape != (o, r)
+            or (bias is not None and bias.shape != (o,))):
+        raise ValueError(f"lora_linear: expected x [..., I], weight [O, I], bias [O], lora_a [r, I], lora_b [O, r]; got "
+                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}, "
+                         f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("lora_linear: the base weight and bias must be frozen (requires_grad=False); no dW is computed")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora_linear: dropout must be in [0, 1), got {dropout}")
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float, dropout: float = 0.0, impl: str = "auto") -> torch.Tensor:
+    """x Wᵀ + b + scale · (dropout(x) Aᵀ) Bᵀ over a frozen W. x [..., I] → [..., O] (the base compute dtype).
+
+    `dropout` is the probability applied now: pass 0 in eval. The mask comes from torch's global RNG.
+    """
+    _check(x, weight, bias, lora_a, lora_b, dropout, impl)
+    mask = dropout_mask(x, dropout)
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+        return lora_linear_ref(x, weight, bias, lora_a, lora_b, scale, mask, dropout)
+    lead, i = x.shape[:-1], x.shape[-1]
+    y = LoRALinearFunction.apply(x.reshape(-1, i), weight, bias, lora_a, lora_b, float(scale),
+                                 None if mask is None else mask.reshape(-1, i), float(dropout))  # [T, O]
+    return y.view(*lead, weight.shape[0])
+
+
+# --- reference ------------------------------------------------------------------------------------
+def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+    """Plain PyTorch in fp32, cast back to the base compute dtype (autocast's, else x.dtype). mask: bool keep-mask."""
+    out_dtype = _compute_dtypes(x, lora_a)[0]
+    with torch.autocast(x.device.type, enabled=False):
+        xf = x.float()
+        y = F.linear(xf, weight.float(), bias.float() if bias is not None else None)
+        y = y + F.linear(F.linear(_dropped(xf, mask, p), lora_a.float()), lora_b.float()) * scale
+    return y.to(out_dtype)
