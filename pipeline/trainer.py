@@ -300,10 +300,16 @@ class Trainer:
         step, state, rank_state = load_sharded_checkpoint(path, app, self.dist.rank)
         try:
             set_state_dict(self.task.model, self.optimizer, model_state_dict=app["model"],
-                           optim_state_dict=app["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+                           optim_state_dict=app["optimizer"],
+                           # not strict: the frozen base is not in the checkpoint (DCP already raised on any
+                           # trainable key missing from it)
+                           options=StateDictOptions(ignore_frozen_params=True, strict=False))
         except Exception as e:
             raise CheckpointError(f"{path}: does not fit this model and optimizer: {e}") from e
-        self.task.load_state(app["task"], state["task"])
+        try:
+            self.task.load_state(app["task"], state["task"])
+        except ValueError as e:  # e.g. a data position saved with another global batch
+            raise CheckpointError(f"{path}: {e}") from None
         if rank_state is not None:
             self._set_rank_state(rank_state)
         else:  # written by fewer ranks: a fresh, still deterministic stream for this rank

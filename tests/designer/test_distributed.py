@@ -1,0 +1,154 @@
+"""The designer trainer on two processes (torchrun, gloo, CPU) against one process on the same global batch.
+
+One torchrun launch (the `two_process_runs` fixture) trains, with 2 ranks x micro_batch 1:
+  lora      LoRA, 4 steps, checkpoints at 2 and 4, activation checkpointing on, rows balanced by cost
+  lora_cut  the same run stopped at step 2, then resumed with 2 processes to step 4
+  full      full fine-tuning, 4 steps, async sharded checkpoints
+and the tests run the one-process twins here (1 rank x micro_batch 2: the same rows each step) and compare
+losses (fp32, 1e-5), exports, and resumes of the 2-process checkpoint with 1 and with 2 processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.cli import main
+
+pytestmark = pytest.mark.multigpu
+
+ROOT = Path(__file__).parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("designer-dist")
+    assert main(["data", "tokenizer", "--corpus", str(FIXTURE), "--vocab-size", "400", "--out", str(d / "tok")]) == 0
+    assert main(["designer", "init", "--size", "tiny", "--tokenizer", str(d / "tok"), "--out", str(d / "model"),
+                 "--dtype", "float32"]) == 0
+    return d
+
+
+def args(world: Path, out: Path, *extra: str) -> list[str]:
+    """A 4-step fp32 run; micro_batch is set per launch so that processes x micro_batch = 2."""
+    return ["designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
+            "--set", f"model.path={world / 'model'}", "--set", f"data.train={FIXTURE}", "--set", f"data.eval={FIXTURE}",
+            "--set", "data.seq_len=128", "--set", "data.max_eval_batches=0", "--set", "train.grad_accum=2",
+            "--set", "train.max_steps=4", "--set", "train.save_every=2", "--set", "train.eval_every=0",
+            "--set", "train.log_every=1", "--set", "train.warmup_steps=1", "--set", "train.lr=1e-2",
+            "--set", "train.device=cpu", "--set", "output.tensorboard=false", "--set", f"output.dir={out}", *extra]
+
+
+LORA = ("--set", "lora.rank=4")
+FULL = ("--set", "lora.rank=0")
+
+
+def launch_two(runs: dict[str, list[str]], tmp: Path) -> None:
+    """`torchrun --nproc-per-node 2` over tests/designer/dist_worker.py, which runs `runs` in order."""
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.designer.dist_worker", str(spec)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+
+@pytest.fixture(scope="module")
+def two(world, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("two")
+    two1 = ("--set", "train.micro_batch=1")
+    launch_two({
+        "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=true"),
+        "lora_cut": args(world, d / "lora_cut", *LORA, *two1, "--set", "train.max_steps=2"),
+        "lora_cut_resumed": args(world, d / "lora_cut", *LORA, *two1),
+        "full": args(world, d / "full", *FULL, *two1, "--set", "train.distributed.async_checkpoint=true"),
+    }, d)
+    return d
+
+
+def records(out: Path, kind: str = "train") -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind}
+
+
+def assert_same_losses(a: Path, b: Path, steps: range) -> None:
+    ra, rb = records(a), records(b)
+    for s in steps:
+        assert ra[s]["loss_weight"] == rb[s]["loss_weight"], f"step {s}: different global batches"
+        assert abs(ra[s]["loss"] - rb[s]["loss"]) <= TOL, f"step {s}: loss {ra[s]['loss']} vs {rb[s]['loss']}"
+        assert abs(ra[s]["grad_norm"] - rb[s]["grad_norm"]) <= TOL * max(1.0, ra[s]["grad_norm"]), f"step {s}"
+
+
+def assert_same_safetensors(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=TOL, msg=lambda m: f"{a.name} {k}: {m}")
+
+
+def test_lora_two_processes_equal_one(world, two, tmp_path):
+    one = tmp_path / "lora1"
+    assert main(args(world, one, *LORA, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(one, two / "lora", range(1, 5))
+    ev1, ev2 = records(one, "eval")[4]["loss"], records(two / "lora", "eval")[4]["loss"]
+    assert abs(ev1 - ev2) <= TOL
+    # the consolidated PEFT adapter from rank 0 equals the one-process export
+    assert json.loads((one / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((two / "lora" / "adapter" / "adapter_config.json").read_text())
+    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
+                            two / "lora" / "adapter" / "adapter_model.safetensors")
+
+
+def test_full_two_processes_equal_one(world, two, tmp_path):
+    one = tmp_path / "full1"
+    assert main(args(world, one, *FULL, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(one, two / "full", range(1, 5))
+    assert json.loads((one / "model" / "config.json").read_text()) == \
+        json.loads((two / "full" / "model" / "config.json").read_text())
+    assert_same_safetensors(one / "model" / "model.safetensors", two / "full" / "model" / "model.safetensors")
+    # async saves were finalised: both checkpoints complete, no temporary directory left behind
+    assert sorted(p.name for p in (two / "full" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_sharded_checkpoint_layout(two):
+    ckpt = two / "lora" / "checkpoints" / "step-2"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.json", "rank-0.json", "rank-1.json",
+            "manifest.json"} <= names
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest) == names - {"manifest.json"}
+    assert json.loads((ckpt / "state.json").read_text())["world_size"] == 2
+
+
+def test_resume_with_two_processes_is_exact(two):
+    assert_same_losses(two / "lora", two / "lora_cut", range(1, 5))
+
+
+def test_resume_two_process_checkpoint_with_one_process(world, two, tmp_path):
+    out = tmp_path / "resumed1"
+    shutil.copytree(two / "lora", out, ignore=shutil.ignore_patterns("step-4", "adapter"))
+    assert main(args(world, out, *LORA, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(two / "lora", out, range(3, 5))
+    assert_same_safetensors(two / "lora" / "adapter" / "adapter_model.safetensors",
+                            out / "adapter" / "adapter_model.safetensors")
+
+
+def test_resume_with_another_global_batch_is_refused(world, two, tmp_path, capsys):
+    out = tmp_path / "resumed-wrong"
+    shutil.copytree(two / "lora", out, ignore=shutil.ignore_patterns("step-4", "adapter"))
+    assert main(args(world, out, *LORA, "--set", "train.micro_batch=1")) == 2
+    err = capsys.readouterr().err
+    assert "global micro-batch" in err and "2 ranks x 1 rows" in err
