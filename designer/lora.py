@@ -26,6 +26,7 @@ from torch import nn
 
 from designer.hf import read_safetensors_header
 from designer.model import Qwen3
+from kernels.lora_linear import lora_linear
 
 # Atelier's short target names → Qwen3 module names and their parent (self_attn or mlp).
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -95,9 +96,10 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.lora_A.weight
-        delta = self.lora_B(self.lora_A(self.dropout(x.to(a.dtype))))  # [..., O] in the adapter dtype
-        return self.base_layer(x) + (delta * self.scale).to(x.dtype)
+        # kernels.lora_linear: no dW for the frozen base, x·Aᵀ saved for dB (fused on CUDA, fp32 reference elsewhere).
+        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
+        return lora_linear(x, self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight,
+                           self.scale, p)
 
     def merged_weight(self) -> torch.Tensor:
         """W + s·B·A in fp32, cast to the base weight's dtype."""
