@@ -48,6 +48,7 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     is_main: bool = True
     enabled: bool = False
+    owns_group: bool = False  # this context created the process group (and `shutdown` destroys it)
 
 
 # ----------------------------------------------------------------------------- environment and process group
@@ -108,14 +109,17 @@ def init_distributed(train: TrainConfig) -> DistContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise DistributedError("train.distributed.backend = 'nccl' needs train.device on CUDA; use gloo on CPU")
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()  # a caller (a test worker running several trainings) may own it
+    if owns:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-    return DistContext(rank=rank, world_size=world, local_rank=local, device=device, is_main=rank == 0, enabled=True)
+    return DistContext(rank=rank, world_size=world, local_rank=local, device=device, is_main=rank == 0, enabled=True,
+                       owns_group=owns)
 
 
 def shutdown(ctx: DistContext) -> None:
-    if ctx.enabled and dist.is_initialized():
+    """Destroy the process group if `ctx` created it."""
+    if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

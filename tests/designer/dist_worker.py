@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.designer.dist_worker OUT ARGS_JSON
 
-Several training runs in one launch (each `main()` makes and destroys its own process group), so the
-processes start once: ARGS_JSON maps a run name to its `atelier` argument list; runs go in file order.
+Several training runs in one launch, so the processes start once: ARGS_JSON maps a run name to its
+`atelier` argument list; runs go in file order. The worker owns the process group (gloo) for all of them:
+`main()` finds it initialised and leaves it alone.
 """
 
 from __future__ import annotations
@@ -11,11 +12,17 @@ from __future__ import annotations
 import json
 import sys
 
+import torch.distributed as dist
+
 from pipeline.cli import main
 
 if __name__ == "__main__":
     runs = json.loads(open(sys.argv[1]).read())
-    for name, argv in runs.items():
-        code = main(argv)
-        if code != 0:
-            raise SystemExit(f"run {name} exited with {code}")
+    dist.init_process_group("gloo")
+    try:
+        for name, argv in runs.items():
+            code = main(argv)
+            if code != 0:
+                raise SystemExit(f"run {name} exited with {code}")
+    finally:
+        dist.destroy_process_group()
