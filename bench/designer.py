@@ -1,0 +1,589 @@
+"""Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches (issue 6).
+
+    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k --out DIR
+        [--peers hf,hf-liger,hf-liger-bf16lora] [--micro-batches 2,4,8] [--steps 10 --warmup 3] [--ablation]
+        [--tokenizer .gpu/qwen3-tokenizer] [--tiny]
+
+Shapes: B rows per micro-batch, T tokens per row, N = B·T, D dim, V vocab.
+
+Per config the random bf16 weights are drawn ONCE on the device; every run (Atelier, each peer, each
+ablation) is built around those same tensors (frozen LoRA bases share them; full fine-tuning copies them
+into fp32 master weights), with the same LoRA A/B init and the same batches in the same order, so losses
+are comparable step by step. A step = forward + loss + backward + optimizer step + zero_grad, timed with
+CUDA events (wall clock on CPU); `warmup` steps first (per-block compile happens in the first: shapes
+and max_seqlen are fixed), then `steps` timed ones: median tok/s and min–max. Only non-padding tokens count.
+
+Data: documents packed best-fit into rows of T (data/packing.py). With --tokenizer, shapes-world briefs and
+captions through the chat template (loss on the caption); otherwise random-token documents with a
+lognormal length distribution (median 300 tokens, loss on the last 60%). The 64k config is one document.
+
+Peers see the same packed rows as dense [B,T] tensors with the per-document position ids: transformers 5
+detects the restarts (masking_utils.find_packed_sequence_indices) and gives SDPA a block-diagonal causal
+mask, so the peer's attention is exact (no leaking) and losses are comparable on the packed batches
+themselves. The peer's mask is dense T×T and its kernel cannot skip masked blocks: that is its real cost.
+
+FLOPs: Atelier's `Qwen3.train_flops` (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
+FT, LM head on the loss tokens) — the same count is used for the peers' MFU (same tokens). `mfu_6n` is the
+6·N_mm convention most peers quote. MFU against 989 TFLOP/s and against bench.env.matmul_tflops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.env import clocks, environment, matmul_tflops
+from data.chat import EncodedDoc
+from data.packing import Batch, make_batch, pack_documents
+from designer.lora import LoraArgs, LoRALinear, apply_lora
+from designer.model import ModelArgs, Qwen3, hf_param_shapes
+from kernels.cross_entropy import linear_cross_entropy
+from pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
+
+PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
+PEERS = ("hf", "hf-liger", "hf-liger-bf16lora")
+ABLATIONS = ("no_compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    size: str                      # designer.model.SIZES key
+    lora: bool                     # LoRA r16/alpha32 on all 7 targets, or full fine-tuning
+    seq_len: int                   # T
+    micro_batches: tuple[int, ...]
+    one_doc: bool = False          # one document of seq_len tokens per row
+    ac: str = "none"               # Atelier's activation checkpointing (pipeline/policies.py)
+    offload: bool = False          # CPU activation offload (long sequences)
+    lr: float = 1e-4
+    vocab_size: int = 151936       # Qwen3's embedding rows
+
+
+CONFIGS = {
+    "qwen3-8b-lora": BenchConfig("8b", True, 2048, (2, 4, 8)),
+    "qwen3-1.7b-full": BenchConfig("1.7b", False, 2048, (8, 16), lr=1e-5),
+    "qwen3-8b-lora-64k": BenchConfig("8b", True, 65536, (1,), one_doc=True, ac="selective"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One Atelier run's switches (the ablation turns each off in turn)."""
+
+    compile: bool = True
+    kernels: str = "auto"          # "ref": every kernel's plain-PyTorch path
+    chunked_ce: bool = True
+    attention: str = "auto"        # kernels.attention impl
+    fused_adamw: bool = True
+    lora_dtype: str = "bfloat16"
+
+
+def tiny_config(cfg: BenchConfig) -> BenchConfig:
+    """The same code path at CPU size: tiny model, short rows, fp32."""
+    return dataclasses.replace(cfg, size="tiny", seq_len=96 if not cfg.one_doc else 64, micro_batches=(1, 2),
+                               vocab_size=256)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def random_docs(n: int, vocab: int, seed: int, max_len: int) -> list[EncodedDoc]:
+    """Documents of lognormal length (median 300, clipped to [48, max_len]); loss on the last 60%."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        n_tok = int(min(max(rng.lognormvariate(math.log(300), 0.6), 48), max_len))
+        ids = torch.randint(0, vocab, (n_tok,), generator=g).tolist()
+        prompt = int(0.4 * n_tok)
+        docs.append(EncodedDoc(ids, [False] * prompt + [True] * (n_tok - prompt)))
+    return docs
+
+
+def world_docs(n: int, tokenizer_dir: str, seed: int) -> list[EncodedDoc]:
+    """Shapes-world brief → caption documents through the real tokenizer's chat template."""
+    from data.chat import Example, encode_examples
+    from data.synthetic import HELD_OUT_PAIRS, sample_one
+    from data.tokenizer import load_tokenizer
+
+    rng = random.Random(seed)
+    tok = load_tokenizer(tokenizer_dir)
+    samples = [sample_one(rng, HELD_OUT_PAIRS, None) for _ in range(n)]
+    return encode_examples(tok, [Example.from_brief(s.brief, s.spec.caption) for s in samples])
+
+
+def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str | None, seed: int) -> list[Batch]:
+    """`count` packed micro-batches of `micro_batch` rows of T tokens (host tensors, host-side counts)."""
+    rows_needed = micro_batch * count
+    T = cfg.seq_len
+    g = torch.Generator().manual_seed(seed)
+    if cfg.one_doc:
+        docs = [EncodedDoc(torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist(), [False] * (T // 8)
+                           + [True] * (T - T // 8)) for _ in range(rows_needed)]
+    else:
+        per_row = max(1, T // 300)
+        n_docs = rows_needed * per_row * 2
+        docs = world_docs(n_docs * 4, tokenizer, seed) if tokenizer else random_docs(n_docs, cfg.vocab_size, seed, T)
+    packed = pack_documents(docs, T, "split", pad_id=0)
+    if len(packed) < rows_needed:
+        raise ValueError(f"make_batches: {len(packed)} packed rows < {rows_needed} needed")
+    return [make_batch(packed, list(range(i * micro_batch, (i + 1) * micro_batch))) for i in range(count)]
+
+
+def fixed_shape(b: Batch, segments: int) -> Batch:
+    """cu_seqlens padded to `segments`+1 entries with empty segments, max_seqlen = T: one shape for compile."""
+    cu = b.cu_seqlens
+    pad = segments + 1 - cu.numel()
+    if pad < 0:
+        raise ValueError(f"fixed_shape: batch has {cu.numel() - 1} segments > {segments}")
+    cu = torch.cat([cu, cu[-1:].expand(pad)])
+    return dataclasses.replace(b, cu_seqlens=cu, max_seqlen=b.input_ids.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+def random_state_dict(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in hf_param_shapes(args).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            out[name] = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=g).to(dtype)
+    return out
+
+
+def lora_init(args: ModelArgs, lora: LoraArgs, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT's default init for every adapter, by Atelier name: A kaiming-uniform(a=√5) in fp32, B zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in hf_param_shapes(args).items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            stem = name.removesuffix(".weight")
+            fan_in = shape[1]
+            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): gain·√(3/fan_in) = 1/√fan_in
+            out[f"{stem}.lora_A.weight"] = torch.empty(lora.rank, fan_in, device=device).uniform_(-bound, bound,
+                                                                                                  generator=g)
+            out[f"{stem}.lora_B.weight"] = torch.zeros(shape[0], lora.rank, device=device)
+    return out
+
+
+def weights_for(sd: dict[str, torch.Tensor], full: bool, exact: bool) -> dict[str, torch.Tensor]:
+    """Full FT trains its own fp32 master copy; a LoRA base is frozen, so every run shares the same tensors."""
+    if full or exact:
+        return {k: v.float().clone() if full else v for k, v in sd.items()}
+    return sd
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+@dataclass
+class Run:
+    """A built model: its step(batch) → loss tensor (detached, on device) and its optimizer's parameters."""
+
+    model: nn.Module
+    loss: Callable[[Batch], torch.Tensor]
+    params: list[nn.Parameter]
+    fused_adamw: bool
+
+
+@contextlib.contextmanager
+def reference_kernels(enabled: bool) -> Iterator[None]:
+    """Force every kernel's plain-PyTorch path for the model's ops (the ablation's "Triton off").
+
+    The model passes no `impl` to rmsnorm/rope/swiglu/lora_linear (only attention has a ModelArgs field), so
+    this swaps the names designer.model and designer.lora imported for ones bound to impl="ref". Bench-only;
+    a ModelArgs.kernels field would make it a plain argument.
+    """
+    if not enabled:
+        yield
+        return
+    import functools
+
+    import designer.lora as lora_mod
+    import designer.model as model_mod
+
+    saved = {(model_mod, n): getattr(model_mod, n) for n in ("rmsnorm", "rope", "swiglu")}
+    saved[(lora_mod, "lora_linear")] = lora_mod.lora_linear
+    try:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, functools.partial(fn, impl="ref"))
+        yield
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
+    args = dataclasses.replace(args, attention_impl=v.attention)
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
+    if cfg.lora:
+        apply_lora(model, LoraArgs(rank=16, alpha=32.0, dtype="float32" if exact else v.lora_dtype))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(lora_sd[name])
+    else:
+        model.requires_grad_(True)
+    apply_activation_checkpointing(model, cfg.ac)
+    if v.compile:
+        compile_blocks(model)
+    autocast = not exact and not cfg.lora  # full FT: fp32 master weights under bf16 autocast (DESIGN.md)
+    dev = next(model.parameters()).device
+
+    def loss(b: Batch) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            hidden = model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # [B,T,D]
+            index = b.loss_index  # type: ignore[attr-defined]
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)  # [n,D]
+            labels = b.labels.reshape(-1).index_select(0, index)  # [n]
+            if v.chunked_ce:
+                total = linear_cross_entropy(hidden, model.lm_head_weight, labels,
+                                             impl="torch" if v.kernels == "ref" else "auto")
+            else:
+                total = F.cross_entropy(model.logits(hidden).float(), labels, reduction="sum")  # [n,V] logits
+        return total / b.num_loss_tokens
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Run(model, loss, params, v.fused_adamw)
+
+
+def build_peer(name: str, cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, exact: bool) -> Run:
+    """transformers Qwen3ForCausalLM (SDPA) on the same weights; + PEFT LoRA with the same A/B; + Liger."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if "liger" in name:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3  # raises ImportError → skipped
+
+        apply_liger_kernel_to_qwen3()  # patches the classes: build the model after this
+    hf_cfg = {k: v for k, v in args.to_hf_config().items() if k not in ("architectures", "torch_dtype", "dtype")}
+    config = Qwen3Config(**hf_cfg)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    weights = weights_for(sd, not cfg.lora, exact)
+    model.load_state_dict(weights, assign=True, strict=not args.tie_embeddings)
+    if args.tie_embeddings:
+        model.tie_weights()
+    dev = next(iter(weights.values())).device
+    # non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the device
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(dev)
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+        dtype = torch.bfloat16 if name.endswith("bf16lora") else torch.float32
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    key = pname.removeprefix("base_model.model.").replace(".default.", ".")
+                    p.data = lora_sd[key].to(device=dev, dtype=dtype).clone()
+    else:
+        model.requires_grad_(True)
+    model.train()
+    autocast = not exact and not cfg.lora
+
+    def loss(b: Batch) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            # labels are already shifted (data/packing.py): pass them as shift_labels too so nothing re-shifts
+            out = model(input_ids=b.input_ids, position_ids=b.position_ids, labels=b.labels, shift_labels=b.labels)
+        return out.loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Run(model, loss, params, fused_adamw=dev.type == "cuda")
+
+
+def timed_steps(run: Run, batches: list[Batch], warmup: int, steps: int, lr: float, offload: bool) -> dict[str, Any]:
+    dev = batches[0].input_ids.device
+    cuda = dev.type == "cuda"
+    fused = run.fused_adamw and cuda
+    opt = torch.optim.AdamW(run.params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        b = batches[i % len(batches)]
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        with cpu_offload(enabled=offload):
+            loss = run.loss(b)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            times.append((start, end))
+        else:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) / 1e3 for s, e in times]
+    del opt
+    return {"step_s": times, "losses": [float(x) for x in losses]}
+
+
+def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, warmup: int, steps: int,
+            flops: list[int], offload: bool) -> dict[str, Any]:
+    """Build, run, time; OOM is a result. Frees the run and the cache afterwards."""
+    cuda = batches[0].input_ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    run = None
+    try:
+        run = build()
+        r = timed_steps(run, batches, warmup, steps, cfg.lr, offload)
+    except torch.OutOfMemoryError as e:
+        return {"oom": True, "error": str(e).splitlines()[0]}
+    finally:
+        del run
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    t = r["step_s"][warmup:]
+    n = len(batches)
+    tokens = [batches[(warmup + k) % n].num_tokens for k in range(steps)]
+    tps = [tok / s for tok, s in zip(tokens, t)]
+    fl = [flops[(warmup + k) % n] for k in range(steps)]
+    tflops = statistics.median(f / s for f, s in zip(fl, t)) / 1e12
+    r.update(tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+             step_s_median=statistics.median(t), tflops=tflops, mfu_4n=tflops / PEAK_TFLOPS,
+             peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None, oom=False,
+             timed_losses=r["losses"][warmup:])
+    return r
+
+
+def step_flops(cfg: BenchConfig, args: ModelArgs, batches: list[Batch]) -> tuple[list[int], list[int]]:
+    """Per batch: the model's train_flops (LoRA: 4N+6N_lora+attn) and the 6·N_mm figure, from a meta model."""
+    with torch.device("meta"):
+        m = Qwen3(args)
+    if cfg.lora:
+        apply_lora(m, LoraArgs(rank=16, alpha=32.0))
+    useful = [m.train_flops(b.doc_lens, head_tokens=b.num_loss_tokens) for b in batches]
+    m.requires_grad_(True)  # every matmul with a weight gradient: the 6N convention
+    for mod in m.modules():
+        if isinstance(mod, LoRALinear):
+            mod.lora_A.requires_grad_(False), mod.lora_B.requires_grad_(False)
+    six = [m.train_flops(b.doc_lens, head_tokens=b.num_loss_tokens) for b in batches]
+    return useful, six
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+def to_device(b: Batch, device: torch.device) -> Batch:
+    d = b.to(device)
+    d.loss_index = b.labels.reshape(-1).ne(-100).nonzero().squeeze(1).to(device)  # type: ignore[attr-defined]
+    return d
+
+
+def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batches: list[int], steps: int,
+          warmup: int, ablation: bool, tokenizer: str | None, device: torch.device, exact: bool,
+          seed: int = 0) -> dict[str, Any]:
+    args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
+    dtype = torch.float32 if exact else torch.bfloat16
+    report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
+                              "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
+    sd = random_state_dict(args, dtype, device, seed)
+    lora_sd = lora_init(args, LoraArgs(rank=16, alpha=32.0), device, seed + 1) if cfg.lora else {}
+    offload = cfg.offload
+    sweep: dict[str, Any] = {}
+    peer_runs: dict[str, dict[str, Any]] = {p: {} for p in peers}
+    notes = {"peer_attention": "transformers position_ids packing: block-diagonal causal mask through SDPA (exact)",
+             "loss_parity_rows": "packed rows (peers see the same document-masked attention)",
+             "atelier_shapes": "cu_seqlens padded with empty segments and max_seqlen = T so compiled blocks see "
+                               "one shape", "kernels_switch": "reference_kernels() swaps designer.model/lora names"}
+    best_mb, batches_by_mb = None, {}
+    for mb in micro_batches:
+        host = make_batches(cfg, mb, warmup + steps, tokenizer, seed + mb)
+        segments = max(b.cu_seqlens.numel() - 1 for b in host)
+        flops, six = step_flops(cfg, args, host)
+        plain = [to_device(b, device) for b in host]
+        fixed = [to_device(fixed_shape(b, segments), device) for b in host]
+        batches_by_mb[mb] = (plain, fixed, flops, six)
+        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, Variant(compile=not exact), exact), fixed, cfg,
+                    warmup, steps, flops, offload)
+        if not r["oom"]:
+            r["mfu_6n"] = statistics.median(f / s for f, s in zip(six[warmup:], r["step_s"][warmup:])) / 1e12 / PEAK_TFLOPS
+        sweep[str(mb)] = r
+        for p in peers:
+            try:
+                peer_runs[p][str(mb)] = measure(lambda: build_peer(p, cfg, args, sd, lora_sd, exact), plain, cfg,
+                                                warmup, steps, flops, False)
+            except ImportError as e:
+                peer_runs[p] = {"skipped": f"import failed: {e}"}
+                notes[f"{p}_skipped"] = str(e)
+        ok = {k: v for k, v in sweep.items() if not v["oom"]}
+        if ok:
+            best_mb = int(max(ok, key=lambda k: ok[k]["tokens_per_s"]))
+    report["sweep"] = sweep
+    mt = report["matmul_tflops"]
+    if best_mb is not None:
+        b = sweep[str(best_mb)]
+        report["atelier"] = {"tokens_per_s": b["tokens_per_s"], "tokens_per_s_min": b["tokens_per_s_min"],
+                             "tokens_per_s_max": b["tokens_per_s_max"], "mfu_4n": b["mfu_4n"], "mfu_6n": b["mfu_6n"],
+                             "mfu_matmul": b["tflops"] / mt if mt else None, "peak_gb": b["peak_gb"],
+                             "micro_batch": best_mb}
+    report["peers"], report["peer_runs"] = {}, peer_runs
+    report["loss_mean_abs_diff_by_peer"] = {}
+    for p, runs in peer_runs.items():
+        if "skipped" in runs:
+            report["peers"][p] = {"skipped": runs["skipped"]}
+            continue
+        ok = {k: v for k, v in runs.items() if not v["oom"]}
+        if not ok:
+            report["peers"][p] = {"oom": True, "micro_batches": list(runs)}
+            continue
+        k = max(ok, key=lambda k: ok[k]["tokens_per_s"])
+        report["peers"][p] = {"tokens_per_s": ok[k]["tokens_per_s"], "mfu_4n": ok[k]["mfu_4n"],
+                              "mfu_matmul": ok[k]["tflops"] / mt if mt else None, "peak_gb": ok[k]["peak_gb"],
+                              "micro_batch": int(k)}
+        same = [m for m in ok if not sweep.get(m, {"oom": True})["oom"]]
+        if same:  # the same batches through both: the largest micro-batch both ran
+            m = max(same, key=int)
+            a, q = sweep[m]["timed_losses"], ok[m]["timed_losses"]
+            report["loss_mean_abs_diff_by_peer"][p] = {"micro_batch": int(m),
+                                                       "diff": sum(abs(x - y) for x, y in zip(a, q)) / len(a)}
+    hf = report["loss_mean_abs_diff_by_peer"].get("hf")
+    report["loss_mean_abs_diff"] = hf["diff"] if hf else None
+    report["ablation"] = {}
+    if ablation and best_mb is not None:
+        plain, fixed, flops, _ = batches_by_mb[best_mb]
+        report["ablation"]["all_on"] = sweep[str(best_mb)]["tokens_per_s"]
+        switches = {"no_compile": Variant(compile=False), "reference_kernels": Variant(kernels="ref"),
+                    "plain_logits": Variant(chunked_ce=False), "sdpa_attention": Variant(attention="sdpa"),
+                    "foreach_adamw": Variant(fused_adamw=False)}
+        for abl, v in switches.items():
+            v = dataclasses.replace(v, compile=v.compile and not exact)
+            with reference_kernels(v.kernels == "ref"):
+                r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), fixed, cfg, warmup, steps,
+                            flops, offload)
+            report["ablation"][abl] = None if r["oom"] else r["tokens_per_s"]
+            report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("tokens_per_s", "peak_gb", "oom")}
+    report["notes"] = notes
+    report["clocks"]["after"] = clocks()
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _fmt(x: Any, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The result table: Atelier and each peer at its best micro-batch, then the ablation."""
+    c = report["config"]
+    lines = [f"## designer {c['name']} — {report['gpu'].get('name') or 'cpu'}, "
+             f"matmul {_fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
+             "| run | micro-batch | tokens/s | MFU 4N (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
+    rows = [("atelier", report.get("atelier", {}))] + list(report["peers"].items())
+    for name, r in rows:
+        if "tokens_per_s" not in r:
+            lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'no result')} | | | |")
+            continue
+        lines.append(f"| {name} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {r['mfu_4n']:.1%} | "
+                     f"{_fmt(r.get('mfu_matmul'), '.1%')} | {_fmt(r['peak_gb'], '.1f')} |")
+    lines += ["", f"loss mean abs diff vs hf: {_fmt(report['loss_mean_abs_diff'], '.2e')}"]
+    if report["ablation"]:
+        lines += ["", "| ablation (one switched off) | tokens/s |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v, ',.0f') if v is not None else 'OOM'} |" for k, v in report["ablation"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
+    """Bar chart of tokens/s with each optimisation off; None when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    items = [(k, v or 0.0) for k, v in report["ablation"].items()]
+    if not items:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4a7bb7")
+    ax.set_xlabel("tokens/s")
+    ax.set_title(f"designer {report['config']['name']}: each optimisation switched off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(report: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"designer-{report['config']['name']}-{time.strftime('%Y-%m-%d')}"
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=1))
+    (out / f"{stem}.md").write_text(markdown(report))
+    ablation_chart(report, out / f"{stem}-ablation.png")
+    return path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.designer", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--micro-batches", type=_ints, default=None)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ablation", action="store_true")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (shapes-world docs); default: random-token docs")
+    p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
+    a = p.parse_args(argv)
+    peers = [x for x in a.peers.split(",") if x]
+    bad = [x for x in peers if x not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown {bad}; known: {list(PEERS)}")
+    if a.steps < 1 or a.warmup < (0 if a.tiny else 3):
+        p.error(f"--steps must be >= 1 and --warmup >= 3 (got {a.steps}, {a.warmup})")
+    cfg = CONFIGS[a.config]
+    device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
+    if a.tiny:
+        cfg = tiny_config(cfg)
+    elif device.type != "cuda":
+        p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
+    mbs = a.micro_batches or list(cfg.micro_batches)
+    report = bench(a.config, cfg, Path(a.out), peers, mbs, a.steps, a.warmup, a.ablation, a.tokenizer, device,
+                   exact=a.tiny)
+    path = write(report, Path(a.out))
+    print(markdown(report))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
