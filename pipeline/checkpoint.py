@@ -210,12 +210,29 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
     _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
     state = {"step": step, "format": "dcp", "world_size": ctx.world_size, **state}
     if async_save:
-        future = dcp.async_save(app_state, checkpoint_id=str(tmp))
+        future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=_async_group())
         return PendingSave(tmp, final, state, ctx, future)
     dcp.save(app_state, checkpoint_id=str(tmp))
     pending = PendingSave(tmp, final, state, ctx)
     pending.wait()
     return pending
+
+
+_ASYNC_GROUP: tuple[Any, Any] | None = None  # (the default group it was made for, the checkpoint group)
+
+
+def _async_group() -> Any:
+    """A gloo group of all ranks for background checkpoint writes (a collective on first use).
+
+    The writer thread's collectives must not share a group with the training step's (FSDP's all-gathers
+    and reduce-scatters run at the same time on the main thread): interleaved on one group they deadlock.
+    """
+    global _ASYNC_GROUP
+    import torch.distributed as dist
+
+    if _ASYNC_GROUP is None or _ASYNC_GROUP[0] is not dist.group.WORLD:
+        _ASYNC_GROUP = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[1]
 
 
 def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) -> tuple[int, dict[str, Any],

@@ -80,10 +80,11 @@ def _torchrun(args: argparse.Namespace) -> int | None:
 def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> int:
     """Shared by both train commands: config, process group, task, the loop; rank 0 writes the run files."""
     import contextlib
+    import inspect
     import os
 
     from pipeline.config import load_config, save_config
-    from pipeline.distributed import init_distributed, shutdown
+    from pipeline.distributed import DistributedError, init_distributed, shutdown
     from pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
@@ -99,8 +100,12 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             save_config(cfg, out / "config.toml")
         # progress lines from rank 0 only; errors (stderr) from every rank
         quiet = contextlib.nullcontext() if dist.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))
+        if dist.enabled and "dist" not in inspect.signature(task_cls).parameters:
+            # without FSDP every rank would train its own copy on its own slice: refuse, never diverge silently
+            raise DistributedError(f"{task_cls.__name__} does not support several processes yet (it takes no "
+                                   f"`dist` context); run it with --nproc 1")
         with quiet:
-            task = task_cls(cfg, dist.device, dist) if dist.enabled else task_cls(cfg, dist.device)
+            task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
             result = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist).fit()
         if dist.is_main:
             _write_summary(out, result)
