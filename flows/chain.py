@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 from prefect import flow
 
-from flows.designer import train_designer
+from flows.train_designer import train_designer
 from flows.evaluate import brief_to_image_eval
-from flows.imagegen import train_imagegen
+from flows.train_imagegen import train_imagegen
 from flows.launch import kill_trainers_hook
 
 

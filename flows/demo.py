@@ -5,7 +5,7 @@
 Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
     1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32`)
     2. runs/tokenizer        a byte-level BPE tokenizer trained on the world's corpus
-    3. models/designer-tiny  a random tiny Qwen3 (fp32);  models/imagegen-tiny  a random tiny MMDiT
+    3. models/designer-tiny  a random tiny Qwen3 (fp32);  models/imagegen-demo  a random demo-size MMDiT
     4. runs/world-shards(-eval)  image shards; the latents are cached by train-imagegen's cache step
     5. the local Prefect server + the serve process (`make serve`'s code), left running at the end
     6. prefect deployment run train-designer/default, train-imagegen/default, brief-to-image-eval/default,
@@ -29,14 +29,11 @@ from flows.serve import REPO, child_env, start
 WORLD = Path("runs/world")
 TOKENIZER = Path("runs/tokenizer")
 DESIGNER_MODEL = Path("models/designer-tiny")
-IMAGEGEN_MODEL = Path("models/imagegen-tiny")
+IMAGEGEN_MODEL = Path("models/imagegen-demo")
 SHARDS, EVAL_SHARDS = Path("runs/world-shards"), Path("runs/world-shards-eval")
 DESIGNER_CONFIG, IMAGEGEN_CONFIG = "configs/designer/demo.toml", "configs/imagegen/demo.toml"
 EVAL_OUT = Path("runs/eval")
 WATCH_TIMEOUT_S = 1500  # one deployment run; the whole demo must fit in 30 minutes on 2 cores
-# the MMDiT's text dims must equal MiniLM's hidden size (384); the pixel codec gives 12 latent channels
-IMAGEGEN_DIMS = dict(in_channels=12, out_channels=12, joint_attention_dim=384, pooled_projection_dim=384,
-                     sample_size=16)
 
 
 def step(name: str, done: bool) -> bool:
@@ -61,12 +58,9 @@ def prepare() -> None:
     if step("tiny designer", (DESIGNER_MODEL / "config.json").is_file()):
         atelier("designer", "init", "--size", "tiny", "--tokenizer", str(TOKENIZER), "--out", str(DESIGNER_MODEL),
                 "--dtype", "float32")
-    if step("tiny imagegen", (IMAGEGEN_MODEL / "config.json").is_file()):
-        import torch
-
-        from imagegen.hf import init_random
-
-        init_random("tiny", IMAGEGEN_MODEL, seed=0, dtype=torch.float32, **IMAGEGEN_DIMS)
+    if step("demo imagegen", (IMAGEGEN_MODEL / "config.json").is_file()):
+        # the "demo" size has MiniLM's text width (384) and the pixel codec's 12 channels
+        atelier("imagegen", "init", "--size", "demo", "--out", str(IMAGEGEN_MODEL), "--dtype", "float32")
     for out, captions in ((SHARDS, "captions.jsonl"), (EVAL_SHARDS, "eval.jsonl")):
         if step(f"image shards {out}", any(out.glob("*.tar"))):
             atelier("data", "shards", "--images", str(WORLD), "--captions", str(WORLD / captions), "--out", str(out),

@@ -249,9 +249,9 @@ def run() -> None:
     from prefect import serve
 
     from flows.chain import brief_to_image
-    from flows.designer import train_designer
+    from flows.train_designer import train_designer
     from flows.evaluate import brief_to_image_eval
-    from flows.imagegen import train_imagegen
+    from flows.train_imagegen import train_imagegen
 
     require_server("python -m flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,

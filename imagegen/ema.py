@@ -1,6 +1,10 @@
 """Exponential moving average of the trainable weights, kept in fp32.
 
-    shadow <- decay * shadow + (1 - decay) * param        (every `update_every` optimizer steps)
+    shadow <- d * shadow + (1 - d) * param,   d = min(decay, (1 + n) / (10 + n))   (every `update_every` steps)
+
+where n counts the updates so far. The warm-up of d (diffusers' EMAModel default) keeps a short or
+early run's average from being dominated by the random initial weights: with a fixed 0.999, after
+400 steps the initial weights would still carry 0.999^400 = 67% of the average.
 
 computed as one `torch._foreach_lerp_(shadow, params, 1 - decay)` over all tensors (no Python loop
 over tensors on the hot path). The shadow starts as a copy of the weights at construction. It is part
@@ -17,8 +21,13 @@ import torch
 from torch import nn
 
 
+def ema_decay(decay: float, num_updates: int) -> float:
+    """The decay of update number `num_updates` (0-based), warmed up as in diffusers' EMAModel."""
+    return min(decay, (1.0 + num_updates) / (10.0 + num_updates))
+
+
 def ema_update_ref(shadow: dict[str, torch.Tensor], params: dict[str, torch.Tensor], decay: float) -> None:
-    """Plain reference: the formula, one tensor at a time, in fp32."""
+    """Plain reference: the formula, one tensor at a time, in fp32 (decay already warmed up)."""
     for name, s in shadow.items():
         s.copy_(decay * s + (1.0 - decay) * params[name].detach().float())
 
@@ -42,7 +51,8 @@ class EMA:
     def update(self, step: int) -> None:
         """After optimizer step `step` (1-based): lerp toward the weights when step % update_every == 0."""
         if step % self.update_every == 0:
-            torch._foreach_lerp_(self.shadow, self._sources(), 1.0 - self.decay)
+            d = ema_decay(self.decay, step // self.update_every - 1)
+            torch._foreach_lerp_(self.shadow, self._sources(), 1.0 - d)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"ema.{n}": s for n, s in zip(self.names, self.shadow)}
@@ -72,4 +82,4 @@ class EMA:
                 torch._foreach_copy_([p.data for p in self.params], backup)
 
 
-__all__ = ["EMA", "ema_update_ref"]
+__all__ = ["EMA", "ema_decay", "ema_update_ref"]

@@ -130,6 +130,10 @@ def _args(num_layers: int, num_heads: int, pos_embed_max_size: int, **kw) -> MMD
 # sizes cross-checked with diffusers' single-file detection: 192^2 = 36864 for SD3, 384^2 for SD3.5-M).
 SIZES: dict[str, MMDiTArgs] = {
     "tiny": MMDiTArgs(),
+    # The shapes-world demo on the CPU: the pixel codec's 12 channels at 16x16 (32-px images), MiniLM text (384 wide).
+    "demo": MMDiTArgs(num_layers=4, num_heads=4, head_dim=32, sample_size=16, in_channels=12, out_channels=12,
+                      joint_attention_dim=384, caption_projection_dim=128, pooled_projection_dim=384,
+                      pos_embed_max_size=32),
     "sd3-medium": _args(24, 24, 192),
     "sd3.5-medium": _args(24, 24, 384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13))),
     "sd3.5-large": _args(38, 38, 192, qk_norm="rms_norm"),

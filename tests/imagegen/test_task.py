@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imagegen.ema import EMA, ema_update_ref
+from imagegen.ema import EMA, ema_decay, ema_update_ref
 from pipeline.cli import main
 from tests.imagegen._world import ROOT, build_world, cli_args
 
@@ -106,6 +106,11 @@ def test_sigkill_then_resume_is_exact(world, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
+def test_ema_decay_warms_up():
+    assert [ema_decay(0.999, n) for n in range(3)] == [0.1, 2 / 11, 0.25]
+    assert ema_decay(0.999, 10**6) == 0.999
+
+
 def test_ema_update_matches_formula_and_round_trips():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
@@ -118,7 +123,7 @@ def test_ema_update_matches_formula_and_round_trips():
                 p.add_(torch.randn_like(p))
         ema.update(step)
         if step % 2 == 0:
-            ema_update_ref(ref, dict(model.named_parameters()), 0.8)
+            ema_update_ref(ref, dict(model.named_parameters()), ema_decay(0.8, step // 2 - 1))
     state = ema.state_tensors()
     assert sorted(state) == sorted(f"ema.{n}" for n in ref)
     for n, want in ref.items():

@@ -1,6 +1,6 @@
 """Flow `train-imagegen`: train the MMDiT by running `atelier imagegen train` under Prefect.
 
-    python -m flows.imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50] [--nproc 2]
+    python -m flows.train_imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50] [--nproc 2]
     prefect deployment run train-imagegen/default -p config=configs/imagegen/demo.toml --watch --watch-timeout 1800
 
 Steps: check the config and the model path → `cache` task, only when needed → `train` task (a subprocess,
@@ -69,14 +69,14 @@ def train_imagegen(config: str = "configs/imagegen/demo.toml", overrides: list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.imagegen", description="run the train-imagegen flow")
+    p = argparse.ArgumentParser(prog="python -m flows.train_imagegen", description="run the train-imagegen flow")
     p.add_argument("--config", default="configs/imagegen/demo.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
     from flows.serve import require_server
 
-    require_server("python -m flows.imagegen")
+    require_server("python -m flows.train_imagegen")
     print(train_imagegen(args.config, args.set, args.nproc))
     return 0
 

@@ -1,6 +1,6 @@
 """Flow `train-designer`: fine-tune the designer LM by running `atelier designer train` under Prefect.
 
-    python -m flows.designer --config configs/designer/demo.toml [--set train.max_steps=50] [--nproc 2]
+    python -m flows.train_designer --config configs/designer/demo.toml [--set train.max_steps=50] [--nproc 2]
     prefect deployment run train-designer/default -p config=configs/designer/demo.toml --watch --watch-timeout 1800
 
 Steps: check the config and the model path (flows/training.py) → the `train` task runs the trainer as a
@@ -33,14 +33,14 @@ def train_designer(config: str = "configs/designer/demo.toml", overrides: list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.designer", description="run the train-designer flow")
+    p = argparse.ArgumentParser(prog="python -m flows.train_designer", description="run the train-designer flow")
     p.add_argument("--config", default="configs/designer/demo.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
     from flows.serve import require_server
 
-    require_server("python -m flows.designer")
+    require_server("python -m flows.train_designer")
     print(train_designer(args.config, args.set, args.nproc))
     return 0
 
