@@ -4,6 +4,7 @@ One torchrun launch (the `two_process_runs` fixture) trains, with 2 ranks x micr
   lora      LoRA, 4 steps, checkpoints at 2 and 4, activation checkpointing on, rows balanced by cost
   lora_cut  the same run stopped at step 2, then resumed with 2 processes to step 4
   full      full fine-tuning, 4 steps, async sharded checkpoints
+  lora_full_init  as lora, but every rank loads the whole model before sharding (init = "full")
 and the tests run the one-process twins here (1 rank x micro_batch 2: the same rows each step) and compare
 losses (fp32, 1e-5), exports, and resumes of the 2-process checkpoint with 1 and with 2 processes.
 """
@@ -75,6 +76,8 @@ def two(world, tmp_path_factory) -> Path:
         "lora_cut": args(world, d / "lora_cut", *LORA, *two1, "--set", "train.max_steps=2"),
         "lora_cut_resumed": args(world, d / "lora_cut", *LORA, *two1),
         "full": args(world, d / "full", *FULL, *two1, "--set", "train.distributed.async_checkpoint=true"),
+        "lora_full_init": args(world, d / "lora_full_init", *LORA, *two1, "--set", "train.distributed.init=full",
+                               "--set", "train.distributed.balance=false"),
     }, d)
     return d
 
@@ -121,6 +124,11 @@ def test_full_two_processes_equal_one(world, two, tmp_path):
     assert_same_safetensors(one / "model" / "model.safetensors", two / "full" / "model" / "model.safetensors")
     # async saves were finalised: both checkpoints complete, no temporary directory left behind
     assert sorted(p.name for p in (two / "full" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_full_init_and_unbalanced_rows_train_the_same(two):
+    # the same rows per step, split differently over the ranks; the same weights, loaded whole or by shard
+    assert_same_losses(two / "lora", two / "lora_full_init", range(1, 5))
 
 
 def test_sharded_checkpoint_layout(two):
