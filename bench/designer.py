@@ -102,12 +102,16 @@ def tiny_config(cfg: BenchConfig) -> BenchConfig:
 # ------------------------------------------------------------------------------------------------ data
 
 def random_docs(n: int, vocab: int, seed: int, max_len: int) -> list[EncodedDoc]:
-    """Documents of lognormal length (median 300, clipped to [48, max_len]); loss on the last 60%."""
+    """Documents of lognormal length (median 300, clipped to [48, max_len]); loss on the last 60%.
+
+    Short rows (tiny runs) scale the median and floor down to max_len/4 and max_len/8, so rows still pack.
+    """
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
+    median, floor = min(300, max_len // 4), min(48, max(2, max_len // 8))
     docs = []
     for _ in range(n):
-        n_tok = int(min(max(rng.lognormvariate(math.log(300), 0.6), 48), max_len))
+        n_tok = int(min(max(rng.lognormvariate(math.log(median), 0.6), floor), max_len))
         ids = torch.randint(0, vocab, (n_tok,), generator=g).tolist()
         prompt = int(0.4 * n_tok)
         docs.append(EncodedDoc(ids, [False] * prompt + [True] * (n_tok - prompt)))
@@ -135,7 +139,7 @@ def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str 
         docs = [EncodedDoc(torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist(), [False] * (T // 8)
                            + [True] * (T - T // 8)) for _ in range(rows_needed)]
     else:
-        per_row = max(1, T // 300)
+        per_row = max(1, T // min(300, T // 4))
         n_docs = rows_needed * per_row * 2
         docs = world_docs(n_docs * 4, tokenizer, seed) if tokenizer else random_docs(n_docs, cfg.vocab_size, seed, T)
     packed = pack_documents(docs, T, "split", pad_id=0)
@@ -276,6 +280,8 @@ def build_peer(name: str, cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: 
     hf_cfg = {k: v for k, v in args.to_hf_config().items() if k not in ("architectures", "torch_dtype", "dtype")}
     config = Qwen3Config(**hf_cfg)
     config._attn_implementation = "sdpa"
+    # No KV cache in training: with one, transformers skips its packed-sequence detection and the mask leaks.
+    config.use_cache = False
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     weights = weights_for(sd, not cfg.lora, exact)

@@ -1,0 +1,116 @@
+"""bench/designer.py end to end at tiny size on the CPU (fp32): every JSON field, and loss parity with transformers+PEFT."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from bench.designer import (
+    CONFIGS,
+    Variant,
+    bench,
+    build_atelier,
+    build_peer,
+    fixed_shape,
+    lora_init,
+    main,
+    make_batches,
+    random_state_dict,
+    tiny_config,
+    to_device,
+)
+from designer.lora import LoraArgs
+from designer.model import ModelArgs
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--config", "qwen3-8b-lora", "--tiny", "--out", str(out), "--peers", "hf,hf-liger",
+                 "--steps", "2", "--warmup", "1", "--ablation"]) == 0
+    (path,) = out.glob("designer-qwen3-8b-lora-*.json")
+    assert path.with_suffix(".md").is_file()
+    return json.loads(path.read_text())
+
+
+def test_tiny_run_writes_every_field(tiny_report):
+    r = tiny_report
+    for key in ("gpu", "versions", "clocks", "matmul_tflops", "config", "atelier", "peers", "loss_mean_abs_diff",
+                "ablation"):
+        assert key in r, key
+    assert set(r["clocks"]) == {"before", "after"}
+    a = r["atelier"]
+    for key in ("tokens_per_s", "mfu_4n", "mfu_6n", "peak_gb", "micro_batch"):
+        assert key in a, key
+    assert a["tokens_per_s"] > 0 and a["micro_batch"] in (1, 2)
+    assert a["mfu_6n"] > a["mfu_4n"] > 0  # LoRA: the 6N convention counts the frozen weights' gradients too
+    assert r["peers"]["hf"]["tokens_per_s"] > 0 and "mfu_4n" in r["peers"]["hf"] and "peak_gb" in r["peers"]["hf"]
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert "import failed" in r["peers"]["hf-liger"]["skipped"]
+    assert set(r["ablation"]) == {"all_on", "no_compile", "reference_kernels", "plain_logits", "sdpa_attention",
+                                  "foreach_adamw"}
+    assert all(v > 0 for v in r["ablation"].values())
+    for run in r["sweep"].values():  # same batches, same weights: every Atelier variant trains the same way
+        assert all(math.isfinite(x) for x in run["timed_losses"])
+
+
+def test_tiny_packed_loss_parity_with_peft(tiny_report):
+    assert tiny_report["loss_mean_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b-lora-64k", "qwen3-1.7b-full"])
+def test_tiny_parity_one_doc_rows_and_full_finetuning(name, tmp_path):
+    """One document per row (the 64k config) and full fine-tuning with tied embeddings (1.7B)."""
+    cfg = dataclasses.replace(tiny_config(CONFIGS[name]), micro_batches=(2,))
+    r = bench(name, cfg, tmp_path, ["hf"], [2], steps=3, warmup=1, ablation=False, tokenizer=None, device=CPU,
+              exact=True)
+    assert r["loss_mean_abs_diff"] < 1e-4
+    if name == "qwen3-1.7b-full":  # the losses moved: the optimizer really trained both sides
+        losses = r["sweep"]["2"]["losses"]
+        assert abs(losses[0] - losses[-1]) > 1e-4
+
+
+def _setup(seed: int = 0):
+    cfg = tiny_config(CONFIGS["qwen3-8b-lora"])
+    args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
+    sd = random_state_dict(args, torch.float32, CPU, seed)
+    lsd = lora_init(args, LoraArgs(), CPU, seed + 1)
+    with torch.no_grad():  # a nonzero B so the adapter is in the loss from the first step
+        for k in lsd:
+            if "lora_B" in k:
+                lsd[k] = 0.05 * torch.randn(lsd[k].shape, generator=torch.Generator().manual_seed(7))
+    batch = make_batches(cfg, 2, 1, None, seed)[0]
+    return cfg, args, sd, lsd, batch
+
+
+def test_padded_cu_seqlens_and_peer_are_exact_and_leaking_is_caught():
+    cfg, args, sd, lsd, batch = _setup()
+    assert len(batch.doc_lens) > 2  # really packed
+    atelier = build_atelier(cfg, args, sd, lsd, Variant(compile=False), exact=True)
+    want = atelier.loss(to_device(batch, CPU))
+    padded = fixed_shape(batch, len(batch.cu_seqlens) + 3)
+    assert padded.cu_seqlens.numel() == batch.cu_seqlens.numel() + 4 and padded.max_seqlen == cfg.seq_len
+    torch.testing.assert_close(atelier.loss(to_device(padded, CPU)), want, rtol=1e-6, atol=1e-6)
+    peer = build_peer("hf", cfg, args, sd, lsd, exact=True)
+    torch.testing.assert_close(peer.loss(to_device(batch, CPU)), want, rtol=1e-5, atol=1e-5)
+    # the same rows with plain positions (what a peer without packing support does) attend across documents
+    leaky = dataclasses.replace(batch, position_ids=torch.arange(cfg.seq_len).expand_as(batch.position_ids).clone())
+    assert (peer.loss(to_device(leaky, CPU)) - want).abs() > 1e-3
+
+
+def test_bad_arguments_say_what(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--peers", "unsloth"])
+    assert "--peers: unknown ['unsloth']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--micro-batches", "two"])
+    assert "expected comma-separated ints" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="segments > 1"):
+        fixed_shape(_setup()[4], 1)
