@@ -71,6 +71,7 @@ class BenchConfig:
     ac: str = "none"               # Atelier's activation checkpointing (pipeline/policies.py)
     offload: bool = False          # CPU activation offload (long sequences)
     lr: float = 1e-4
+    lora_dtype: str = "bfloat16"   # Atelier's adapter weights (exact runs use float32)
     vocab_size: int = 151936       # Qwen3's embedding rows
 
 
@@ -127,7 +128,7 @@ def world_docs(n: int, tokenizer_dir: str, seed: int) -> list[EncodedDoc]:
     rng = random.Random(seed)
     tok = load_tokenizer(tokenizer_dir)
     samples = [sample_one(rng, HELD_OUT_PAIRS, None) for _ in range(n)]
-    return encode_examples(tok, [Example.from_brief(s.brief, s.spec.caption) for s in samples])
+    return encode_examples(tok, [Example.from_brief(s.brief, s.spec.caption()) for s in samples])
 
 
 def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str | None, seed: int) -> list[Batch]:
@@ -429,8 +430,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         plain = [to_device(b, device) for b in host]
         fixed = [to_device(fixed_shape(b, segments), device) for b in host]
         batches_by_mb[mb] = (plain, fixed, flops, six)
-        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, Variant(compile=not exact), exact), fixed, cfg,
-                    warmup, steps, flops, offload)
+        main_variant = Variant(compile=not exact, lora_dtype=cfg.lora_dtype)
+        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, main_variant, exact), fixed, cfg, warmup, steps,
+                    flops, offload)
         if not r["oom"]:
             r["mfu_6n"] = statistics.median(f / s for f, s in zip(six[warmup:], r["step_s"][warmup:])) / 1e12 / PEAK_TFLOPS
         sweep[str(mb)] = r
@@ -482,7 +484,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
                     "plain_logits": Variant(chunked_ce=False), "sdpa_attention": Variant(attention="sdpa"),
                     "foreach_adamw": Variant(fused_adamw=False)}
         for abl, v in switches.items():
-            v = dataclasses.replace(v, compile=v.compile and not exact)
+            v = dataclasses.replace(v, compile=v.compile and not exact, lora_dtype=cfg.lora_dtype)
             with reference_kernels(v.kernels == "ref"):
                 r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), fixed, cfg, warmup, steps,
                             flops, offload)
@@ -568,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (shapes-world docs); default: random-token docs")
+    p.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="Atelier's LoRA weight dtype (PEFT's default is float32)")
+    p.add_argument("--offload", action="store_true", help="CPU activation offload for Atelier (long sequences)")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
@@ -583,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     elif device.type != "cuda":
         p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
     mbs = a.micro_batches or list(cfg.micro_batches)
+    cfg = dataclasses.replace(cfg, offload=cfg.offload or a.offload, lora_dtype=a.lora_dtype)
     report = bench(a.config, cfg, Path(a.out), peers, mbs, a.steps, a.warmup, a.ablation, a.tokenizer, device,
                    exact=a.tiny)
     path = write(report, Path(a.out))
