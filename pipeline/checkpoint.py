@@ -248,7 +248,10 @@ def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) ->
     verify_checkpoint(path)
     try:
         state = json.loads((path / "state.json").read_text())
-        dcp.load(app_state, checkpoint_id=str(path))
+        import torch.distributed as dist
+
+        # one process without a group (resuming a multi-process run on one) reads every shard itself
+        dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load the sharded checkpoint: {e}") from e
     rank_file = path / f"rank-{rank}.json"

@@ -160,3 +160,11 @@ def test_resume_with_another_global_batch_is_refused(world, two, tmp_path, capsy
     assert main(args(world, out, *LORA, "--set", "train.micro_batch=1")) == 2
     err = capsys.readouterr().err
     assert "global micro-batch" in err and "2 ranks x 1 rows" in err
+
+
+def test_async_checkpoint_resumes_exactly_with_one_process(world, two, tmp_path):
+    # written in the background while steps 3-4 ran: it must still hold the weights of step 2
+    out = tmp_path / "full-resumed1"
+    shutil.copytree(two / "full", out, ignore=shutil.ignore_patterns("step-4", "model"))
+    assert main(args(world, out, *FULL, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(two / "full", out, range(3, 5))
