@@ -248,10 +248,15 @@ def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) ->
     verify_checkpoint(path)
     try:
         state = json.loads((path / "state.json").read_text())
+        import warnings
+
         import torch.distributed as dist
 
-        # one process without a group (resuming a multi-process run on one) reads every shard itself
-        dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        # one process without a group (resuming a multi-process run on one) reads every shard itself; DCP
+        # warns that it assumes exactly that
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load the sharded checkpoint: {e}") from e
     rank_file = path / f"rank-{rank}.json"
