@@ -271,7 +271,8 @@ def _check_weight_files(model_dir: Path, args: ModelArgs) -> dict[str, Path]:
             if k not in header:
                 raise ValueError(f"{file}: key {k!r} listed in the index is not in the file")
             if tuple(header[k]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, "
+                                 f"config.json implies {expected[k]}")
     return where
 
 

@@ -313,6 +313,7 @@ def save_config(cfg: Any, path: str | Path) -> None:
 
 
 __all__ = [
-    "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict", "config_to_dict",
+    "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict",
+    "config_to_dict",
     "config_to_toml", "save_config", "field",
 ]

@@ -83,7 +83,8 @@ def two(world, tmp_path_factory) -> Path:
 
 
 def records(out: Path, kind: str = "train") -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind}
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
 
 
 def assert_same_losses(a: Path, b: Path, steps: range) -> None:
