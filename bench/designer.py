@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -356,8 +357,6 @@ def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, wa
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    import torch._dynamo
-
     torch._dynamo.reset()
     run = None
     try:

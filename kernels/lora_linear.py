@@ -124,7 +124,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     _check(x, weight, bias, lora_a, lora_b, dropout, impl)
     mask = dropout_mask(x, dropout)
-    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+    if impl == "ref" or (impl == "auto" and (not x.is_cuda or torch.compiler.is_compiling())):
         return lora_linear_ref(x, weight, bias, lora_a, lora_b, scale, mask, dropout)
     lead, i = x.shape[:-1], x.shape[-1]
     y = LoRALinearFunction.apply(x.reshape(-1, i), weight, bias, lora_a, lora_b, float(scale),

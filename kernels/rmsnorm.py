@@ -164,7 +164,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, impl: str, residual: torch.Ten
 
 
 def _use_triton(impl: str, x: torch.Tensor) -> bool:
-    return impl == "triton" or (impl == "auto" and x.is_cuda)
+    # "auto" under torch.compile traces the reference, which Inductor fuses into its own Triton code: the hand
+    # kernels serve eager mode. Launched directly inside a compiled block they gave wrong gradients on the H200
+    # (a LoRA run stopped learning; compile + reference and eager + Triton both trained). Same rule in rope,
+    # swiglu and lora_linear.
+    return impl == "triton" or (impl == "auto" and x.is_cuda and not torch.compiler.is_compiling())
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:

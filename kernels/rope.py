@@ -197,7 +197,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope: sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
     if q.shape[-1] % 2:
         raise ValueError(f"rope: head_dim must be even, got q {tuple(q.shape)}")
-    if impl == "ref" or (impl == "auto" and not q.is_cuda):
+    if impl == "ref" or (impl == "auto" and (not q.is_cuda or torch.compiler.is_compiling())):
         return rope_ref(q, k, cos, sin)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope: the Triton path treats cos/sin as constants; got cos/sin that require grad "

@@ -84,7 +84,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Te
         raise ValueError(f"swiglu: impl must be one of {IMPLS}, got {impl!r}")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    if impl == "ref" or (impl == "auto" and not gate.is_cuda):
+    if impl == "ref" or (impl == "auto" and (not gate.is_cuda or torch.compiler.is_compiling())):
         return swiglu_ref(gate, up)
     return SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
 
