@@ -71,7 +71,7 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({e})") from None
 
 
-def _weight_files(d: Path) -> dict[str, Path]:
+def weight_files(d: Path) -> dict[str, Path]:
     """HF key → safetensors file holding it, from the index or the single file."""
     if (d / INDEX).is_file():
         weight_map = _read_json(d / INDEX).get("weight_map")
@@ -92,7 +92,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
     args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"))
     expected = hf_param_shapes(args)
-    where = _weight_files(d)
+    where = weight_files(d)
     if args.tie_embeddings:
         where.pop("lm_head.weight", None)  # some exporters store the tied head too; it is the embedding
     missing = [k for k in expected if k not in where]

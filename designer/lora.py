@@ -107,7 +107,7 @@ class LoRALinear(nn.Module):
         return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
 
 
-def _targets(model: Qwen3, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
+def lora_targets(model: Qwen3, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
     """(full module name, parent, attribute) of every target linear."""
     out = []
     for i, block in enumerate(model.model.layers):
@@ -122,7 +122,7 @@ def apply_lora(model: Qwen3, args: LoraArgs) -> Qwen3:
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA layers")
     model.requires_grad_(False)
-    for _, parent, leaf in _targets(model, args):
+    for _, parent, leaf in lora_targets(model, args):
         setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args))
     return model
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-
 from torch import nn
 
 from data.balance import BalancedPackedLoader
@@ -35,13 +34,13 @@ from data.chat import encode_examples, load_examples
 from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import _weight_files, hf_param_shapes, load_pretrained, read_safetensors_header, save_pretrained
+from designer.hf import weight_files, hf_param_shapes, load_pretrained, read_safetensors_header, save_pretrained
 from designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
     LoraArgs,
     LoRALinear,
-    _targets,
+    lora_targets,
     apply_lora,
     load_peft_adapter,
     merge_lora,
@@ -208,8 +207,7 @@ class DesignerTask:
         for i, batch in enumerate(self.eval_loader.iter_eval_batches()):
             if self.cfg.data.max_eval_batches and i >= self.cfg.data.max_eval_batches:
                 break
-            if batch.num_loss_tokens == 0:
-                continue
+            # no skipping of loss-free (padding) batches: under FSDP every rank must run the same forwards
             total += self.loss_sum(self._to_device(batch)).double()
             count += batch.num_loss_tokens
         if self.dist.enabled:  # each rank saw its own rows: sum over ranks
@@ -256,7 +254,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 def _check_weight_files(model_dir: Path, args: ModelArgs) -> dict[str, Path]:
     """HF key → safetensors file, after checking keys and shapes against config.json (as load_pretrained does)."""
     expected = hf_param_shapes(args)
-    where = _weight_files(model_dir)
+    where = weight_files(model_dir)
     if args.tie_embeddings:
         where.pop("lm_head.weight", None)
     missing = [k for k in expected if k not in where]
@@ -285,7 +283,7 @@ def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.devic
     one-process run with the same seed starts from.
     """
     out = {}
-    for name, parent, leaf in _targets(model, args):
+    for name, parent, leaf in lora_targets(model, args):
         base = getattr(parent, leaf)
         stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
         lora = LoRALinear(stand_in, args)
