@@ -8,14 +8,19 @@ C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect
   [min_ratio, max_ratio]. `nearest_bucket` picks by |log(w/h) - log(W/H)| (a 2:1 and a 1:2 image are
   equally far from square), ties to the lower index. `resize_and_crop` resizes to cover, then
   centre-crops.
-- `BucketSampler` (the training path): every batch comes from one bucket. Epoch e draws from
-  numpy's generator seeded by (seed, e): shuffle inside each bucket, cut full batches, shuffle the
-  batch order, deal batch k to rank k % world_size, and drop the last len % world_size batches, so
-  ranks get disjoint samples and the same number of batches (no rank waits at the epoch end,
-  PITFALLS.md "Buckets"). Buckets smaller than the batch size are listed in one warning at
-  construction and their samples are skipped every epoch; with drop_last the remainder of each
-  bucket is skipped too (a different remainder each epoch, since the shuffle changes). `stats`
-  counts all of it. `state_dict` = (epoch, cursor); a restored sampler yields the exact sequence.
+- `BucketSampler` (the training path): every batch comes from one bucket. The unit of an epoch is
+  the GLOBAL batch of G = world_size x batch_size samples: epoch e draws from numpy's generator
+  seeded by (seed, e): shuffle inside each bucket, cut global batches of G, shuffle their order;
+  rank r takes rows [r*B, (r+1)*B) of every global batch. So ranks get disjoint samples, the same
+  bucket (one shape on every rank) and the same number of batches (no rank waits at the epoch end,
+  PITFALLS.md "Buckets"), and the global batches depend on G alone: 2 ranks x 4 see exactly what
+  1 rank x 8 sees, batch for batch (how multi-process runs match one process). Buckets smaller than
+  G are listed in one warning at construction and their samples are skipped every epoch; with
+  drop_last the remainder of each bucket is skipped too (a different remainder each epoch, since the
+  shuffle changes); without it a remainder of at least world_size samples is split as evenly as it
+  goes. `stats` counts all of it. `state_dict` = (epoch, cursor in global batches); it resumes on any
+  (world_size, batch_size) of the same G, and `iter_slots` tells each batch's place in its global
+  batch (for per-sample random draws that do not depend on the world size).
   When a DataLoader prefetches, save the state of the batches the trainer has consumed, not of the
   sampler the workers ran ahead with: the demo calls `LatentDataset.batch` in the main process.
 - `BucketBatcher` groups a stream (webdataset) into per-bucket batches. It is deterministic given
@@ -28,6 +33,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -98,6 +104,16 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
     return arr.permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where a rank's batch sits: global batch number `ordinal` (counted from the run's start, the same on
+    every rank and every world size of the same global batch), rows [offset, offset + len) of its `size`."""
+
+    ordinal: int
+    offset: int
+    size: int
+
+
 class BucketSampler:
     """Yields lists of sample indices forever, one bucket per batch, equal batch counts per rank."""
 
@@ -112,81 +128,130 @@ class BucketSampler:
             raise ValueError(f"bucket_of must be a non-empty 1-D sequence of ids >= 0, got shape {ids.shape}")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.rank, self.world_size = rank, world_size
+        self.global_batch = batch_size * world_size
         self.num_samples = len(ids)
         self.members = {int(b): np.flatnonzero(ids == b) for b in np.unique(ids)}  # bucket -> sample indices
-        self.small_buckets = {b: len(m) for b, m in self.members.items() if len(m) < batch_size}
+        self.small_buckets = {b: len(m) for b, m in self.members.items() if len(m) < self.global_batch}
         if self.small_buckets:
             warnings.warn(
                 f"BucketSampler: {len(self.small_buckets)} buckets have fewer samples than batch_size {batch_size} "
-                f"and are skipped every epoch ({sum(self.small_buckets.values())} samples), "
-                f"bucket id: samples = {self.small_buckets}",
+                f"x world_size {world_size} = {self.global_batch} and are skipped every epoch "
+                f"({sum(self.small_buckets.values())} samples), bucket id: samples = {self.small_buckets}",
                 stacklevel=2,
             )
         self.epoch, self.cursor = 0, 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self._cache: tuple[int, list[tuple[list[int], Slot]]] | None = None
         if self.batches_per_epoch == 0:
             raise ValueError(
                 f"BucketSampler: no batch for rank {rank} of {world_size}: bucket sizes {self.bucket_sizes()} "
-                f"with batch_size {batch_size}"
+                f"with batch_size {batch_size} (global batch {self.global_batch})"
             )
 
     def bucket_sizes(self) -> dict[int, int]:
         return {b: len(m) for b, m in self.members.items()}
 
-    def _batch_sizes(self) -> list[int]:
-        sizes = []
-        for m in self.members.values():
-            if len(m) >= self.batch_size:
-                full, rem = divmod(len(m), self.batch_size)
-                sizes += [self.batch_size] * full + ([rem] if rem and not self.drop_last else [])
-        return sizes
+    def _cut(self, n: int) -> list[int]:
+        """Global batch sizes a bucket of n samples is cut into (a remainder only without drop_last)."""
+        G = self.global_batch
+        if n < G:
+            return []
+        full, rem = divmod(n, G)
+        keep_rem = rem and not self.drop_last and rem >= self.world_size  # every rank gets >= 1 sample
+        return [G] * full + ([rem] if keep_rem else [])
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches this rank gets per epoch (the same on every rank and every epoch)."""
-        return len(self._batch_sizes()) // self.world_size
+        """Global batches per epoch = batches each rank gets per epoch (the same every epoch)."""
+        return sum(len(self._cut(len(m))) for m in self.members.values())
+
+    @property
+    def batches_seen(self) -> int:
+        """Global batches yielded since the start of the run (the sampler's position as one number)."""
+        return self.epoch * self.batches_per_epoch + self.cursor
 
     @property
     def stats(self) -> dict:
-        """Per epoch: batches per rank, samples skipped (small buckets + remainders), batches undealt."""
-        sizes = self._batch_sizes()
-        dealt = self.batches_per_epoch * self.world_size
-        return {"batches_per_rank": self.batches_per_epoch, "small_buckets": dict(self.small_buckets),
-                "skipped_samples": self.num_samples - sum(sizes), "undealt_batches": len(sizes) - dealt}
+        """Per epoch: batches per rank, the global batch, samples skipped (small buckets + remainders)."""
+        used = sum(sum(self._cut(len(m))) for m in self.members.values())
+        return {"batches_per_rank": self.batches_per_epoch, "global_batch": self.global_batch,
+                "small_buckets": dict(self.small_buckets), "skipped_samples": self.num_samples - used}
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of `epoch`, in order (a pure function of seed, epoch, rank, world_size)."""
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """Every global batch of `epoch`, in order (a pure function of seed, epoch and the global batch)."""
         rng = np.random.default_rng([self.seed, epoch])
         batches = []
         for b in sorted(self.members):
-            if len(self.members[b]) < self.batch_size:
+            sizes = self._cut(len(self.members[b]))
+            if not sizes:
                 continue
             idx = rng.permutation(self.members[b])
-            stop = len(idx) - len(idx) % self.batch_size if self.drop_last else len(idx)
-            batches += [idx[i : i + self.batch_size].tolist() for i in range(0, stop, self.batch_size)]
+            starts = np.cumsum([0, *sizes])
+            batches += [idx[starts[k]:starts[k + 1]].tolist() for k in range(len(sizes))]
         order = rng.permutation(len(batches))
-        dealt = self.batches_per_epoch * self.world_size
-        return [batches[order[k]] for k in range(self.rank, dealt, self.world_size)]
+        return [batches[k] for k in order]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def _rank_rows(self, size: int) -> tuple[int, int]:
+        """(offset, length) of this rank's rows in a global batch of `size` (B each when full; else as even
+        as possible, earlier ranks one longer: numpy's array_split)."""
+        base, extra = divmod(size, self.world_size)
+        offset = self.rank * base + min(self.rank, extra)
+        return offset, base + (self.rank < extra)
+
+    def epoch_slots(self, epoch: int) -> list[tuple[list[int], Slot]]:
+        """This rank's batches of `epoch` with their slots."""
+        out = []
+        first = epoch * self.batches_per_epoch
+        for k, batch in enumerate(self.global_batches(epoch)):
+            offset, n = self._rank_rows(len(batch))
+            out.append((batch[offset:offset + n], Slot(first + k, offset, len(batch))))
+        return out
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of `epoch`, in order (a pure function of seed, epoch, rank, world_size)."""
+        return [idx for idx, _ in self.epoch_slots(epoch)]
+
+    def iter_slots(self) -> Iterator[tuple[list[int], Slot]]:
+        """(indices, slot) forever, from the current position; `__iter__` yields the indices alone."""
         while True:
             if self._cache is None or self._cache[0] != self.epoch:
-                self._cache = (self.epoch, self.epoch_batches(self.epoch))
+                self._cache = (self.epoch, self.epoch_slots(self.epoch))
             batches = self._cache[1]
             while self.cursor < len(batches):
                 self.cursor += 1  # before yielding: a state saved after receiving k batches says cursor k
                 yield batches[self.cursor - 1]
             self.epoch, self.cursor = self.epoch + 1, 0
 
+    def __iter__(self) -> Iterator[list[int]]:
+        return (idx for idx, _ in self.iter_slots())
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "batch_size": self.batch_size,
                 "world_size": self.world_size, "num_samples": self.num_samples, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved with any (world_size, batch_size) of the same global batch, else explain.
+
+        The cursor counts global batches, so it means the same on every world size of one global batch.
+        Without drop_last, remainders are kept only when every rank gets a sample, which depends on the
+        world size: such a state resumes on its own world size only.
+        """
         mine = self.state_dict()
-        for k in ("seed", "batch_size", "world_size", "num_samples", "drop_last"):
+        for k in ("seed", "num_samples", "drop_last"):
             if state.get(k) != mine[k]:
                 raise ValueError(f"BucketSampler state: {k} is {state.get(k)!r} in the checkpoint but {mine[k]!r} now")
+        W, B = state.get("world_size"), state.get("batch_size")
+        if not isinstance(W, int) or not isinstance(B, int):
+            raise ValueError(f"BucketSampler state: world_size and batch_size must be integers, got {W!r}, {B!r}")
+        if W * B != self.global_batch:
+            same_w = W == self.world_size
+            what = (f"batch_size is {B} in the checkpoint but {self.batch_size} now" if same_w else
+                    f"the global batch is {W} ranks x {B} = {W * B} in the checkpoint but {self.world_size} x "
+                    f"{self.batch_size} = {self.global_batch} now")
+            raise ValueError(f"BucketSampler state: {what}; set train.micro_batch so that processes x micro_batch "
+                             f"= {W * B} to resume exactly")
+        if W != self.world_size and not self.drop_last:
+            raise ValueError(f"BucketSampler state: saved with world_size {W} and drop_last=False, which keeps "
+                             f"remainders by world size; resume it with {W} processes")
         if not 0 <= state["cursor"] <= self.batches_per_epoch:
             raise ValueError(f"BucketSampler state: cursor {state['cursor']} outside 0..{self.batches_per_epoch}")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

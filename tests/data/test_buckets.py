@@ -105,8 +105,42 @@ def test_ranks_get_disjoint_samples_and_equal_batch_counts(world_size):
         assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == samplers[0].batches_per_epoch
         flat = [i for batches in per_rank for b in batches for i in b]
         assert len(flat) == len(set(flat))
-    total = sum(len(m) // 5 for m in samplers[0].members.values())
-    assert samplers[0].stats["undealt_batches"] == total % world_size
+    total = sum(len(m) // (5 * world_size) for m in samplers[0].members.values())
+    assert samplers[0].batches_per_epoch == total and samplers[0].stats["global_batch"] == 5 * world_size
+
+
+def test_ranks_split_the_one_process_global_batches():
+    """W ranks x B see exactly 1 rank x W*B's batches: rank r holds rows [r*B, (r+1)*B) of each, one bucket."""
+    bucket_of = _random_buckets(300, 5, 7)
+    one = BucketSampler(bucket_of, 6, seed=2)
+    two = [BucketSampler(bucket_of, 3, seed=2, rank=r, world_size=2) for r in range(2)]
+    its = [s.iter_slots() for s in two]
+    for idx, slot in itertools.islice(one.iter_slots(), 2 * one.batches_per_epoch + 3):
+        parts = [next(it) for it in its]
+        assert [i for p, _ in parts for i in p] == idx
+        assert [s.offset for _, s in parts] == [0, 3] and {s.ordinal for _, s in parts} == {slot.ordinal}
+        assert len({bucket_of[i] for i in idx}) == 1
+    # a position saved by 2 ranks resumes on 1 (and back) at the same global batch
+    state = two[1].state_dict()
+    resumed = BucketSampler(bucket_of, 6, seed=2)
+    resumed.load_state_dict(state)
+    back = BucketSampler(bucket_of, 3, seed=2, rank=0, world_size=2)
+    back.load_state_dict(one.state_dict())
+    assert resumed.batches_seen == one.batches_seen == back.batches_seen
+    assert next(iter(resumed)) == next(iter(one))
+    assert next(iter(back)) == next(iter(two[0]))
+    with pytest.raises(ValueError, match=r"global batch is 2 ranks x 3 = 6 in the checkpoint but 1 x 4 = 4"):
+        BucketSampler(bucket_of, 4, seed=2).load_state_dict(state)
+
+
+def test_uneven_remainders_give_every_rank_a_sample():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = [BucketSampler([0] * 11, 2, rank=r, world_size=3, drop_last=False) for r in range(3)]
+    slots = [x.epoch_slots(0) for x in s]
+    sizes = sorted(tuple(len(sl[k][0]) for sl in slots) for k in range(2))
+    assert sizes == [(2, 2, 1), (2, 2, 2)]  # 6 + 5: the remainder 5 split 2/2/1
+    assert sorted(i for sl in slots for b, _ in sl for i in b) == list(range(11))
 
 
 def test_small_buckets_are_warned_and_skipped():
