@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 LISTED_DIRS = ("pipeline/", "designer/", "imagegen/", "kernels/", "flows/", "data/", "bench/", "configs/", "tests/",
-               ".ci/")
+               ".ci/", "docs/")
 
 
 def tracked_files() -> list[str]:
