@@ -104,6 +104,13 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
     return arr.permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+def rank_rows(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(offset, length) of rank `rank`'s rows in a global batch of `size`: size / world_size each when it
+    divides, else as even as it goes with the earlier ranks one longer (numpy's array_split)."""
+    base, extra = divmod(size, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where a rank's batch sits: global batch number `ordinal` (counted from the run's start, the same on
@@ -190,19 +197,12 @@ class BucketSampler:
         order = rng.permutation(len(batches))
         return [batches[k] for k in order]
 
-    def _rank_rows(self, size: int) -> tuple[int, int]:
-        """(offset, length) of this rank's rows in a global batch of `size` (B each when full; else as even
-        as possible, earlier ranks one longer: numpy's array_split)."""
-        base, extra = divmod(size, self.world_size)
-        offset = self.rank * base + min(self.rank, extra)
-        return offset, base + (self.rank < extra)
-
     def epoch_slots(self, epoch: int) -> list[tuple[list[int], Slot]]:
         """This rank's batches of `epoch` with their slots."""
         out = []
         first = epoch * self.batches_per_epoch
         for k, batch in enumerate(self.global_batches(epoch)):
-            offset, n = self._rank_rows(len(batch))
+            offset, n = rank_rows(len(batch), self.rank, self.world_size)
             out.append((batch[offset:offset + n], Slot(first + k, offset, len(batch))))
         return out
 

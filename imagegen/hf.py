@@ -73,28 +73,43 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"{model_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
 
 
+def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
+    """{state-dict key: safetensors file} of a diffusers directory, every key and shape checked against `args`.
+
+    What a sharded (meta-device) load needs: each rank opens the files and reads only its rows of each key.
+    """
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MMDiT(args).state_dict().items()}
+    where: dict[str, str] = {}
+    for file, keys in _weight_files(model_dir).items():
+        unexpected = [k for k in keys if k not in expected]
+        if unexpected:
+            raise ValueError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != expected[key]:
+                    raise ValueError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
+                where[key] = file
+    missing = [k for k in expected if k not in where]
+    if missing:
+        raise ValueError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
+    return where
+
+
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> MMDiT:
     """Build an MMDiT from a diffusers SD3 transformer directory; every key and shape is checked."""
     model_dir = resolve_dir(path)
     args = read_args(model_dir)
+    where = weight_map(model_dir, args)
     with torch.device("meta"):  # no throw-away random init of a multi-GB model
         model = MMDiT(args)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    for file, keys in _weight_files(model_dir).items():
-        unexpected = [k for k in keys if k not in expected]
-        if unexpected:
-            raise ValueError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
+    for file in sorted(set(where.values())):
         with safe_open(file, framework="pt", device=str(device)) as f:
-            for key in keys:
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != expected[key]:
-                    raise ValueError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
+            for key in (k for k, v in where.items() if v == file):
                 state[key] = f.get_tensor(key).to(dtype)
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise ValueError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
@@ -107,10 +122,11 @@ def _diffusers_version() -> str:
 
 
 def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 10 * 2**30) -> Path:
+                    max_shard_bytes: int = 10 * 2**30, weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``model`` as a diffusers directory, atomically (temporary directory, then rename).
 
-    Tensors are cast to ``dtype`` (default: as stored). Above ``max_shard_bytes`` the weights are
+    ``weights`` (state-dict key -> tensor of the same shape) are written in place of the model's own
+    (the EMA average, without swapping it into the model). Tensors are cast to ``dtype`` (default: as stored). Above ``max_shard_bytes`` the weights are
     split into diffusers-named shards plus an index, as ``from_pretrained`` expects.
     """
     out = Path(out_dir)
@@ -121,8 +137,14 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
         config = {**model.args.to_diffusers_config(), "_diffusers_version": _diffusers_version()}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         # clone: save_file refuses tensors that share storage; contiguous: it needs dense tensors.
+        own = model.state_dict()
+        weights = weights or {}
+        bad = [f"{k} {tuple(v.shape)} (model: {tuple(own[k].shape) if k in own else 'no such key'})"
+               for k, v in weights.items() if k not in own or v.shape != own[k].shape]
+        if bad:
+            raise ValueError(f"save_pretrained {out}: weights do not fit the model: {bad[:5]}")
         state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu().clone()
-                 for k, v in model.state_dict().items()}
+                 for k, v in {**own, **weights}.items()}
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for k, v in state.items():
