@@ -131,9 +131,11 @@ def _args(num_layers: int, num_heads: int, pos_embed_max_size: int, **kw) -> MMD
 SIZES: dict[str, MMDiTArgs] = {
     "tiny": MMDiTArgs(),
     # The shapes-world demo on the CPU: the pixel codec's 12 channels at 16x16 (32-px images), MiniLM text (384 wide).
+    # pos_embed_max_size = the 8x8 token grid itself: with a larger grid, SD3's crop squeezes the 8 positions into
+    # a span of 1.75 sincos units and the trained model ignored position (scattered blocks instead of one shape).
     "demo": MMDiTArgs(num_layers=4, num_heads=4, head_dim=32, sample_size=16, in_channels=12, out_channels=12,
                       joint_attention_dim=384, caption_projection_dim=128, pooled_projection_dim=384,
-                      pos_embed_max_size=32),
+                      pos_embed_max_size=8),
     "sd3-medium": _args(24, 24, 192),
     "sd3.5-medium": _args(24, 24, 384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13))),
     "sd3.5-large": _args(38, 38, 192, qk_norm="rms_norm"),
