@@ -131,7 +131,17 @@ class ImagegenTask:
     # ------------------------------------------------------------------ model
 
     def _wrap(self, model: MMDiT) -> MMDiT:
-        """AC -> compile -> FSDP2 per joint block (a no-op wrap on one process without policies)."""
+        """AC -> compile -> FSDP2 per joint block (a no-op wrap on one process without policies).
+
+        First, the parameters the forward never applies are frozen: the last block's text-query projection
+        (kept only for diffusers' layout, imagegen/model.py Attention). They never get a gradient, so AdamW
+        never makes state for them, and a sharded resume would look for that state in the checkpoint.
+        """
+        for block in model.transformer_blocks:
+            if block.attn.to_add_out is None:  # context_pre_only: no text output, no text queries
+                for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):
+                    if m is not None:
+                        m.requires_grad_(False)
         choice = self.cfg.train.distributed.param_dtype
         if choice == "auto":
             param_dtype = torch.bfloat16 if self.autocast else torch.float32
