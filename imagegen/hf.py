@@ -126,8 +126,9 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
     """Write ``model`` as a diffusers directory, atomically (temporary directory, then rename).
 
     ``weights`` (state-dict key -> tensor of the same shape) are written in place of the model's own
-    (the EMA average, without swapping it into the model). Tensors are cast to ``dtype`` (default: as stored). Above ``max_shard_bytes`` the weights are
-    split into diffusers-named shards plus an index, as ``from_pretrained`` expects.
+    (the EMA average, without swapping it into the model). Tensors are cast to ``dtype`` (default: as
+    stored). Above ``max_shard_bytes`` the weights are split into diffusers-named shards plus an index,
+    as ``from_pretrained`` expects.
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
