@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.designer import train_designer
+from flows.train_designer import train_designer
 from flows.evaluate import brief_to_image_eval, evaluate_brief_to_image, read_briefs
-from flows.imagegen import needs_cache, train_imagegen
+from flows.train_imagegen import needs_cache, train_imagegen
 from flows.launch import pid_dir
 from flows.training import FlowInputError
 from tests.flows.conftest import designer_config
