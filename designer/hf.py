@@ -91,6 +91,21 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
     args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"))
+    where = check_weight_files(d, args)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(set(where.values())):
+        keys = [k for k, f in where.items() if f == file]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for k in keys:
+                state[k] = f.get_tensor(k).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def check_weight_files(d: Path, args: ModelArgs) -> dict[str, Path]:
+    """HF key → safetensors file, after checking every key and shape against config.json (nothing is read yet)."""
     expected = hf_param_shapes(args)
     where = weight_files(d)
     if args.tie_embeddings:
@@ -101,21 +116,14 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
     if unexpected:
         raise ValueError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    state: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):
         header = read_safetensors_header(file)
-        keys = [k for k, f in where.items() if f == file]
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for k in keys:
-                if k not in header:
-                    raise ValueError(f"{file}: key {k!r} listed in {INDEX} is not in the file")
-                if tuple(header[k]["shape"]) != expected[k]:
-                    raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
-                state[k] = f.get_tensor(k).to(device=device, dtype=dtype)
-    with torch.device("meta"):
-        model = Qwen3(args)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model
+        for k in (k for k, f in where.items() if f == file):
+            if k not in header:
+                raise ValueError(f"{file}: key {k!r} listed in {INDEX} is not in the file")
+            if tuple(header[k]["shape"]) != expected[k]:
+                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+    return where
 
 
 def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int) -> list[list[str]]:

@@ -34,7 +34,7 @@ from data.chat import encode_examples, load_examples
 from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import weight_files, hf_param_shapes, load_pretrained, read_safetensors_header, save_pretrained
+from designer.hf import check_weight_files, load_pretrained, save_pretrained
 from designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
@@ -127,7 +127,7 @@ class DesignerTask:
             raise FileNotFoundError(f"{config_path}: not found")
         args = ModelArgs.from_hf_config(json.loads(config_path.read_text()), self.cfg.model.attention,
                                         source=str(config_path))
-        where = _check_weight_files(model_dir, args)
+        where = check_weight_files(model_dir, args)
         with torch.device("meta"):
             model = Qwen3(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
@@ -249,29 +249,6 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-
-
-def _check_weight_files(model_dir: Path, args: ModelArgs) -> dict[str, Path]:
-    """HF key → safetensors file, after checking keys and shapes against config.json (as load_pretrained does)."""
-    expected = hf_param_shapes(args)
-    where = weight_files(model_dir)
-    if args.tie_embeddings:
-        where.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in where]
-    if missing:
-        raise ValueError(f"{model_dir}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
-    if unexpected:
-        raise ValueError(f"{model_dir}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    for file in sorted(set(where.values())):
-        header = read_safetensors_header(file)
-        for k in (k for k, f in where.items() if f == file):
-            if k not in header:
-                raise ValueError(f"{file}: key {k!r} listed in the index is not in the file")
-            if tuple(header[k]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, "
-                                 f"config.json implies {expected[k]}")
-    return where
 
 
 def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
