@@ -10,14 +10,13 @@ throughput/MFU summary. Returns the run's output directory: flows pass paths, ne
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Sequence
 
 from prefect import flow
 
 from flows.launch import kill_trainers_hook
-from flows.training import check_config, publish_task, require_path, train_task
+from flows.training import check_config, publish_task, require_path, train_task, training_flow_main
 
 
 @flow(name="train-designer", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
@@ -33,16 +32,7 @@ def train_designer(config: str = "configs/designer/demo.toml", overrides: list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.train_designer", description="run the train-designer flow")
-    p.add_argument("--config", default="configs/designer/demo.toml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nproc", type=int, default=1)
-    args = p.parse_args(argv)
-    from flows.serve import require_server
-
-    require_server("python -m flows.train_designer")
-    print(train_designer(args.config, args.set, args.nproc))
-    return 0
+    return training_flow_main(train_designer, "designer", argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ as they are (the trainer encodes image shards at start, see imagegen/config.py).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,7 +24,7 @@ from prefect import flow, task
 
 from flows.launch import kill_trainers_hook, run_trainer
 from flows.report import artifact_key
-from flows.training import FlowInputError, check_config, publish_task, require_path, train_task
+from flows.training import FlowInputError, check_config, publish_task, require_path, train_task, training_flow_main
 
 
 def needs_cache(cfg: Any) -> bool:
@@ -69,16 +68,7 @@ def train_imagegen(config: str = "configs/imagegen/demo.toml", overrides: list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.train_imagegen", description="run the train-imagegen flow")
-    p.add_argument("--config", default="configs/imagegen/demo.toml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nproc", type=int, default=1)
-    args = p.parse_args(argv)
-    from flows.serve import require_server
-
-    require_server("python -m flows.train_imagegen")
-    print(train_imagegen(args.config, args.set, args.nproc))
-    return 0
+    return training_flow_main(train_imagegen, "imagegen", argv)
 
 
 if __name__ == "__main__":

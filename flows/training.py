@@ -9,7 +9,8 @@ so a retry continues where the failed attempt stopped, and nothing here ever del
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Sequence
+import argparse
+from typing import Any, Callable, Literal, Sequence
 
 from prefect import task
 
@@ -72,3 +73,18 @@ def train_task(kind: Kind, config: str, overrides: list[str], nproc: int) -> dic
 def publish_task(run_dir: str, name: str) -> list[str]:
     """Metrics table, throughput/MFU summary and sample grid of a finished run as Prefect artifacts."""
     return publish_training(Path(run_dir), name)
+
+
+def training_flow_main(flow_fn: Callable[[str, list[str], int], str], kind: Kind, argv: Sequence[str] | None) -> int:
+    """`python -m flows.train_<kind> --config ... --set ... --nproc N`: runs the flow against the running server."""
+    name = f"flows.train_{kind}"
+    p = argparse.ArgumentParser(prog=f"python -m {name}", description=f"run the train-{kind} flow")
+    p.add_argument("--config", default=f"configs/{kind}/demo.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    from flows.serve import require_server
+
+    require_server(f"python -m {name}")
+    print(flow_fn(args.config, args.set, args.nproc))
+    return 0
