@@ -30,8 +30,6 @@ FT, LM head on the loss tokens) — the same count is used for the peers' MFU (s
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import dataclasses
 import gc
 import json
@@ -42,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch._dynamo
@@ -59,7 +57,9 @@ from pipeline.policies import apply_activation_checkpointing, compile_blocks, cp
 
 PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
 PEERS = ("hf", "hf-liger", "hf-liger-bf16lora")
-ABLATIONS = ("no_compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw")
+ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
+# The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
+PARITY_PEER = {"bfloat16": "hf-liger-bf16lora", "float32": "hf"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Variant:
     """One Atelier run's switches (the ablation turns each off in turn)."""
 
     compile: bool = True
-    kernels: str = "auto"          # "ref": every kernel's plain-PyTorch path
+    kernels: str = "auto"          # ModelArgs.kernels; "ref": every kernel's plain-PyTorch path
     chunked_ce: bool = True
     attention: str = "auto"        # kernels.attention impl
     fused_adamw: bool = True
@@ -208,35 +208,8 @@ class Run:
     fused_adamw: bool
 
 
-@contextlib.contextmanager
-def reference_kernels(enabled: bool) -> Iterator[None]:
-    """Force every kernel's plain-PyTorch path for the model's ops (the ablation's "Triton off").
-
-    The model passes no `impl` to rmsnorm/rope/swiglu/lora_linear (only attention has a ModelArgs field), so
-    this swaps the names designer.model and designer.lora imported for ones bound to impl="ref". Bench-only;
-    a ModelArgs.kernels field would make it a plain argument.
-    """
-    if not enabled:
-        yield
-        return
-    import functools
-
-    import designer.lora as lora_mod
-    import designer.model as model_mod
-
-    saved = {(model_mod, n): getattr(model_mod, n) for n in ("rmsnorm", "rope", "swiglu")}
-    saved[(lora_mod, "lora_linear")] = lora_mod.lora_linear
-    try:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, functools.partial(fn, impl="ref"))
-        yield
-    finally:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, fn)
-
-
 def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
-    args = dataclasses.replace(args, attention_impl=v.attention)
+    args = dataclasses.replace(args, attention_impl=v.attention, kernels=v.kernels)
     with torch.device("meta"):
         model = Qwen3(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
@@ -405,9 +378,47 @@ def to_device(b: Batch, device: torch.device) -> Batch:
     return d
 
 
+def loss_diff(a: list[float], b: list[float]) -> float:
+    """Mean |a − b| over the timed steps."""
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def ablation_switches(cfg: BenchConfig, main: Variant, exact: bool) -> dict[str, Variant]:
+    """Each Atelier optimisation switched off (or, for compile, flipped) in turn, relative to `main`.
+
+    Exact (tiny CPU) runs never compile, so they have no compile switch.
+    """
+    out = {} if exact else {("no_compile" if main.compile else "with_compile"):
+                            dataclasses.replace(main, compile=not main.compile)}
+    out.update({"reference_kernels": dataclasses.replace(main, kernels="ref"),
+           "plain_logits": dataclasses.replace(main, chunked_ce=False),
+           "sdpa_attention": dataclasses.replace(main, attention="sdpa"),
+           "foreach_adamw": dataclasses.replace(main, fused_adamw=False)})
+    if cfg.lora and main.lora_dtype != "float32":
+        out["fp32_lora"] = dataclasses.replace(main, lora_dtype="float32")
+    return out
+
+
+def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, path: Path, rows: int = 45) -> Path:
+    """torch.profiler over 2 steps after 3 warm-up steps: the kernel table by CUDA time, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    run = run_build()
+    timed_steps(run, batches[:3], 3, 0, cfg.lr, cfg.offload)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(run, batches[3:5], 0, 2, cfg.lr, cfg.offload)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
+    path.write_text(table)
+    del run
+    gc.collect()
+    torch.cuda.empty_cache()
+    return path
+
+
 def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batches: list[int], steps: int,
           warmup: int, ablation: bool, tokenizer: str | None, device: torch.device, exact: bool,
-          seed: int = 0) -> dict[str, Any]:
+          compile_blocks_: bool = True, profile: bool = False, seed: int = 0) -> dict[str, Any]:
     args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
     dtype = torch.float32 if exact else torch.bfloat16
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
@@ -420,7 +431,11 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     notes = {"peer_attention": "transformers position_ids packing: block-diagonal causal mask through SDPA (exact)",
              "loss_parity_rows": "packed rows (peers see the same document-masked attention)",
              "atelier_shapes": "cu_seqlens padded with empty segments and max_seqlen = T so compiled blocks see "
-                               "one shape", "kernels_switch": "reference_kernels() swaps designer.model/lora names"}
+                               "one shape",
+             "data": "shapes-world chat documents through the Qwen3 tokenizer" if tokenizer else
+                     "random-token documents (lognormal lengths)"}
+    main = Variant(compile=compile_blocks_ and not exact, lora_dtype="float32" if exact else cfg.lora_dtype)
+    report["atelier_variant"] = dataclasses.asdict(main)
     best_mb, batches_by_mb = None, {}
     for mb in micro_batches:
         host = make_batches(cfg, mb, warmup + steps, tokenizer, seed + mb)
@@ -429,19 +444,25 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         plain = [to_device(b, device) for b in host]
         fixed = [to_device(fixed_shape(b, segments), device) for b in host]
         batches_by_mb[mb] = (plain, fixed, flops, six)
-        main_variant = Variant(compile=not exact, lora_dtype=cfg.lora_dtype)
-        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, main_variant, exact), fixed, cfg, warmup, steps,
-                    flops, offload)
+        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, main, exact), fixed, cfg, warmup, steps, flops,
+                    offload)
         if not r["oom"]:
             r["mfu_6n"] = statistics.median(f / s for f, s in zip(six[warmup:], r["step_s"][warmup:])) / 1e12 / PEAK_TFLOPS
         sweep[str(mb)] = r
+        print(f"atelier mb={mb}: " + ("OOM" if r["oom"] else f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_gb']} GB"),
+              flush=True)
         for p in peers:
+            if "skipped" in peer_runs[p]:
+                continue
             try:
                 peer_runs[p][str(mb)] = measure(lambda: build_peer(p, cfg, args, sd, lora_sd, exact), plain, cfg,
                                                 warmup, steps, flops, False)
             except ImportError as e:
                 peer_runs[p] = {"skipped": f"import failed: {e}"}
                 notes[f"{p}_skipped"] = str(e)
+                continue
+            r = peer_runs[p][str(mb)]
+            print(f"{p} mb={mb}: " + ("OOM" if r["oom"] else f"{r['tokens_per_s']:,.0f} tok/s"), flush=True)
         ok = {k: v for k, v in sweep.items() if not v["oom"]}
         if ok:
             best_mb = int(max(ok, key=lambda k: ok[k]["tokens_per_s"]))
@@ -470,25 +491,32 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         same = [m for m in ok if not sweep.get(m, {"oom": True})["oom"]]
         if same:  # the same batches through both: the largest micro-batch both ran
             m = max(same, key=int)
-            a, q = sweep[m]["timed_losses"], ok[m]["timed_losses"]
-            report["loss_mean_abs_diff_by_peer"][p] = {"micro_batch": int(m),
-                                                       "diff": sum(abs(x - y) for x, y in zip(a, q)) / len(a)}
-    hf = report["loss_mean_abs_diff_by_peer"].get("hf")
-    report["loss_mean_abs_diff"] = hf["diff"] if hf else None
+            report["loss_mean_abs_diff_by_peer"][p] = {
+                "micro_batch": int(m), "diff": loss_diff(sweep[m]["timed_losses"], ok[m]["timed_losses"])}
+    parity_peer = PARITY_PEER[main.lora_dtype] if cfg.lora else "hf"
+    parity = report["loss_mean_abs_diff_by_peer"].get(parity_peer)
+    report["loss_mean_abs_diff"] = parity["diff"] if parity else None
+    report["loss_parity_peer"] = parity_peer
     report["ablation"] = {}
     if ablation and best_mb is not None:
         plain, fixed, flops, _ = batches_by_mb[best_mb]
         report["ablation"]["all_on"] = sweep[str(best_mb)]["tokens_per_s"]
-        switches = {"no_compile": Variant(compile=False), "reference_kernels": Variant(kernels="ref"),
-                    "plain_logits": Variant(chunked_ce=False), "sdpa_attention": Variant(attention="sdpa"),
-                    "foreach_adamw": Variant(fused_adamw=False)}
-        for abl, v in switches.items():
-            v = dataclasses.replace(v, compile=v.compile and not exact, lora_dtype=cfg.lora_dtype)
-            with reference_kernels(v.kernels == "ref"):
-                r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), fixed, cfg, warmup, steps,
-                            flops, offload)
+        for abl, v in ablation_switches(cfg, main, exact).items():
+            r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), fixed, cfg, warmup, steps, flops,
+                        offload)
             report["ablation"][abl] = None if r["oom"] else r["tokens_per_s"]
             report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("tokens_per_s", "peak_gb", "oom")}
+            print(f"ablation {abl}: " + ("OOM" if r["oom"] else f"{r['tokens_per_s']:,.0f} tok/s"), flush=True)
+            hf_run = peer_runs.get("hf", {}).get(str(best_mb))
+            if abl == "fp32_lora" and not r["oom"] and hf_run and not hf_run.get("oom"):
+                # fp32 adapters on both sides: the exact-precision parity (PEFT's default dtype)
+                report["loss_mean_abs_diff_fp32_lora_vs_hf"] = loss_diff(r["timed_losses"], hf_run["timed_losses"])
+    if profile and best_mb is not None and device.type == "cuda":
+        _, fixed, _, _ = batches_by_mb[best_mb]
+        stem = f"designer-{name}-{time.strftime('%Y-%m-%d')}-profile.txt"
+        out.mkdir(parents=True, exist_ok=True)
+        report["profile"] = str(profile_step(lambda: build_atelier(cfg, args, sd, lora_sd, main, exact), fixed, cfg,
+                                             out / stem))
     report["notes"] = notes
     report["clocks"]["after"] = clocks()
     return report
@@ -572,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="Atelier's LoRA weight dtype (PEFT's default is float32)")
     p.add_argument("--offload", action="store_true", help="CPU activation offload for Atelier (long sequences)")
+    p.add_argument("--compile", choices=("on", "off"), default="on", help="per-block torch.compile for Atelier")
+    p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
@@ -589,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     mbs = a.micro_batches or list(cfg.micro_batches)
     cfg = dataclasses.replace(cfg, offload=cfg.offload or a.offload, lora_dtype=a.lora_dtype)
     report = bench(a.config, cfg, Path(a.out), peers, mbs, a.steps, a.warmup, a.ablation, a.tokenizer, device,
-                   exact=a.tiny)
+                   exact=a.tiny, compile_blocks_=a.compile == "on", profile=a.profile)
     path = write(report, Path(a.out))
     print(markdown(report))
     print(f"wrote {path}")

@@ -20,6 +20,8 @@ class ModelConfig:
     # and runs the matmuls in bf16; "float32" is exact (CPU tests, parity checks)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attention: Literal["auto", "flash", "varlen", "sdpa"] = "auto"
+    # rmsnorm / rope / swiglu / LoRA linear: "auto" = the Triton kernels on CUDA, the references elsewhere
+    kernels: Literal["auto", "triton", "ref"] = "auto"
 
     def validate(self) -> None:
         if not self.path:

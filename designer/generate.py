@@ -6,10 +6,11 @@ S = P + max_new_tokens cache slots, H / Hkv heads, Dh head dim, V vocab.
 Prompts are LEFT-padded to P: prompt b occupies cache slots [pad_b, P). Its positions restart at 0 on
 its first real token, and a key slot is visible to a query when it is a real token at or before it,
 so each prompt decodes exactly as it would alone. The block code is the model's own
-(Qwen3.hidden_states with a cache-aware `attend`), so generation cannot drift from training.
+(Qwen3.hidden_states with cache-aware attends), so generation cannot drift from training.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,7 @@ class KVCache:
         self.valid = torch.arange(s, device=w.device)[None, :] >= pads[:, None]  # [B,S] slot holds a real token
         self.length = 0  # slots filled so far
         self.gqa = a.num_heads != a.num_kv_heads
+        self.attends = [functools.partial(self.attend, layer) for layer in range(a.num_layers)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,Dh], k/v [B,T,Hkv,Dh] for slots [length, length+T) → o [B,T,H,Dh]."""
@@ -139,7 +141,7 @@ def _generate_batch(model: Qwen3, ids: list[list[int]], max_new: int, temperatur
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), max_new, dtype=torch.long, device=device)
     for step in range(max_new):
-        hidden = model.hidden_states(tokens, positions, cache.attend)  # [B,T,D]
+        hidden = model.hidden_states(tokens, positions, cache.attends)  # [B,T,D]
         cache.length += tokens.shape[1]
         nxt = _sample(model.logits(hidden[:, -1]).float(), temperature, top_p, gen)  # [B]
         hit = torch.isin(nxt, eos) & ~done

@@ -85,12 +85,13 @@ def weight_files(d: Path) -> dict[str, Path]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    attention_impl: str = "auto") -> Qwen3:
+                    attention_impl: str = "auto", kernels: str = "auto") -> Qwen3:
     """Qwen3 from an HF directory (config.json + safetensors), every key and shape checked."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
-    args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"))
+    args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"),
+                                    kernels=kernels)
     where = check_weight_files(d, args)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):

@@ -70,7 +70,7 @@ class LoraArgs:
 class LoRALinear(nn.Module):
     """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
 
-    def __init__(self, base: nn.Linear, args: LoraArgs) -> None:
+    def __init__(self, base: nn.Linear, args: LoraArgs, impl: str = "auto") -> None:
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base).__name__}")
@@ -81,6 +81,7 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
         self.scale = args.scale
         self.rank = args.rank
+        self.impl = impl  # kernels.lora_linear impl: auto | fused | ref
         self.reset_parameters()
 
     @property
@@ -99,7 +100,7 @@ class LoRALinear(nn.Module):
         # kernels.lora_linear: no dW for the frozen base, x·Aᵀ saved for dB (fused on CUDA, fp32 reference elsewhere).
         p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
         return lora_linear(x, self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight,
-                           self.scale, p)
+                           self.scale, p, self.impl)
 
     def merged_weight(self) -> torch.Tensor:
         """W + s·B·A in fp32, cast to the base weight's dtype."""
@@ -122,8 +123,9 @@ def apply_lora(model: Qwen3, args: LoraArgs) -> Qwen3:
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA layers")
     model.requires_grad_(False)
+    impl = {"triton": "fused"}.get(model.args.kernels, model.args.kernels)  # ModelArgs.kernels → lora_linear's name
     for _, parent, leaf in lora_targets(model, args):
-        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args))
+        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args, impl))
     return model
 
 

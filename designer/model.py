@@ -21,13 +21,17 @@ import torch
 from torch import nn
 
 from kernels.attention import IMPLS, packed_causal_attention
-from kernels.rmsnorm import rmsnorm
+from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope, rope_cos_sin, rope_type
+
+KERNEL_IMPLS = ("auto", "triton", "ref")
 from kernels.swiglu import swiglu
 
-# (layer index, q [B,T,H,Dh], k [B,T,Hkv,Dh], v [B,T,Hkv,Dh]) -> o [B,T,H,Dh]; the packed forward and
-# the KV-cache generator (designer/generate.py) each supply one, so there is one copy of the block.
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B,T,H,Dh], k [B,T,Hkv,Dh], v [B,T,Hkv,Dh]) -> o [B,T,H,Dh], one per layer; the packed forward
+# (PackedAttention) and the KV-cache generator (designer/generate.py) each supply them, so there is one
+# copy of the block. No layer index reaches a block: under per-block torch.compile an int argument is a
+# guard, and 36 layers would mean 36 compiled graphs.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     attention_impl: str = "auto"  # kernels.attention impl: auto | flash | varlen | sdpa
+    kernels: str = "auto"  # rmsnorm / rope / swiglu / lora_linear: auto (Triton on CUDA) | triton | ref
     # Special token ids are carried so that config.json / generation_config.json round-trip.
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -64,6 +69,8 @@ class ModelArgs:
             raise ValueError(f"ModelArgs.head_dim must be even for RoPE, got {self.head_dim}")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"ModelArgs.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
+        if self.kernels not in KERNEL_IMPLS:
+            raise ValueError(f"ModelArgs.kernels must be one of {KERNEL_IMPLS}, got {self.kernels!r}")
         rope_type(self.rope_scaling)  # raises on an unsupported rope type
 
     @classmethod
@@ -74,7 +81,8 @@ class ModelArgs:
         return cls(vocab_size=vocab_size, **{**SIZES[size], **overrides})
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], attention_impl: str = "auto", source: str = "config.json") -> ModelArgs:
+    def from_hf_config(cls, cfg: dict[str, Any], attention_impl: str = "auto", source: str = "config.json",
+                       kernels: str = "auto") -> ModelArgs:
         """ModelArgs from a Hugging Face Qwen3 config.json dict (transformers 4.x or 5.x layout)."""
         if cfg.get("model_type") != "qwen3":
             raise ValueError(f"{source}: model_type must be 'qwen3', got {cfg.get('model_type')!r}")
@@ -102,7 +110,7 @@ class ModelArgs:
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_dim=cfg["intermediate_size"],
                 max_seq_len=cfg.get("max_position_embeddings", 40960), rope_theta=float(theta), rope_scaling=scaling,
                 norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", False)), attention_impl=attention_impl,
+                attention_bias=bool(cfg.get("attention_bias", False)), attention_impl=attention_impl, kernels=kernels,
                 bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
                 pad_token_id=cfg.get("pad_token_id"),
             )
@@ -146,13 +154,33 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, impl: str = "auto") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.impl = eps, impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.eps)
+        return rmsnorm(x, self.weight, self.eps, self.impl)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm (one pass over the stream)."""
+        return add_rmsnorm(x, residual, self.weight, self.eps, self.impl)
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """Attend for packed rows: causal within each document; cu_seqlens int32 [S+1] over the B·T tokens."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    impl: str
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t, h, dh = q.shape
+        n = b * t
+        o = packed_causal_attention(q.reshape(n, h, dh), k.reshape(n, -1, dh), v.reshape(n, -1, dh),
+                                    self.cu_seqlens, self.max_seqlen, self.impl)  # [N,H,Dh]
+        return o.view(b, t, h, dh)
 
 
 class Attention(nn.Module):
@@ -165,16 +193,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=bias)
         # Qwen3's QK-norm: RMSNorm over Dh of each head, before RoPE.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.kernels)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.kernels)
+        self.kernels = args.kernels
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # [B,T,H,Dh]
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))  # [B,T,Hkv,Dh]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B,T,Hkv,Dh]
-        q, k = rope(q, k, cos, sin)
-        o = attend(layer, q, k, v)  # [B,T,H,Dh]
+        q, k = rope(q, k, cos, sin, self.kernels)
+        o = attend(q, k, v)  # [B,T,H,Dh]
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))  # [B,T,D]
 
 
@@ -184,9 +213,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.kernels = args.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.kernels))
 
 
 class Block(nn.Module):
@@ -194,12 +224,13 @@ class Block(nn.Module):
         super().__init__()
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        normed, x = self.post_attention_layernorm.add_forward(attn, x)  # x += attn, fused with the norm
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -209,7 +240,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
 
 class Qwen3(nn.Module):
@@ -247,13 +278,16 @@ class Qwen3(nn.Module):
                 p.copy_(init_param(name, tuple(p.shape), gen))
         return self
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """input_ids, position_ids [B,T] → final-normed hidden [B,T,D], with attention supplied by `attend`."""
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      attends: Sequence[Attend]) -> torch.Tensor:
+        """input_ids, position_ids [B,T] → final-normed hidden [B,T,D]; layer i's attention is `attends[i]`."""
         a = self.args
+        if len(attends) != a.num_layers:
+            raise ValueError(f"Qwen3.hidden_states: {len(attends)} attends for {a.num_layers} layers")
         cos, sin = rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.rope_scaling)  # [B,T,Dh] fp32
         x = self.model.embed_tokens(input_ids)  # [B,T,D]
-        for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, i, attend)
+        for block, attend in zip(self.model.layers, attends):
+            x = block(x, cos, sin, attend)
         return self.model.norm(x)
 
     def forward(
@@ -267,17 +301,8 @@ class Qwen3(nn.Module):
                              f"{position_ids.dtype} {tuple(position_ids.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
             raise ValueError(f"Qwen3.forward: cu_seqlens must be int32 [S+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        a = self.args
-        n = input_ids.numel()
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            b, t = q.shape[:2]
-            o = packed_causal_attention(q.reshape(n, a.num_heads, a.head_dim), k.reshape(n, a.num_kv_heads, a.head_dim),
-                                        v.reshape(n, a.num_kv_heads, a.head_dim), cu_seqlens, max_seqlen,
-                                        a.attention_impl)  # [N,H,Dh]
-            return o.view(b, t, a.num_heads, a.head_dim)
-
-        return self.hidden_states(input_ids, position_ids, attend)
+        attend = PackedAttention(cu_seqlens, max_seqlen, self.args.attention_impl)
+        return self.hidden_states(input_ids, position_ids, [attend] * self.args.num_layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] → logits [..., V] (materialises V; the trainer uses kernels.linear_cross_entropy)."""

@@ -109,8 +109,8 @@ class DesignerTask:
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
         """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
-        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device)
-        model.args = _with_attention(model.args, self.cfg.model.attention)
+        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device, attention_impl=self.cfg.model.attention,
+                                kernels=self.cfg.model.kernels)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
@@ -126,7 +126,7 @@ class DesignerTask:
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
         args = ModelArgs.from_hf_config(json.loads(config_path.read_text()), self.cfg.model.attention,
-                                        source=str(config_path))
+                                        source=str(config_path), kernels=self.cfg.model.kernels)
         where = check_weight_files(model_dir, args)
         with torch.device("meta"):
             model = Qwen3(args).to(base_dtype)
@@ -267,12 +267,6 @@ def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.devic
         out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
         out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
     return out
-
-
-def _with_attention(args: Any, impl: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(args, attention_impl=impl) if hasattr(args, "attention_impl") else args
 
 
 __all__ = ["DesignerTask", "copy_tokenizer", "merge_lora"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 IMPLS = ("auto", "fused", "ref")
 
@@ -36,7 +37,7 @@ IMPLS = ("auto", "fused", "ref")
 # (none: see the docstring; the matmuls are cuBLAS.)
 
 
-# --- launchers ------------------------------------------------------------------------------------
+# --- helpers --------------------------------------------------------------------------------------
 def _compute_dtypes(x: torch.Tensor, lora_a: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     """(base dtype, adapter dtype): autocast's for both when it is on, else x's and the adapter's."""
     dev = x.device.type
@@ -57,38 +58,46 @@ def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
     return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
 
 
-# --- autograd.Function ----------------------------------------------------------------------------
-class LoRALinearFunction(torch.autograd.Function):
-    """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p → y [T, O]."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, mask, p: float):  # noqa: D102
-        cb, ca = _compute_dtypes(x, lora_a)
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x.to(cb), weight.to(cb), bias.to(cb) if bias is not None else None)  # [T, O]
-            a, b = lora_a.to(ca), lora_b.to(ca)
-            u = _dropped(x.to(ca), mask, p) @ a.t()  # [T, r]
-            if ca == cb:
-                torch.addmm(y, u, b.t(), alpha=scale, out=y)  # y += s·u Bᵀ inside the matmul (out=, which FlopCounterMode counts)
-            else:
-                y += ((u @ b.t()) * scale).to(cb)  # PEFT's order: adapter product in its dtype, then cast
-        ctx.save_for_backward(x, weight, lora_a, lora_b, u, mask)
-        ctx.scale, ctx.p, ctx.dtypes = scale, p, (cb, ca)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):  # noqa: D102
-        x, weight, lora_a, lora_b, u, mask = ctx.saved_tensors
-        cb, ca = ctx.dtypes
-        s, p = ctx.scale, ctx.p
-        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+# --- launchers ------------------------------------------------------------------------------------
+# torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the addmm
+# epilogue fusions and the skipped dW survive, and the compiled graph cannot reorder or re-derive them).
+# Absent outputs are empty tensors (a custom op cannot return None).
+@torch.library.custom_op("atelier::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None, p: float, base_dtype: torch.dtype,
+                    adapter_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, I] → (y [T, O] in base_dtype, u = dropout(x) Aᵀ [T, r] in adapter_dtype)."""
+    cb, ca = base_dtype, adapter_dtype
+    with torch.autocast(x.device.type, enabled=False):
+        y = F.linear(x.to(cb), weight.to(cb), bias.to(cb) if bias is not None else None)  # [T, O]
         a, b = lora_a.to(ca), lora_b.to(ca)
-        dy = dy.to(cb)
-        dy_a = dy.to(ca)  # a no-op unless the adapter is fp32 on a bf16 base
-        g = (dy_a @ b).mul_(s) if (need_x or need_a) else None  # [T, r]
-        db = (dy_a.t() @ u).mul_(s).to(lora_b.dtype) if need_b else None  # [O, r]
-        da = (g.t() @ _dropped(x.to(ca), mask, p)).to(lora_a.dtype) if need_a else None  # [r, I]
-        dx = None
+        u = _dropped(x.to(ca), mask, p) @ a.t()  # [T, r]
+        if ca == cb:
+            torch.addmm(y, u, b.t(), alpha=scale, out=y)  # y += s·u Bᵀ inside the matmul
+        else:
+            y += ((u @ b.t()) * scale).to(cb)  # PEFT's order: adapter product in its dtype, then cast
+    return y, u
+
+
+@lora_linear_fwd.register_fake
+def _(x, weight, bias, lora_a, lora_b, scale, mask, p, base_dtype, adapter_dtype):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=base_dtype), x.new_empty(x.shape[0], lora_a.shape[0],
+                                                                                    dtype=adapter_dtype)
+
+
+@torch.library.custom_op("atelier::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float,
+                    need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy [T, O] → (dx [T, I] in x.dtype, dA [r, I], dB [O, r] in the adapter weights' dtypes); unneeded ones empty."""
+    cb, ca = dy.dtype, u.dtype
+    a, b = lora_a.to(ca), lora_b.to(ca)
+    dy_a = dy.to(ca)  # a no-op unless the adapter is fp32 on a bf16 base
+    with torch.autocast(x.device.type, enabled=False):
+        g = (dy_a @ b).mul_(scale) if (need_x or need_a) else None  # [T, r]
+        db = (dy_a.t() @ u).mul_(scale).to(lora_b.dtype) if need_b else lora_b.new_empty(0)  # [O, r]
+        da = (g.t() @ _dropped(x.to(ca), mask, p)).to(lora_a.dtype) if need_a else lora_a.new_empty(0)  # [r, I]
+        dx = x.new_empty(0)
         if need_x:
             dx = dy @ weight.to(cb)  # [T, I]; the frozen W gets no dW
             if mask is None and ca == cb:
@@ -96,7 +105,53 @@ class LoRALinearFunction(torch.autograd.Function):
             else:
                 dx += _dropped(g @ a, mask, p).to(cb)
             dx = dx.to(x.dtype)
-        return dx, None, None, da, db, None, None, None
+    return dx, da, db
+
+
+@lora_linear_bwd.register_fake
+def _(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b):
+    return (torch.empty_like(x) if need_x else x.new_empty(0), torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
+            torch.empty_like(lora_b) if need_b else lora_b.new_empty(0))
+
+
+# FlopCounterMode cannot look inside a custom op: state its matmul FLOPs (so MFU accounting and the no-dW
+# test see them). Tensor arguments arrive as shapes.
+@register_flop_formula(torch.ops.atelier.lora_linear_fwd)
+def _fwd_flops(x, weight, bias, lora_a, lora_b, *args, out_shape=None, **kwargs) -> int:
+    (t, i), o, r = x, weight[0], lora_a[0]
+    return 2 * t * i * o + 2 * t * i * r + 2 * t * r * o
+
+
+@register_flop_formula(torch.ops.atelier.lora_linear_bwd)
+def _bwd_flops(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b, out_shape=None,
+               **kwargs) -> int:
+    (t, i), o, r = x, weight[0], lora_a[0]
+    flops = 2 * t * o * r if (need_x or need_a) else 0  # g = s·dy B
+    flops += 2 * o * t * r if need_b else 0  # dB
+    flops += 2 * r * t * i if need_a else 0  # dA
+    flops += 2 * t * o * i + 2 * t * r * i if need_x else 0  # dy W + g A
+    return flops
+
+
+# --- autograd.Function ----------------------------------------------------------------------------
+class LoRALinearFunction(torch.autograd.Function):
+    """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p → y [T, O]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, mask, p: float):  # noqa: D102
+        cb, ca = _compute_dtypes(x, lora_a)
+        y, u = lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale, mask, p, cb, ca)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, u, mask)
+        ctx.scale, ctx.p, ctx.base_dtype = scale, p, cb
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, lora_a, lora_b, u, mask = ctx.saved_tensors
+        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dx, da, db = lora_linear_bwd(dy.to(ctx.base_dtype).contiguous(), x, weight, lora_a, lora_b, u, mask,
+                                     ctx.scale, ctx.p, need_x, need_a, need_b)
+        return (dx if need_x else None), None, None, (da if need_a else None), (db if need_b else None), None, None, None
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -124,7 +179,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     _check(x, weight, bias, lora_a, lora_b, dropout, impl)
     mask = dropout_mask(x, dropout)
-    if impl == "ref" or (impl == "auto" and (not x.is_cuda or torch.compiler.is_compiling())):
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
         return lora_linear_ref(x, weight, bias, lora_a, lora_b, scale, mask, dropout)
     lead, i = x.shape[:-1], x.shape[-1]
     y = LoRALinearFunction.apply(x.reshape(-1, i), weight, bias, lora_a, lora_b, float(scale),

@@ -103,22 +103,36 @@ def _blocks(d: int) -> tuple[int, int, int]:
     return block_d, rows, num_warps
 
 
-def rmsnorm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Launch the forward on contiguous x/residual [R, D]. Returns (y [R, D], h [R, D] or None, rstd fp32 [R])."""
+# The launchers are torch.library custom ops: under torch.compile they stay opaque calls with declared
+# shapes (the register_fake functions) instead of being traced into the graph. Traced directly inside
+# compiled blocks, these kernels gave wrong gradients on the H200 (a LoRA run stopped learning).
+# A custom op cannot return None: "absent" outputs are empty tensors and the caller knows which.
+@torch.library.custom_op("atelier::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward on contiguous x/residual [R, D]. Returns (y [R, D], h [R, D] or empty, rstd fp32 [R])."""
     r, d = x.shape
     block_d, rows, num_warps = _blocks(d)
     y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else None
+    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
     rstd = torch.empty(r, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(r, rows),)
-    _rmsnorm_fwd_kernel[grid](x, residual if residual is not None else x, h if h is not None else y, y, weight, rstd,
-                              r, d, eps, HAS_RES=residual is not None, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps)
+    _rmsnorm_fwd_kernel[grid](x, residual if residual is not None else x, h if residual is not None else y, y, weight,
+                              rstd, r, d, eps, HAS_RES=residual is not None, ROWS=rows, BLOCK_D=block_d,
+                              num_warps=num_warps)
     return y, h, rstd
 
 
+@rmsnorm_fwd.register_fake
+def _(x, residual, weight, eps):
+    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    return torch.empty_like(x), h, x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("atelier::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
-                rstd: torch.Tensor, compute_dw: bool):
-    """Launch the backward. dy, dh_out, h [R, D] contiguous → (dh [R, D] in h.dtype, dw fp32 [D] or None)."""
+                rstd: torch.Tensor, compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. dy, dh_out, h [R, D] contiguous → (dh [R, D] in h.dtype, dw fp32 [D] or empty)."""
     r, d = h.shape
     block_d, rows, num_warps = _blocks(d)
     g = max(1, min(triton.cdiv(r, rows), _num_programs_cap(h.device)))
@@ -127,7 +141,12 @@ def rmsnorm_bwd(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tensor, 
     _rmsnorm_bwd_kernel[(g,)](dy, dh_out if dh_out is not None else dy, h, weight, rstd, dx, dw_part, r, d,
                               HAS_DHOUT=dh_out is not None, COMPUTE_DW=compute_dw, ROWS=rows, BLOCK_D=block_d,
                               num_warps=num_warps)
-    return dx, (dw_part.sum(0) if compute_dw else None)
+    return dx, (dw_part.sum(0) if compute_dw else h.new_empty(0, dtype=torch.float32))
+
+
+@rmsnorm_bwd.register_fake
+def _(dy, dh_out, h, weight, rstd, compute_dw):
+    return torch.empty_like(h), h.new_empty(h.shape[1] if compute_dw else 0, dtype=torch.float32)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
@@ -137,19 +156,21 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps):  # noqa: D102
         y, h, rstd = rmsnorm_fwd(x, residual, weight, eps)
-        ctx.save_for_backward(h if h is not None else x, weight, rstd)
-        ctx.has_res = residual is not None
-        if h is None:
+        has_res = residual is not None
+        ctx.save_for_backward(h if has_res else x, weight, rstd)
+        ctx.has_res = has_res
+        if not has_res:
             return y
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):  # noqa: D102
         h, weight, rstd = ctx.saved_tensors
+        compute_dw = ctx.needs_input_grad[2]
         dx, dw = rmsnorm_bwd(dy.contiguous(), dh_out.contiguous() if dh_out is not None else None, h, weight, rstd,
-                             compute_dw=ctx.needs_input_grad[2])
+                             compute_dw)
         dres = dx if ctx.has_res and ctx.needs_input_grad[1] else None
-        return dx, dres, (dw.to(weight.dtype) if dw is not None else None), None
+        return dx, dres, (dw.to(weight.dtype) if compute_dw else None), None
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -164,11 +185,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, impl: str, residual: torch.Ten
 
 
 def _use_triton(impl: str, x: torch.Tensor) -> bool:
-    # "auto" under torch.compile traces the reference, which Inductor fuses into its own Triton code: the hand
-    # kernels serve eager mode. Launched directly inside a compiled block they gave wrong gradients on the H200
-    # (a LoRA run stopped learning; compile + reference and eager + Triton both trained). Same rule in rope,
-    # swiglu and lora_linear.
-    return impl == "triton" or (impl == "auto" and x.is_cuda and not torch.compiler.is_compiling())
+    return impl == "triton" or (impl == "auto" and x.is_cuda)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:

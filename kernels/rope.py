@@ -70,6 +70,8 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, H, HKV, half,
 
 
 # --- launchers ------------------------------------------------------------------------------------
+# A torch.library custom op: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
+@torch.library.custom_op("atelier::rope_apply", mutates_args=())
 def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, H, Dh], k [N, Hkv, Dh], cos/sin [N, Dh], all contiguous → rotated copies (or the transpose)."""
@@ -83,6 +85,11 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     _rope_kernel[(n,)](q, k, qo, ko, cos, sin, h, hkv, dh // 2, BACKWARD=backward, BLOCK_H=block_h,
                        BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, num_warps=num_warps)
     return qo, ko
+
+
+@rope_apply.register_fake
+def _(q, k, cos, sin, backward):
+    return torch.empty_like(q), torch.empty_like(k)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
@@ -197,7 +204,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope: sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
     if q.shape[-1] % 2:
         raise ValueError(f"rope: head_dim must be even, got q {tuple(q.shape)}")
-    if impl == "ref" or (impl == "auto" and (not q.is_cuda or torch.compiler.is_compiling())):
+    if impl == "ref" or (impl == "auto" and not q.is_cuda):
         return rope_ref(q, k, cos, sin)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope: the Triton path treats cos/sin as constants; got cos/sin that require grad "

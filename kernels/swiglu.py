@@ -48,6 +48,8 @@ def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.conste
 
 
 # --- launchers ------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
+@torch.library.custom_op("atelier::swiglu_fwd", mutates_args=())
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up contiguous, same shape → y (gate.dtype)."""
     y = torch.empty_like(gate)
@@ -56,12 +58,23 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@swiglu_fwd.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("atelier::swiglu_bwd", mutates_args=())
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dy, gate, up contiguous, same shape → (dgate, dup) in gate's and up's dtypes."""
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, gate, up, dg, du, n, BLOCK=BLOCK, num_warps=8)
     return dg, du
+
+
+@swiglu_bwd.register_fake
+def _(dy, gate, up):
+    return torch.empty_like(gate), torch.empty_like(up)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
@@ -84,7 +97,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Te
         raise ValueError(f"swiglu: impl must be one of {IMPLS}, got {impl!r}")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    if impl == "ref" or (impl == "auto" and (not gate.is_cuda or torch.compiler.is_compiling())):
+    if impl == "ref" or (impl == "auto" and not gate.is_cuda):
         return swiglu_ref(gate, up)
     return SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
 
