@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.attention import IMPLS, packed_causal_attention
+from kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
 from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope, rope_cos_sin, rope_type
 
@@ -177,6 +177,9 @@ class PackedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, t, h, dh = q.shape
+        if (self.impl == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+                and rows_are_documents(self.cu_seqlens.numel() - 1, b, t, self.max_seqlen)):
+            return causal_attention_rows(q, k, v)  # one document per row: cuDNN's causal kernel
         n = b * t
         o = packed_causal_attention(q.reshape(n, h, dh), k.reshape(n, -1, dh), v.reshape(n, -1, dh),
                                     self.cu_seqlens, self.max_seqlen, self.impl)  # [N,H,Dh]

@@ -13,12 +13,19 @@ Accumulation: fp32 softmax statistics in every implementation.
 
 Implementations (chosen by the caller, from ModelArgs.attention_impl — never an environment variable):
   "flash"  flash_attn.flash_attn_varlen_func (CUDA, fp16/bf16);
-  "varlen" torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16), causal = window_size (-1, 0);
+  "varlen" torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16), causal = window_size (-1, 0); with
+           grouped kv heads on a torch whose varlen_attn has no enable_gqa (< 2.14), PyTorch's own flash
+           kernels are called directly (aten._flash_attention_forward/_backward take Hkv < H natively):
+           repeating the kv heads instead cost ~5% of a Qwen3-8B LoRA step (the copy and the summed grads);
   "sdpa"   the reference below: SDPA per document with is_causal (any device/dtype; a Python loop);
   "auto"   flash → varlen on CUDA with fp16/bf16; sdpa on CPU or in fp32. On CUDA with fp16/bf16 and
            neither fast path installed it raises instead of silently running the slow loop
            (PITFALLS.md "Silent slow paths") — pass impl="sdpa" to accept it.
 Asking for an implementation that is not available raises; there is no silent fallback.
+
+`causal_attention_rows` is the special case of rows that each hold ONE document (q [B, T, H, Dh]): plain
+causal SDPA, which runs cuDNN's kernel on the H200, 1.7× faster than varlen on a 65,536-token document
+(bench/results/attention-*.json). `rows_are_documents` tells the caller when that case holds.
 """
 from __future__ import annotations
 
@@ -32,7 +39,31 @@ import torch.nn.functional as F
 IMPLS = ("auto", "flash", "varlen", "sdpa")
 
 # --- Triton kernels -------------------------------------------------------------------------------
-# (none: the fast paths are flash-attn and PyTorch's varlen kernel.)
+# (none: the fast paths are flash-attn, PyTorch's flash / varlen kernels and cuDNN through SDPA.)
+
+
+# --- autograd.Function ----------------------------------------------------------------------------
+class FlashVarlenGQA(torch.autograd.Function):
+    """q [N, H, Dh], k/v [N, Hkv, Dh], cu_seqlens int32 [S+1] → causal o [N, H, Dh] through aten's flash kernels.
+
+    Saved: q, k, v, o and the fp32 log-sum-exp [H, N]; the backward recomputes P (FlashAttention-2).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int):  # noqa: D102
+        o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng, unused)
+        ctx.max_seqlen = max_seqlen
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        q, k, v, o, lse, cu, rng, unused = ctx.saved_tensors
+        m = ctx.max_seqlen
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu, m, m, 0.0, True,
+                                                              rng, unused)
+        return dq, dk, dv, None, None
 
 
 def _has_flash() -> bool:
@@ -104,12 +135,32 @@ def packed_causal_attention(
 
         group = q.shape[1] // k.shape[1]
         if group > 1 and not _varlen_has_gqa():
-            # torch < 2.14's varlen_attn has no enable_gqa: repeat the kv heads (costs kv memory, not FLOPs)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            group = 1
+            return FlashVarlenGQA.apply(q, k, v, cu_seqlens, max_seqlen)
         extra = {"enable_gqa": True} if group > 1 else {}
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0), **extra)
     return packed_causal_attention_ref(q, k, v, cu_seqlens, max_seqlen)
+
+
+def rows_are_documents(num_segments: int, rows: int, row_len: int, max_seqlen: int) -> bool:
+    """True when `num_segments` documents (cu_seqlens has num_segments + 1 entries) over rows × row_len tokens
+    are exactly the rows: the lengths sum to rows·row_len and none exceeds max_seqlen, so with
+    num_segments == rows and max_seqlen == row_len every document has row_len tokens. Host ints only."""
+    return num_segments == rows and max_seqlen == row_len
+
+
+def causal_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over rows that are one document each: q [B, T, H, Dh], k/v [B, T, Hkv, Dh] → [B, T, H, Dh].
+
+    SDPA with is_causal (cuDNN / flash on CUDA; the math kernel on CPU), grouped kv heads natively.
+    """
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"causal_attention_rows: expected q [B,T,H,Dh], k/v [B,T,Hkv,Dh]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"causal_attention_rows: {q.shape[2]} query heads is not a multiple of {k.shape[2]} kv heads")
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=q.shape[2] != k.shape[2])  # [B,H,T,Dh]
+    return o.transpose(1, 2)
 
 
 # --- reference ------------------------------------------------------------------------------------

@@ -107,3 +107,49 @@ def test_fast_paths_match_ref_on_cuda(impl):
     for name, a, b, e in (("o", o, ob, oe), ("dq", dq, gb[0], ge[0]), ("dk", dk, gb[1], ge[1]), ("dv", dv, gb[2], ge[2])):
         err, base = (a.double() - e).abs().max(), (b.double() - e).abs().max()
         assert err <= 2 * base + 1e-3, f"{impl} {name}: max error {err:.3e} vs eager bf16 {base:.3e}"
+
+
+def test_rows_are_documents_only_when_every_row_is_one_document():
+    from kernels.attention import rows_are_documents
+
+    assert rows_are_documents(2, rows=2, row_len=64, max_seqlen=64)
+    assert not rows_are_documents(3, rows=2, row_len=64, max_seqlen=64)  # a row holds two documents
+    assert not rows_are_documents(2, rows=2, row_len=64, max_seqlen=40)  # then lengths cannot sum to 128
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
+def test_causal_attention_rows_equals_packed_ref_with_grads(h, hkv):
+    from kernels.attention import causal_attention_rows
+
+    b, t, dh = 3, 17, 16
+    q, k, v = (x.float().requires_grad_() for x in _inputs([b * t], h, hkv, dh, torch.float64, seed=3))
+    do = torch.randn(b * t, h, dh, generator=torch.Generator().manual_seed(4))
+    cu = torch.arange(0, b * t + 1, t, dtype=torch.int32)
+    want = packed_causal_attention_ref(q, k, v, cu, t)
+    gw = torch.autograd.grad(want, (q, k, v), do)
+    got = causal_attention_rows(q.view(b, t, h, dh), k.view(b, t, hkv, dh), v.view(b, t, hkv, dh)).reshape(b * t, h, dh)
+    gg = torch.autograd.grad(got, (q, k, v), do)
+    assert_close(got, want, atol=1e-5, rtol=1e-5, what="o")
+    for name, a, e in zip(("dq", "dk", "dv"), gg, gw):
+        assert_close(a, e, atol=1e-5, rtol=1e-5, what=name)
+    with pytest.raises(ValueError, match="expected q"):
+        causal_attention_rows(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
+    """The designer's PackedAttention sends one-document rows to causal SDPA; it agrees with varlen."""
+    from designer.model import PackedAttention
+
+    b, t, h, hkv, dh = 2, 1024, 8, 2, 128
+    q, k, v = (x.view(b, t, -1, dh).cuda().requires_grad_()
+               for x in _inputs([b * t], h, hkv, dh, torch.bfloat16, seed=5))
+    cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda")
+    do = torch.randn(b, t, h, dh, device="cuda", dtype=torch.bfloat16)
+    rows = PackedAttention(cu, t, "auto")(q, k, v)
+    varlen = PackedAttention(cu, t, "varlen")(q, k, v)
+    g_rows, g_varlen = (torch.autograd.grad(o, (q, k, v), do) for o in (rows, varlen))
+    for name, a, e in (("o", rows, varlen), *zip(("dq", "dk", "dv"), g_rows, g_varlen)):
+        err = (a.float() - e.float()).abs().max().item()
+        assert err < 3e-2, f"{name}: rows path vs varlen max diff {err:.3e}"
