@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
-import json
 import re
 import statistics
 import sys
@@ -47,16 +45,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
+from bench.harness import PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, timed_steps, write_report
 from imagegen.ema import EMA, ema_update_ref
 from imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
 from pipeline.policies import compile_blocks
 
-PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
 PEERS = ("diffusers", "diffusers-compiled")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 VAE_FACTOR = 8  # SD3's VAE: 1024 px -> 128 latent side
@@ -231,61 +228,32 @@ def _sdpa_context(backend: str | None) -> contextlib.AbstractContextManager:
     return sdpa_kernel(names[backend])
 
 
-def timed_steps(run: Run, batches: list[ImageBatch], warmup: int, steps: int, lr: float) -> dict[str, Any]:
+def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
+            flops: int) -> dict[str, Any]:
+    """Build, run warmup + steps optimizer steps, time them; OOM is a result (bench.harness.guarded)."""
     cuda = batches[0].x0.is_cuda
-    fused = run.fused_adamw and cuda
-    opt = torch.optim.AdamW(run.params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)
-    times, losses = [], []
-    with _sdpa_context(run.sdpa):  # around the compile too: Inductor picks the backend when it traces
-        for i in range(warmup + steps):
-            b = batches[i % len(batches)]
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                t0 = time.perf_counter()
-            loss = run.loss(b)
+
+    def use(run: Run) -> dict[str, Any]:
+        opt = adamw(run.params, lr, fused=run.fused_adamw and cuda)
+
+        def step(i: int) -> torch.Tensor:
+            loss = run.loss(batches[i % len(batches)])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if cuda:
-                end.record()
-                times.append((start, end))
-            else:
-                times.append(time.perf_counter() - t0)
-            losses.append(loss.detach())  # no host sync inside the loop
-    if cuda:
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) / 1e3 for s, e in times]
-    del opt
-    return {"step_s": times, "losses": [float(x) for x in losses]}
+            return loss
 
+        # the SDPA backend context covers the compile too: Inductor picks the backend when it traces
+        return timed_steps(step, warmup + steps, cuda, context=lambda: _sdpa_context(run.sdpa))
 
-def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
-            flops: int) -> dict[str, Any]:
-    """Build, run, time; OOM is a result. Frees the run and the cache afterwards."""
-    cuda = batches[0].x0.is_cuda
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    torch._dynamo.reset()
-    run = None
-    try:
-        run = build()
-        r = timed_steps(run, batches, warmup, steps, lr)
-    except torch.OutOfMemoryError as e:
-        return {"oom": True, "error": str(e).splitlines()[0]}
-    finally:
-        del run
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+    r = guarded(build, use, cuda)
+    if r["oom"]:
+        return r
     t = r["step_s"][warmup:]
     ips = [batches[0].size / s for s in t]
     tflops = flops / statistics.median(t) / 1e12
     r.update(images_per_s=statistics.median(ips), images_per_s_min=min(ips), images_per_s_max=max(ips),
              step_s_median=statistics.median(t), tflops=tflops, mfu=tflops / PEAK_TFLOPS,
-             peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None, oom=False,
              timed_losses=r["losses"][warmup:])
     return r
 
@@ -302,7 +270,7 @@ def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5
     shadow = dict(zip(ema.names, ema.shadow))
     params = dict(model.named_parameters())
     out = {}
-    for name, fn in (("foreach", lambda i: ema.update(i)), ("reference", lambda i: ema_update_ref(shadow, params, 0.9))):
+    for name, fn in (("foreach", ema.update), ("reference", lambda i: ema_update_ref(shadow, params, 0.9))):
         fn(1)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -312,8 +280,6 @@ def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5
         if device.type == "cuda":
             torch.cuda.synchronize()
         out[f"{name}_ms"] = (time.perf_counter() - t0) / repeats * 1e3
-    del model, ema
-    gc.collect()
     return out
 
 
@@ -467,77 +433,42 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
 
 # ------------------------------------------------------------------------------------------------ report
 
-def _fmt(x: Any, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     """The result table: Atelier and each peer at its best micro-batch, the ablation, attention, loader, EMA."""
     c = report["config"]
     lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens) — "
-             f"{report['gpu'].get('name') or 'cpu'}, matmul {_fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
+             f"{report['gpu'].get('name') or 'cpu'}, matmul {fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
              "| run | batch | images/s (min–max) | MFU (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
     for name, r in [("atelier", report["atelier"])] + list(report["peers"].items()):
         if "images_per_s" not in r:
             lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'no result')} | | | |")
             continue
         lines.append(f"| {name} | {r['batch']} | {r['images_per_s']:.2f} ({r['images_per_s_min']:.2f}–"
-                     f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {_fmt(r.get('mfu_matmul'), '.1%')} | "
-                     f"{_fmt(r['peak_gb'], '.1f')} |")
-    lines += ["", f"loss mean abs diff vs diffusers: {_fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
+                     f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {fmt(r.get('mfu_matmul'), '.1%')} | "
+                     f"{fmt(r['peak_gb'], '.1f')} |")
+    lines += ["", f"loss mean abs diff vs diffusers: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
               + ", ".join(f"{p} {s:.2f}x" for p, s in report["speedup"].items())]
     for title, table in (("ablation (one switched off)", report["ablation"]), ("attention backend", report["attention"])):
         if table:
             lines += ["", f"| {title} | images/s |", "|---|---|"]
-            lines += [f"| {k} | {_fmt(v, '.2f') if v is not None else 'failed/OOM'} |" for k, v in table.items()]
+            lines += [f"| {k} | {fmt(v, '.2f') if v is not None else 'failed/OOM'} |" for k, v in table.items()]
     ld, ema = report["loader"], report["ema_update"]
     lines += ["", f"loader: {ld['images_per_s']:.1f} images/s with {ld['workers']} workers "
-              f"({_fmt(ld['ratio_to_training'], '.1f')}x the training rate); EMA update: "
+              f"({fmt(ld['ratio_to_training'], '.1f')}x the training rate); EMA update: "
               f"{ema['foreach_ms']:.2f} ms foreach vs {ema['reference_ms']:.2f} ms per-tensor"]
     return "\n".join(lines) + "\n"
 
 
 def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
-    """Bar chart of images/s with each optimisation off and each attention backend; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    items = [(k, v or 0.0) for k, v in {**report["ablation"], **report["attention"]}.items()]
-    if not items:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4a7bb7")
-    for p, r in report["peers"].items():
-        if "images_per_s" in r:
-            ax.axvline(r["images_per_s"], color="#c0504d", linestyle="--", linewidth=1)
-            ax.text(r["images_per_s"], -0.6, f" {p}", color="#c0504d", fontsize=7)
-    ax.set_xlabel("images/s")
-    ax.set_title(f"imagegen {report['config']['name']}: each optimisation switched off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    """Images/s with each optimisation off and with each attention backend; the peers as dashed lines."""
+    marks = {p: r["images_per_s"] for p, r in report["peers"].items() if "images_per_s" in r}
+    return bar_chart({**report["ablation"], **report["attention"]}.items(), "images/s",
+                     f"imagegen {report['config']['name']}: each optimisation switched off", path, marks)
 
 
 def write(report: dict[str, Any], out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"imagegen-{report['config']['name']}-{time.strftime('%Y-%m-%d')}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report))
-    ablation_chart(report, out / f"{stem}-ablation.png")
-    return path
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    return write_report(report, out, f"imagegen-{report['config']['name']}", markdown(report),
+                        lambda path: ablation_chart(report, path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default="diffusers")
-    p.add_argument("--batches", type=_ints, default=None)
+    p.add_argument("--batches", type=parse_ints, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ablation", action="store_true")

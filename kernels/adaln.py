@@ -25,12 +25,13 @@ TRITON_INTERPRET=1, which tests use), "ref" (adaln_modulate_ref, differentiated 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+# Block shapes and the backward grid cap are RMSNorm's (the same row-wise layout: one heuristic for both).
+from kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
 
@@ -92,23 +93,6 @@ def _adaln_bwd_kernel(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, dsca
 
 
 # --- launchers ------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _programs_cap(device: torch.device) -> int:
-    """Backward grid cap over all images: 4 programs per SM on CUDA; 4 on the interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def _blocks(d: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps): about 2–4k elements per program, so a small D packs several rows."""
-    block_d = triton.next_power_of_2(d)
-    if block_d > 65536:
-        raise ValueError(f"adaln_modulate: D={d} is above the 65536 a single Triton program holds")
-    rows = max(1, min(16, 2048 // block_d))
-    return block_d, rows, 8 if block_d * rows >= 4096 else 4
-
-
 def _rowwise(v: torch.Tensor) -> torch.Tensor:
     """A [B, D] vector set whose last dim is contiguous (a `.chunk` view already is: no copy)."""
     return v if v.stride(1) == 1 else v.contiguous()
@@ -146,7 +130,7 @@ def adaln_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torc
     bsz, t, d = x.shape
     dy, x, scale = dy.contiguous(), x.contiguous(), _rowwise(scale)
     block_d, rows, num_warps = _blocks(d)
-    g = max(1, min(triton.cdiv(t, rows), _programs_cap(x.device) // bsz))
+    g = max(1, min(triton.cdiv(t, rows), _num_programs_cap(x.device) // bsz))
     dx = torch.empty_like(x)
     dscale_part = torch.empty(bsz, g, d, dtype=torch.float32, device=x.device)
     dshift_part = torch.empty_like(dscale_part)

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.adaln import _blocks, _programs_cap, _rowwise
+from kernels.adaln import _rowwise
+from kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
 
@@ -89,7 +90,7 @@ def gated_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) 
     bsz, t, d = y.shape
     dout, y, gate = dout.contiguous(), y.contiguous(), _rowwise(gate)
     block_d, rows, num_warps = _blocks(d)
-    g = max(1, min(triton.cdiv(t, rows), _programs_cap(y.device) // bsz))
+    g = max(1, min(triton.cdiv(t, rows), _num_programs_cap(y.device) // bsz))
     dy = torch.empty_like(y)
     part = torch.empty(bsz, g, d, dtype=torch.float32, device=y.device)
     _gated_residual_bwd_kernel[(bsz, g)](dout, y, gate, dy, part, t, d, gate.stride(0), ROWS=rows, BLOCK_D=block_d,
