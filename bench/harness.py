@@ -51,6 +51,8 @@ def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    # what the bench itself holds on the device (shared source weights, batches): inside peak_gb for every run alike
+    baseline = torch.cuda.memory_allocated() / 1e9 if cuda else None
     torch._dynamo.reset()
     run = None
     try:
@@ -64,6 +66,7 @@ def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda
         if cuda:
             torch.cuda.empty_cache()
     result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+    result["baseline_gb"] = baseline
     result["oom"] = False
     return result
 
