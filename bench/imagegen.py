@@ -1,7 +1,8 @@
 """Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches (issue 8).
 
     python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
-        [--batches 8,16] [--steps 10 --warmup 3] [--ablation] [--loader-workers 4] [--tiny]
+        [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
+        [--kernels auto|triton|ref] [--tiny]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
 L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
@@ -56,6 +57,7 @@ from pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+ABLATIONS = ("no_compile", "reference_kernels", "foreach_adamw", *(f"sdpa_{b}" for b in SDPA_BACKENDS))
 VAE_FACTOR = 8  # SD3's VAE: 1024 px -> 128 latent side
 FLOW = FlowArgs()  # logit-normal timesteps, shift 3, no loss weighting (imagegen/flow.py)
 QK_NORM = re.compile(r"\.norm_(added_)?[qk]\.weight$")  # SD3.5's QK-RMSNorm weights (init 1)
@@ -339,13 +341,27 @@ def _summary(r: dict[str, Any], batch: int, mt: float | None) -> dict[str, Any]:
             "mfu_matmul": r["tflops"] / mt if mt else None, "peak_gb": r["peak_gb"], "batch": batch}
 
 
+def attempt(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
+            flops: int) -> dict[str, Any]:
+    """measure(), with any other failure (a compile error, an SDPA backend that cannot run these shapes) recorded
+    as this run's result instead of ending the whole bench: {"oom": False, "failed": True, "error": ...}."""
+    try:
+        return measure(build, batches, warmup, steps, lr, flops)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return "images_per_s" in r
+
+
 def _best(runs: dict[str, dict[str, Any]]) -> str | None:
-    ok = {k: v for k, v in runs.items() if not v["oom"]}
+    ok = {k: v for k, v in runs.items() if _ok(v)}
     return max(ok, key=lambda k: ok[k]["images_per_s"]) if ok else None
 
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
-          ablation: bool, loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
+          ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
           seed: int = 0) -> dict[str, Any]:
     args = model_args(cfg)
     dtype = torch.float32 if exact else torch.bfloat16
@@ -369,27 +385,29 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         host = make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs)
         flops = meta_model.train_flops(bs, N, L)
         data[bs] = (host, flops)
-        sweep[str(bs)] = measure(lambda: build_atelier(args, sd, main_variant, exact), host, warmup, steps, cfg.lr,
+        sweep[str(bs)] = attempt(lambda: build_atelier(args, sd, main_variant, exact), host, warmup, steps, cfg.lr,
                                  flops)
         for p in peers:
             if "skipped" in peer_runs[p]:
                 continue
             try:
-                peer_runs[p][str(bs)] = measure(lambda: build_peer(p, args, sd, exact), host, warmup, steps, cfg.lr,
+                peer_runs[p][str(bs)] = attempt(lambda: build_peer(p, args, sd, exact), host, warmup, steps, cfg.lr,
                                                 flops)
             except ImportError as e:
                 peer_runs[p] = {"skipped": f"import failed: {e}"}
     report["sweep"], report["peer_runs"] = sweep, peer_runs
     best = _best(sweep)
-    report["atelier"] = _summary(sweep[best], int(best), mt) if best else {"oom": True}
+    report["atelier"] = _summary(sweep[best], int(best), mt) if best else {"oom": all(r["oom"] for r in
+                                                                                      sweep.values())}
     report["peers"], report["loss_mean_abs_diff_by_peer"] = {}, {}
     for p, runs in peer_runs.items():
         if "skipped" in runs:
             report["peers"][p] = {"skipped": runs["skipped"]}
             continue
         k = _best(runs)
-        report["peers"][p] = _summary(runs[k], int(k), mt) if k else {"oom": True, "batches": list(runs)}
-        same = [m for m in runs if not runs[m]["oom"] and not sweep[m]["oom"]]
+        report["peers"][p] = _summary(runs[k], int(k), mt) if k else {"oom": all(r["oom"] for r in runs.values()),
+                                                                       "batches": list(runs)}
+        same = [m for m in runs if _ok(runs[m]) and _ok(sweep[m])]
         if same:  # the same batches through both: the largest micro-batch both ran
             m = max(same, key=int)
             a, q = sweep[m]["timed_losses"], runs[m]["timed_losses"]
@@ -407,25 +425,27 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         report["ablation"]["all_on"] = sweep[best]["images_per_s"]
         switches = {"no_compile": dataclasses.replace(main_variant, compile=False),
                     "reference_kernels": dataclasses.replace(main_variant, kernels="ref"),
-                    "foreach_adamw": dataclasses.replace(main_variant, fused_adamw=False)}
-        if device.type == "cuda":
-            switches.update({f"sdpa_{b}": dataclasses.replace(main_variant, sdpa=b) for b in SDPA_BACKENDS})
-        for abl, v in switches.items():
-            try:
-                r = measure(lambda: build_atelier(args, sd, v, exact), host, warmup, steps, cfg.lr, flops)
-            except RuntimeError as e:  # e.g. an SDPA backend that cannot run these shapes
-                r = {"oom": True, "error": str(e).splitlines()[0]}
-            value = None if r["oom"] else r["images_per_s"]
+                    "foreach_adamw": dataclasses.replace(main_variant, fused_adamw=False),
+                    **{f"sdpa_{b}": dataclasses.replace(main_variant, sdpa=b) for b in SDPA_BACKENDS}}
+        chosen = [a for a in ablation if device.type == "cuda" or not a.startswith("sdpa_")]  # SDPA choice: GPU
+        for abl in chosen:
+            v = switches[abl]
+            r = attempt(lambda: build_atelier(args, sd, v, exact), host, warmup, steps, cfg.lr, flops)
+            value = r.get("images_per_s")
             (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = value
             report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom",
-                                                                                 "error")}
+                                                                                 "failed", "error")}
     report["ema_update"] = ema_timing(args, sd, device)
     bs = int(best) if best else batches[0]
-    with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
-        report["loader"] = loader_throughput(cfg, args, bs, loader_workers, device, Path(tmp))
+    try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
+        with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
+            report["loader"] = loader_throughput(cfg, args, bs, loader_workers, device, Path(tmp))
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+        report["loader"] = {"images_per_s": None, "workers": loader_workers, "error": f"{type(e).__name__}: {e}"}
     report["loader_images_per_s"] = report["loader"]["images_per_s"]
     train = report["atelier"].get("images_per_s")
-    report["loader"]["ratio_to_training"] = report["loader_images_per_s"] / train if train else None
+    report["loader"]["ratio_to_training"] = report["loader_images_per_s"] / train if train and \
+        report["loader_images_per_s"] else None
     report["notes"] = notes
     report["clocks"]["after"] = clocks()
     return report
@@ -441,7 +461,7 @@ def markdown(report: dict[str, Any]) -> str:
              "| run | batch | images/s (min–max) | MFU (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
     for name, r in [("atelier", report["atelier"])] + list(report["peers"].items()):
         if "images_per_s" not in r:
-            lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'no result')} | | | |")
+            lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'failed (see JSON)')} | | | |")
             continue
         lines.append(f"| {name} | {r['batch']} | {r['images_per_s']:.2f} ({r['images_per_s_min']:.2f}–"
                      f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {fmt(r.get('mfu_matmul'), '.1%')} | "
@@ -453,7 +473,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", f"| {title} | images/s |", "|---|---|"]
             lines += [f"| {k} | {fmt(v, '.2f') if v is not None else 'failed/OOM'} |" for k, v in table.items()]
     ld, ema = report["loader"], report["ema_update"]
-    lines += ["", f"loader: {ld['images_per_s']:.1f} images/s with {ld['workers']} workers "
+    lines += ["", f"loader: {fmt(ld['images_per_s'], '.1f')} images/s with {ld['workers']} workers "
               f"({fmt(ld['ratio_to_training'], '.1f')}x the training rate); EMA update: "
               f"{ema['foreach_ms']:.2f} ms foreach vs {ema['reference_ms']:.2f} ms per-tensor"]
     return "\n".join(lines) + "\n"
@@ -479,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=parse_ints, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--ablation", action="store_true")
+    p.add_argument("--ablation", nargs="?", const=",".join(ABLATIONS), default="",
+                   help=f"switch these off one at a time (comma list; alone: all of {','.join(ABLATIONS)})")
     p.add_argument("--loader-workers", type=int, default=4)
     p.add_argument("--kernels", choices=("auto", "triton", "ref"), default="auto",
                    help="Atelier's MMDiTArgs.kernels (auto: Triton on CUDA; triton on a CPU needs TRITON_INTERPRET=1)")
@@ -491,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--peers: unknown {bad}; known: {list(PEERS)}")
     if a.steps < 1 or a.warmup < (0 if a.tiny else 3):
         p.error(f"--steps must be >= 1 and --warmup >= 3 (got {a.steps}, {a.warmup})")
+    ablation = [x for x in a.ablation.split(",") if x]
+    if [x for x in ablation if x not in ABLATIONS]:
+        p.error(f"--ablation: unknown {[x for x in ablation if x not in ABLATIONS]}; known: {list(ABLATIONS)}")
     if a.loader_workers < 0:
         p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
     cfg = CONFIGS[a.config]
@@ -499,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tiny_config(cfg)
     elif device.type != "cuda":
         p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
-    report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, a.ablation,
+    report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
                    a.loader_workers, device, exact=a.tiny, kernels=a.kernels)
     path = write(report, Path(a.out))
     print(markdown(report))

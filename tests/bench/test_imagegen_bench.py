@@ -12,6 +12,7 @@ import torch
 from bench.imagegen import (
     CONFIGS,
     Variant,
+    attempt,
     build_atelier,
     build_peer,
     main,
@@ -95,3 +96,17 @@ def test_bad_arguments_say_what(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "sd3-medium-512", "--tiny", "--batches", "two"])
     assert "expected comma-separated ints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "sd3-medium-512", "--tiny", "--ablation", "no_kernels"])
+    assert "--ablation: unknown ['no_kernels']" in capsys.readouterr().err
+
+
+def test_a_failing_run_is_a_result_not_the_end_of_the_bench():
+    cfg = tiny_config(CONFIGS["sd3-medium-512"])
+    batches = make_batches(cfg, model_args(cfg), 1, 1, CPU, torch.float32, seed=0)
+
+    def build():
+        raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+
+    r = attempt(build, batches, 0, 1, 1e-5, flops=1)
+    assert r == {"oom": False, "failed": True, "error": "RuntimeError: No available kernel. Aborting execution."}
