@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import random
 import statistics
@@ -43,11 +42,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
+from bench.harness import PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, timed_steps, write_report
 from data.chat import EncodedDoc
 from data.packing import Batch, make_batch, pack_documents
 from designer.lora import LoraArgs, LoRALinear, apply_lora
@@ -55,7 +54,6 @@ from designer.model import ModelArgs, Qwen3, hf_param_shapes
 from kernels.cross_entropy import linear_cross_entropy
 from pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
 
-PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
 PEERS = ("hf", "hf-liger", "hf-liger-bf16lora")
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
@@ -292,56 +290,27 @@ def build_peer(name: str, cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: 
     return Run(model, loss, params, fused_adamw=dev.type == "cuda")
 
 
-def timed_steps(run: Run, batches: list[Batch], warmup: int, steps: int, lr: float, offload: bool) -> dict[str, Any]:
-    dev = batches[0].input_ids.device
-    cuda = dev.type == "cuda"
-    fused = run.fused_adamw and cuda
-    opt = torch.optim.AdamW(run.params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)
-    times, losses = [], []
-    for i in range(warmup + steps):
-        b = batches[i % len(batches)]
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
-        with cpu_offload(enabled=offload):
-            loss = run.loss(b)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            end.record()
-            times.append((start, end))
-        else:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
-    if cuda:
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) / 1e3 for s, e in times]
-    del opt
-    return {"step_s": times, "losses": [float(x) for x in losses]}
-
-
 def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, warmup: int, steps: int,
             flops: list[int], offload: bool) -> dict[str, Any]:
-    """Build, run, time; OOM is a result. Frees the run and the cache afterwards."""
+    """Build, run warmup + steps optimizer steps, time them; OOM is a result (bench.harness.guarded)."""
     cuda = batches[0].input_ids.device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    torch._dynamo.reset()
-    run = None
-    try:
-        run = build()
-        r = timed_steps(run, batches, warmup, steps, cfg.lr, offload)
-    except torch.OutOfMemoryError as e:
-        return {"oom": True, "error": str(e).splitlines()[0]}
-    finally:
-        del run
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+
+    def use(run: Run) -> dict[str, Any]:
+        opt = adamw(run.params, cfg.lr, fused=run.fused_adamw and cuda)
+
+        def step(i: int) -> torch.Tensor:
+            with cpu_offload(enabled=offload):
+                loss = run.loss(batches[i % len(batches)])
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return timed_steps(step, warmup + steps, cuda)
+
+    r = guarded(build, use, cuda)
+    if r["oom"]:
+        return r
     t = r["step_s"][warmup:]
     n = len(batches)
     tokens = [batches[(warmup + k) % n].num_tokens for k in range(steps)]
@@ -350,7 +319,6 @@ def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, wa
     tflops = statistics.median(f / s for f, s in zip(fl, t)) / 1e12
     r.update(tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
              step_s_median=statistics.median(t), tflops=tflops, mfu_4n=tflops / PEAK_TFLOPS,
-             peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None, oom=False,
              timed_losses=r["losses"][warmup:])
     return r
 
@@ -404,15 +372,21 @@ def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchC
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
-    run = run_build()
-    timed_steps(run, batches[:3], 3, 0, cfg.lr, cfg.offload)
+    run: Run = run_build()
+    opt = adamw(run.params, cfg.lr, fused=run.fused_adamw)
+
+    def step(i: int) -> torch.Tensor:
+        with cpu_offload(enabled=cfg.offload):
+            loss = run.loss(batches[i % len(batches)])
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    timed_steps(step, 3, cuda=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed_steps(run, batches[3:5], 0, 2, cfg.lr, cfg.offload)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
-    path.write_text(table)
-    del run
-    gc.collect()
-    torch.cuda.empty_cache()
+        timed_steps(lambda i: step(3 + i), 2, cuda=True)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90))
     return path
 
 
@@ -517,6 +491,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         out.mkdir(parents=True, exist_ok=True)
         report["profile"] = str(profile_step(lambda: build_atelier(cfg, args, sd, lora_sd, main, exact), fixed, cfg,
                                              out / stem))
+        gc.collect()
+        torch.cuda.empty_cache()
     report["notes"] = notes
     report["clocks"]["after"] = clocks()
     return report
@@ -524,15 +500,11 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
 
 # ------------------------------------------------------------------------------------------------ report
 
-def _fmt(x: Any, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     """The result table: Atelier and each peer at its best micro-batch, then the ablation."""
     c = report["config"]
     lines = [f"## designer {c['name']} — {report['gpu'].get('name') or 'cpu'}, "
-             f"matmul {_fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
+             f"matmul {fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
              "| run | micro-batch | tokens/s | MFU 4N (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
     rows = [("atelier", report.get("atelier", {}))] + list(report["peers"].items())
     for name, r in rows:
@@ -540,51 +512,27 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'no result')} | | | |")
             continue
         lines.append(f"| {name} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {r['mfu_4n']:.1%} | "
-                     f"{_fmt(r.get('mfu_matmul'), '.1%')} | {_fmt(r['peak_gb'], '.1f')} |")
-    lines += ["", f"loss mean abs diff vs hf: {_fmt(report['loss_mean_abs_diff'], '.2e')}"]
+                     f"{fmt(r.get('mfu_matmul'), '.1%')} | {fmt(r['peak_gb'], '.1f')} |")
+    lines += ["", f"loss mean abs diff vs {report.get('loss_parity_peer', 'hf')} (same adapter dtype): "
+                  f"{fmt(report['loss_mean_abs_diff'], '.2e')}"]
+    if "loss_mean_abs_diff_fp32_lora_vs_hf" in report:
+        lines.append(f"loss mean abs diff, fp32 adapters on both sides (Atelier vs hf): "
+                     f"{report['loss_mean_abs_diff_fp32_lora_vs_hf']:.2e}")
     if report["ablation"]:
         lines += ["", "| ablation (one switched off) | tokens/s |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v, ',.0f') if v is not None else 'OOM'} |" for k, v in report["ablation"].items()]
+        lines += [f"| {k} | {fmt(v, ',.0f') if v is not None else 'OOM'} |" for k, v in report["ablation"].items()]
     return "\n".join(lines) + "\n"
 
 
 def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
     """Bar chart of tokens/s with each optimisation off; None when matplotlib is absent."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    items = [(k, v or 0.0) for k, v in report["ablation"].items()]
-    if not items:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4a7bb7")
-    ax.set_xlabel("tokens/s")
-    ax.set_title(f"designer {report['config']['name']}: each optimisation switched off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return bar_chart(report["ablation"].items(), "tokens/s",
+                     f"designer {report['config']['name']}: each optimisation switched off", path)
 
 
 def write(report: dict[str, Any], out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"designer-{report['config']['name']}-{time.strftime('%Y-%m-%d')}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report))
-    ablation_chart(report, out / f"{stem}-ablation.png")
-    return path
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    return write_report(report, out, f"designer-{report['config']['name']}", markdown(report),
+                        lambda path: ablation_chart(report, path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -592,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default=",".join(PEERS))
-    p.add_argument("--micro-batches", type=_ints, default=None)
+    p.add_argument("--micro-batches", type=parse_ints, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ablation", action="store_true")

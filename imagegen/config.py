@@ -24,6 +24,8 @@ class ModelConfig:
     # compute precision: "bfloat16" keeps fp32 master weights and runs the forward under bf16 autocast;
     # "float32" is exact (CPU tests, parity checks)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # the MMDiT's fused ops (MMDiTArgs.kernels): "auto" = Triton on CUDA, plain PyTorch elsewhere
+    kernels: Literal["auto", "triton", "ref"] = "auto"
 
     def validate(self) -> None:
         if not self.path:

@@ -15,6 +15,11 @@ Shape legend:
     M   pos_embed_max_size (side of the stored positional grid)
 
 Time convention: ``timestep`` is diffusers' ``sigma * 1000`` (see imagegen/flow.py).
+
+Fused ops (``MMDiTArgs.kernels``, never part of the checkpoint config): the AdaLN norms
+(kernels/adaln.py), the gated residuals (kernels/gated_residual.py) and QK-RMSNorm (kernels/rmsnorm.py)
+run their Triton kernels with "triton", their plain-PyTorch references with "ref"; "auto" picks Triton
+on CUDA and the references elsewhere. Both give the same numbers (tests/imagegen/test_model.py).
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.adaln import adaln_modulate
+from kernels.gated_residual import gated_residual
+from kernels.rmsnorm import rmsnorm
+
 # diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
 NORM_EPS = 1e-6
 TIME_FREQ_DIM = 256
+KERNEL_IMPLS = ("auto", "triton", "ref")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ class MMDiTArgs:
     pos_embed_max_size: int = 32
     qk_norm: str | None = None  # None | "rms_norm"
     dual_attention_layers: tuple[int, ...] = field(default_factory=tuple)
+    # Implementation of the fused ops (module docstring), not an architecture field: it is never written to
+    # config.json, and checkpoints are the same with either choice.
+    kernels: str = "auto"  # "auto" | "triton" | "ref"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -65,6 +78,8 @@ class MMDiTArgs:
             raise bad("caption_projection_dim", f"must equal dim = num_heads*head_dim = {self.dim}")
         if self.qk_norm not in (None, "rms_norm"):
             raise bad("qk_norm", 'must be None or "rms_norm"')
+        if self.kernels not in KERNEL_IMPLS:
+            raise bad("kernels", f"must be one of {KERNEL_IMPLS}")
         object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
         for i in self.dual_attention_layers:
             if not isinstance(i, int) or not 0 <= i < self.num_layers:
@@ -92,7 +107,7 @@ class MMDiTArgs:
     )
 
     @classmethod
-    def from_diffusers_config(cls, config: dict, source: str = "config") -> MMDiTArgs:
+    def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto") -> MMDiTArgs:
         """Build from a diffusers ``SD3Transformer2DModel`` config dict; ``source`` names it in errors."""
         name = config.get("_class_name", "SD3Transformer2DModel")
         if name != "SD3Transformer2DModel":
@@ -105,6 +120,7 @@ class MMDiTArgs:
             merged["out_channels"] = merged["in_channels"]
         kwargs = {cls._RENAME.get(k, k): v for k, v in merged.items()}
         kwargs["dual_attention_layers"] = tuple(kwargs["dual_attention_layers"] or ())
+        kwargs["kernels"] = kernels
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -114,6 +130,8 @@ class MMDiTArgs:
         inverse = {v: k for k, v in self._RENAME.items()}
         out = {"_class_name": "SD3Transformer2DModel"}
         for f in fields(self):
+            if f.name == "kernels":
+                continue
             value = getattr(self, f.name)
             out[inverse.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
         return out
@@ -222,16 +240,15 @@ class TimeTextEmbed(nn.Module):
 # ------------------------------------------------------------------------------ norms and modulation
 
 class RMSNorm(nn.Module):
-    """QK-norm over the head dim (SD3.5): x / rms(x) * weight, statistics in fp32."""
+    """QK-norm over the head dim (SD3.5): x / rms(x) * weight in fp32, rounded once to x.dtype (kernels/rmsnorm.py)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, impl: str = "auto"):
         super().__init__()
+        self.impl = impl
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-        return x32.to(x.dtype) * self.weight
+        return rmsnorm(x, self.weight, NORM_EPS, impl=self.impl)
 
 
 class Modulation(nn.Module):
@@ -246,14 +263,8 @@ class Modulation(nn.Module):
         return self.linear(F.silu(c)).chunk(self.chunks, dim=1)
 
 
-def layer_norm(x: torch.Tensor) -> torch.Tensor:
-    """Parameter-free LayerNorm; AdaLN supplies scale and shift."""
-    return F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[B, T, D] x (1 + scale) + shift, with [B, D] vectors broadcast over tokens."""
-    return x * (1 + scale[:, None]) + shift[:, None]
+# AdaLN itself is kernels/adaln.py: parameter-free LayerNorm(x) * (1 + scale) + shift, [B, D] vectors
+# broadcast over tokens; its residual partner x + gate * y is kernels/gated_residual.py.
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -274,19 +285,21 @@ class Attention(nn.Module):
         # ModuleList so the key is to_out.0.* as in diffusers (its to_out.1 is a parameter-free Dropout).
         self.to_out = nn.ModuleList([nn.Linear(d, d)])
         rms = args.qk_norm == "rms_norm"
-        self.norm_q = RMSNorm(args.head_dim) if rms else None
-        self.norm_k = RMSNorm(args.head_dim) if rms else None
+        self.norm_q = RMSNorm(args.head_dim, args.kernels) if rms else None
+        self.norm_k = RMSNorm(args.head_dim, args.kernels) if rms else None
         self.context = context
         if context:
             self.add_q_proj, self.add_k_proj, self.add_v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
             self.to_add_out = None if context_pre_only else nn.Linear(d, d)
-            self.norm_added_q = RMSNorm(args.head_dim) if rms else None
-            self.norm_added_k = RMSNorm(args.head_dim) if rms else None
+            self.norm_added_q = RMSNorm(args.head_dim, args.kernels) if rms else None
+            self.norm_added_k = RMSNorm(args.head_dim, args.kernels) if rms else None
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: RMSNorm | None) -> torch.Tensor:
         B, T, _ = x.shape
-        y = proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, T, D] -> [B, Hn, T, Dh]
-        return norm(y) if norm is not None else y
+        y = proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, D] -> [B, T, Hn, Dh]
+        if norm is not None:  # over Dh, before the transpose: rows stay contiguous for the kernel
+            y = norm(y)
+        return y.transpose(1, 2)  # [B, Hn, T, Dh]
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None):
         """x [B, N, D], ctx [B, L, D] or None -> (x_out [B, N, D], ctx_out [B, L, D] | None) or x_out."""
@@ -340,6 +353,7 @@ class JointBlock(nn.Module):
         super().__init__()
         d = args.dim
         self.context_pre_only, self.dual_attention = context_pre_only, dual_attention
+        self.impl = args.kernels
         self.norm1 = Modulation(d, 9 if dual_attention else 6)
         self.norm1_context = Modulation(d, 2 if context_pre_only else 6)
         self.attn = Attention(args, context=True, context_pre_only=context_pre_only)
@@ -349,28 +363,37 @@ class JointBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor):
         """x [B, N, D], ctx [B, L, D], c [B, D] -> (ctx [B, L, D] or None, x [B, N, D])."""
+        impl = self.impl
+
+        def norm(t: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return adaln_modulate(t, shift, scale, NORM_EPS, impl=impl)  # LN(t) * (1 + scale) + shift
+
+        def add(t: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return gated_residual(t, y, gate, impl=impl)  # t + gate * y
+
         mods = self.norm1(c)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[:6]
-        x_norm = layer_norm(x)
         if self.context_pre_only:
             c_scale, c_shift = self.norm1_context(c)  # AdaLayerNormContinuous order: scale first
-            ctx_in = modulate(layer_norm(ctx), c_shift, c_scale)
+            ctx_in = norm(ctx, c_shift, c_scale)
         else:
             c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(c)
-            ctx_in = modulate(layer_norm(ctx), c_shift_msa, c_scale_msa)
+            ctx_in = norm(ctx, c_shift_msa, c_scale_msa)
 
-        x_attn, ctx_attn = self.attn(modulate(x_norm, shift_msa, scale_msa), ctx_in)
-        x = x + gate_msa[:, None] * x_attn
+        x_attn, ctx_attn = self.attn(norm(x, shift_msa, scale_msa), ctx_in)
         if self.attn2 is not None:
             shift_msa2, scale_msa2, gate_msa2 = mods[6:]
-            # Both image attentions read the same LN(x) from before the first residual (diffusers).
-            x = x + gate_msa2[:, None] * self.attn2(modulate(x_norm, shift_msa2, scale_msa2))
-        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), shift_mlp, scale_mlp))
+            # Both image attentions read LN(x) of the x from before the first residual (diffusers).
+            x_attn2 = self.attn2(norm(x, shift_msa2, scale_msa2))
+            x = add(add(x, gate_msa, x_attn), gate_msa2, x_attn2)
+        else:
+            x = add(x, gate_msa, x_attn)
+        x = add(x, gate_mlp, self.ff(norm(x, shift_mlp, scale_mlp)))
 
         if self.context_pre_only:
             return None, x
-        ctx = ctx + c_gate_msa[:, None] * ctx_attn
-        ctx = ctx + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(ctx), c_shift_mlp, c_scale_mlp))
+        ctx = add(ctx, c_gate_msa, ctx_attn)
+        ctx = add(ctx, c_gate_mlp, self.ff_context(norm(ctx, c_shift_mlp, c_scale_mlp)))
         return ctx, x
 
 
@@ -461,7 +484,7 @@ class MMDiT(nn.Module):
         for block in self.transformer_blocks:
             ctx, x = block(x, ctx, c)
         scale, shift = self.norm_out(c)
-        x = self.proj_out(modulate(layer_norm(x), shift, scale))  # [B, N, p*p*Co]
+        x = self.proj_out(adaln_modulate(x, shift, scale, NORM_EPS, impl=self.args.kernels))  # [B, N, p*p*Co]
         x = x.reshape(B, H // p, W // p, p, p, co)  # [B, h, w, p, p, Co]
         x = torch.einsum("nhwpqc->nchpwq", x)  # [B, Co, h, p, w, p]
         return x.reshape(B, co, H, W)

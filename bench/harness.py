@@ -1,0 +1,126 @@
+"""What every speed benchmark shares (BENCHMARKS.md "Protocol"): the timed optimizer-step loop, OOM as a result,
+the report files (JSON + markdown + ablation chart) and small formatting helpers. bench/designer.py and
+bench/imagegen.py build their models and batches; this runs and records them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch._dynamo
+
+PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
+
+
+def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
+                context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, Any]:
+    """Run `step(i)` for i < count — one forward + loss + backward + optimizer step + zero_grad, returning the
+    loss — timed with CUDA events (wall clock on CPU). No host sync inside the loop; losses read at the end.
+    `context` is entered around the whole loop (so it also covers the first step's compile)."""
+    times, losses = [], []
+    with context():
+        for i in range(count):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
+            loss = step(i)
+            if cuda:
+                end.record()
+                times.append((start, end))
+            else:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) / 1e3 for s, e in times]
+    return {"step_s": times, "losses": [float(x) for x in losses]}
+
+
+def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda: bool) -> dict[str, Any]:
+    """`use(build())` on a clean device (compile caches reset, peak memory counter reset); an out-of-memory
+    error is a result ({"oom": True, "error": ...}). Frees the built run and the cache afterwards."""
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    # what the bench itself holds on the device (shared source weights, batches): inside peak_gb for every run alike
+    baseline = torch.cuda.memory_allocated() / 1e9 if cuda else None
+    torch._dynamo.reset()
+    run = None
+    try:
+        run = build()
+        result = use(run)
+    except torch.OutOfMemoryError as e:
+        return {"oom": True, "error": str(e).splitlines()[0]}
+    finally:
+        del run
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+    result["baseline_gb"] = baseline
+    result["oom"] = False
+    return result
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool) -> torch.optim.AdamW:
+    """The benches' optimizer: fused AdamW (CUDA) or the foreach one, no weight decay."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)
+
+
+def fmt(x: Any, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def parse_ints(text: str) -> list[int]:
+    """argparse type for "2,4,8"."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str, path: Path,
+              marks: dict[str, float] | None = None) -> Path | None:
+    """Horizontal bars (the ablation), optional dashed vertical `marks` (a peer's rate); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    items = [(k, v or 0.0) for k, v in items]
+    if not items:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4a7bb7")
+    for name, x in (marks or {}).items():
+        ax.axvline(x, color="#c0504d", linestyle="--", linewidth=1)
+        ax.text(x, -0.6, f" {name}", color="#c0504d", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict[str, Any], out: Path, stem: str, markdown: str,
+                 chart: Callable[[Path], Path | None]) -> Path:
+    """out/<stem>-<date>.json, .md and -ablation.png (when `chart` draws one); returns the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=1))
+    (out / f"{stem}.md").write_text(markdown)
+    chart(out / f"{stem}-ablation.png")
+    return path

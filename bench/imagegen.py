@@ -1,0 +1,535 @@
+"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches (issue 8).
+
+    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
+        [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
+        [--kernels auto|triton|ref] [--tiny]
+
+Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
+L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
+width, P = 2048 pooled width, D = 1536 model dim.
+
+Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
+make the blocks identities and the timing meaningless); every run (Atelier, each peer, each ablation) copies them
+into its own fp32 master weights and trains under bf16 autocast (DESIGN.md "Precision"). The batches — latents x0,
+text states, pooled vectors, timesteps t (logit-normal, shift 3: imagegen/flow.py) and noise — are drawn once per
+micro-batch size, and both sides compute the same loss the same way: x_t = (1 − t)·x0 + t·noise, v̂ = model(x_t,
+text, pooled, 1000·t), loss = mean over images of mean((v̂ − (noise − x0))²) in fp32 (imagegen.flow.flow_loss).
+A step = forward + loss + backward + AdamW step + zero_grad, timed with CUDA events (wall clock on CPU): `warmup`
+steps first (per-block compile happens in the first: one bucket, so one shape), then `steps` timed ones; median
+images/s and min–max.
+
+Atelier: imagegen.model.MMDiT with its fused kernels (MMDiTArgs.kernels), per-block torch.compile
+(pipeline/policies.compile_blocks), fused AdamW; the last block's dead text-query projection frozen as the trainer
+does (imagegen/task.py). Peers: diffusers' SD3Transformer2DModel eager (its training scripts' default) and, as
+"diffusers-compiled", the same with per-block compile. The ablation switches one optimisation off at a time;
+`attention` times each SDPA backend (flash, cuDNN, memory-efficient) with everything else on, so the attention
+choice is made by measurement.
+
+FLOPs: MMDiT.train_flops (BENCHMARKS.md: each token through its own stream's weights, modulation linears once per
+image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MFU against 989 TFLOP/s and against the
+bf16 matmul rate measured in this run. Loader: images/s reading latent shards (data/shards.ShardReader) through a
+DataLoader with workers, batched and moved to the device, against the training rate (target ≥ 2×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from bench.env import clocks, environment, matmul_tflops
+from bench.harness import PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, timed_steps, write_report
+from imagegen.ema import EMA, ema_update_ref
+from imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
+from imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
+from pipeline.policies import compile_blocks
+
+PEERS = ("diffusers", "diffusers-compiled")
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+ABLATIONS = ("no_compile", "reference_kernels", "foreach_adamw", *(f"sdpa_{b}" for b in SDPA_BACKENDS))
+VAE_FACTOR = 8  # SD3's VAE: 1024 px -> 128 latent side
+FLOW = FlowArgs()  # logit-normal timesteps, shift 3, no loss weighting (imagegen/flow.py)
+QK_NORM = re.compile(r"\.norm_(added_)?[qk]\.weight$")  # SD3.5's QK-RMSNorm weights (init 1)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    size: str                     # imagegen.model.SIZES key
+    resolution: int               # pixel side of the one square bucket
+    text_tokens: int              # L
+    batches: tuple[int, ...]      # micro-batch sweep
+    lr: float = 1e-5
+    shard_samples: int = 256      # samples written for the loader measurement (~3.3 MB each at 333 x 4096 bf16)
+    shard_size: int = 16          # samples per shard
+
+    @property
+    def latent_side(self) -> int:
+        return self.resolution // VAE_FACTOR
+
+
+CONFIGS = {
+    "sd3-medium-1024": BenchConfig("sd3-medium", 1024, 333, (8, 16, 24)),
+    "sd3-medium-512": BenchConfig("sd3-medium", 512, 333, (16, 32, 64)),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One Atelier run's switches (the ablation turns each off in turn)."""
+
+    compile: bool = True
+    kernels: str = "auto"         # MMDiTArgs.kernels; "ref": the plain-PyTorch paths
+    fused_adamw: bool = True
+    sdpa: str | None = None       # None: PyTorch's own SDPA backend choice; else one of SDPA_BACKENDS
+
+
+def tiny_config(cfg: BenchConfig) -> BenchConfig:
+    """The same code path at CPU size: the tiny MMDiT, an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
+    return dataclasses.replace(cfg, size="tiny", resolution=64, text_tokens=7, batches=(1, 2), shard_samples=8,
+                               shard_size=2)
+
+
+def model_args(cfg: BenchConfig) -> MMDiTArgs:
+    return SIZES[cfg.size]
+
+
+def image_tokens(cfg: BenchConfig, args: MMDiTArgs) -> int:
+    return (cfg.latent_side // args.patch_size) ** 2
+
+
+# ------------------------------------------------------------------------------------------------ weights and data
+
+def random_state_dict(args: MMDiTArgs, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """diffusers-named weights, every one random: normal(0, 0.02) matrices and convs, normal(0, 0.01) biases,
+    ones ± 0.1 for the QK-norm weights, and the fixed sincos grid for pos_embed.pos_embed."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in MMDiT(args).state_dict().items()}
+    out = {}
+    for name, shape in shapes.items():
+        if name == "pos_embed.pos_embed":
+            grid = sincos_2d_grid(args.dim, args.pos_embed_max_size, args.sample_size // args.patch_size)
+            out[name] = grid.to(device, dtype)
+            continue
+        std = 0.01 if name.endswith(".bias") else 0.02
+        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, std, generator=g)
+        out[name] = (t * 5 + 1 if QK_NORM.search(name) else t).to(dtype)
+    return out
+
+
+@dataclass
+class ImageBatch:
+    """One micro-batch, drawn once on the device: the same tensors go to every run."""
+
+    x0: torch.Tensor          # [B, C, h, w] latents
+    text: torch.Tensor        # [B, L, E]
+    pooled: torch.Tensor      # [B, P]
+    t: torch.Tensor           # [B] in (0, 1); the model sees 1000·t
+    noise: torch.Tensor       # [B, C, h, w]
+
+    @property
+    def size(self) -> int:
+        return self.x0.shape[0]
+
+
+def make_batches(cfg: BenchConfig, args: MMDiTArgs, batch: int, count: int, device: torch.device, dtype: torch.dtype,
+                 seed: int) -> list[ImageBatch]:
+    """`count` micro-batches of `batch` images; text states in `dtype` (as a cache holds them), latents fp32."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    side = cfg.latent_side
+    out = []
+    for _ in range(count):
+        x0 = torch.randn(batch, args.in_channels, side, side, generator=g, device=device)
+        text = torch.randn(batch, cfg.text_tokens, args.joint_attention_dim, generator=g, device=device).to(dtype)
+        pooled = torch.randn(batch, args.pooled_projection_dim, generator=g, device=device).to(dtype)
+        t = sample_timesteps(batch, g, FLOW, image_tokens(cfg, args), device)
+        noise = torch.randn(x0.shape, generator=g, device=device)
+        out.append(ImageBatch(x0, text, pooled, t, noise))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+@dataclass
+class Run:
+    """A built model: forward(x_t, text, pooled, timestep) → v̂ [B, C, h, w], and its optimizer's parameters."""
+
+    model: nn.Module
+    forward: Callable[..., torch.Tensor]
+    params: list[nn.Parameter]
+    fused_adamw: bool
+    autocast: bool                # bf16 autocast over fp32 master weights; off for exact (tiny) runs
+    sdpa: str | None = None
+
+    def loss(self, b: ImageBatch) -> torch.Tensor:
+        """The loss both sides share: noise the latents, predict the velocity, the batch's mean flow_loss (fp32)."""
+        x_t = add_noise(b.x0, b.noise, b.t)  # [B, C, h, w]
+        with torch.autocast(b.x0.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            pred = self.forward(x_t, b.text, b.pooled, b.t * 1000)  # [B, C, h, w]
+        return flow_loss(pred, b.x0, b.noise, b.t, FLOW).mean()
+
+
+def _fp32_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.float().clone() for k, v in sd.items()}
+
+
+def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
+    with torch.device("meta"):
+        model = MMDiT(dataclasses.replace(args, kernels=v.kernels))
+    model.load_state_dict(_fp32_copy(sd), assign=True)
+    model.train().requires_grad_(True)
+    last = model.transformer_blocks[-1].attn  # no text queries in the last block (imagegen/task.py _wrap)
+    for m in (last.add_q_proj, last.norm_added_q):
+        if m is not None:
+            m.requires_grad_(False)
+    if v.compile:
+        compile_blocks(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Run(model, model, params, v.fused_adamw, autocast=not exact, sdpa=v.sdpa)
+
+
+def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool) -> Run:
+    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights."""
+    from diffusers import SD3Transformer2DModel  # ImportError → the peer is reported as skipped
+
+    kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**kwargs)
+    model.load_state_dict(_fp32_copy(sd), assign=True, strict=True)
+    model.train().requires_grad_(True)
+    if name == "diffusers-compiled" and not exact:
+        compile_blocks(model)
+    dev = next(model.parameters()).device
+
+    def forward(x_t, text, pooled, timestep):
+        return model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=timestep,
+                     return_dict=False)[0]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Run(model, forward, params, fused_adamw=dev.type == "cuda", autocast=not exact)
+
+
+def _sdpa_context(backend: str | None) -> contextlib.AbstractContextManager:
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return sdpa_kernel(names[backend])
+
+
+def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
+            flops: int) -> dict[str, Any]:
+    """Build, run warmup + steps optimizer steps, time them; OOM is a result (bench.harness.guarded)."""
+    cuda = batches[0].x0.is_cuda
+
+    def use(run: Run) -> dict[str, Any]:
+        opt = adamw(run.params, lr, fused=run.fused_adamw and cuda)
+
+        def step(i: int) -> torch.Tensor:
+            loss = run.loss(batches[i % len(batches)])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        # the SDPA backend context covers the compile too: Inductor picks the backend when it traces
+        return timed_steps(step, warmup + steps, cuda, context=lambda: _sdpa_context(run.sdpa))
+
+    r = guarded(build, use, cuda)
+    if r["oom"]:
+        return r
+    t = r["step_s"][warmup:]
+    ips = [batches[0].size / s for s in t]
+    tflops = flops / statistics.median(t) / 1e12
+    r.update(images_per_s=statistics.median(ips), images_per_s_min=min(ips), images_per_s_max=max(ips),
+             step_s_median=statistics.median(t), tflops=tflops, mfu=tflops / PEAK_TFLOPS,
+             timed_losses=r["losses"][warmup:])
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ EMA and loader
+
+def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of one EMA update over all trainable weights: imagegen.ema's one foreach lerp vs the
+    per-tensor reference loop (the trainer runs it after every optimizer step)."""
+    with torch.device("meta"):
+        model = MMDiT(args)
+    model.load_state_dict(_fp32_copy(sd), assign=True)
+    ema = EMA(model, decay=0.9999)
+    shadow = dict(zip(ema.names, ema.shadow))
+    params = dict(model.named_parameters())
+    out = {}
+    for name, fn in (("foreach", ema.update), ("reference", lambda i: ema_update_ref(shadow, params, 0.9))):
+        fn(1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            fn(i + 2)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out[f"{name}_ms"] = (time.perf_counter() - t0) / repeats * 1e3
+    return out
+
+
+def random_latent_samples(cfg: BenchConfig, args: MMDiTArgs, n: int, seed: int) -> Iterator[dict]:
+    """Samples as `atelier imagegen cache` writes them (bf16, one square bucket): random, never zeros."""
+    g = torch.Generator().manual_seed(seed)
+    side = cfg.latent_side
+    for i in range(n):
+        yield {"key": f"s{i:06d}", "latent": torch.randn(args.in_channels, side, side, generator=g).bfloat16(),
+               "text_states": torch.randn(cfg.text_tokens, args.joint_attention_dim, generator=g).bfloat16(),
+               "pooled": torch.randn(args.pooled_projection_dim, generator=g).bfloat16(),
+               "bucket": (cfg.resolution, cfg.resolution), "caption": f"random sample {i}"}
+
+
+def _stack(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([s[k] for s in samples]) for k in ("latent", "text_states", "pooled")}
+
+
+def loader_throughput(cfg: BenchConfig, args: MMDiTArgs, batch: int, workers: int, device: torch.device,
+                      work: Path) -> dict[str, Any]:
+    """Images/s of latent shards → ShardReader (webdataset) → DataLoader workers → stacked batch on the device.
+
+    Writes cfg.shard_samples random samples in shards of cfg.shard_size (at least one shard per worker), reads
+    them twice (the first pass warms the page cache, as a long run's data is warm), times the second pass.
+    """
+    from data.shards import ShardReader, write_latent_shards
+
+    shards = work / "latents"
+    write_latent_shards(random_latent_samples(cfg, args, cfg.shard_samples, seed=0), shards, cfg.shard_size)
+    pin = device.type == "cuda"
+    rates = []
+    for _ in range(2):
+        reader = ShardReader(shards, kind="latent", num_workers=workers)
+        loader = torch.utils.data.DataLoader(reader, batch_size=batch, num_workers=workers, collate_fn=_stack,
+                                             pin_memory=pin, persistent_workers=False)
+        n, t0 = 0, time.perf_counter()
+        for b in loader:
+            b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+            n += b["latent"].shape[0]
+        if pin:
+            torch.cuda.synchronize()
+        rates.append(n / (time.perf_counter() - t0))
+    return {"images_per_s": rates[-1], "workers": workers, "batch": batch, "samples": cfg.shard_samples,
+            "shard_size": cfg.shard_size, "bytes_per_image": _sample_bytes(cfg, args)}
+
+
+def _sample_bytes(cfg: BenchConfig, args: MMDiTArgs) -> int:
+    return 2 * (args.in_channels * cfg.latent_side**2 + cfg.text_tokens * args.joint_attention_dim
+                + args.pooled_projection_dim)
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+def _summary(r: dict[str, Any], batch: int, mt: float | None) -> dict[str, Any]:
+    return {"images_per_s": r["images_per_s"], "images_per_s_min": r["images_per_s_min"],
+            "images_per_s_max": r["images_per_s_max"], "mfu": r["mfu"],
+            "mfu_matmul": r["tflops"] / mt if mt else None, "peak_gb": r["peak_gb"], "batch": batch}
+
+
+def attempt(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
+            flops: int) -> dict[str, Any]:
+    """measure(), with any other failure (a compile error, an SDPA backend that cannot run these shapes) recorded
+    as this run's result instead of ending the whole bench: {"oom": False, "failed": True, "error": ...}."""
+    try:
+        return measure(build, batches, warmup, steps, lr, flops)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return "images_per_s" in r
+
+
+def _best(runs: dict[str, dict[str, Any]]) -> str | None:
+    ok = {k: v for k, v in runs.items() if _ok(v)}
+    return max(ok, key=lambda k: ok[k]["images_per_s"]) if ok else None
+
+
+def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
+          ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
+          seed: int = 0) -> dict[str, Any]:
+    args = model_args(cfg)
+    dtype = torch.float32 if exact else torch.bfloat16
+    N, L = image_tokens(cfg, args), cfg.text_tokens
+    report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg), "image_tokens": N,
+                                                          "model": dataclasses.asdict(args)},
+                              "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
+    mt = report["matmul_tflops"]
+    sd = random_state_dict(args, dtype, device, seed)
+    with torch.device("meta"):
+        meta_model = MMDiT(args)
+    # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
+    main_variant = Variant(compile=not exact, kernels=kernels)
+    sweep: dict[str, Any] = {}
+    peer_runs: dict[str, dict[str, Any]] = {p: {} for p in peers}
+    notes = {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master copies per run, bf16 autocast",
+             "loss": "mean over images of imagegen.flow.flow_loss (no weighting), same batches, timesteps and noise",
+             "peer_attention": "diffusers JointAttnProcessor2_0 (F.scaled_dot_product_attention)"}
+    data: dict[int, tuple[list[ImageBatch], int]] = {}
+    for bs in batches:
+        host = make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs)
+        flops = meta_model.train_flops(bs, N, L)
+        data[bs] = (host, flops)
+        sweep[str(bs)] = attempt(lambda: build_atelier(args, sd, main_variant, exact), host, warmup, steps, cfg.lr,
+                                 flops)
+        for p in peers:
+            if "skipped" in peer_runs[p]:
+                continue
+            try:
+                peer_runs[p][str(bs)] = attempt(lambda: build_peer(p, args, sd, exact), host, warmup, steps, cfg.lr,
+                                                flops)
+            except ImportError as e:
+                peer_runs[p] = {"skipped": f"import failed: {e}"}
+    report["sweep"], report["peer_runs"] = sweep, peer_runs
+    best = _best(sweep)
+    report["atelier"] = _summary(sweep[best], int(best), mt) if best else {"oom": all(r["oom"] for r in
+                                                                                      sweep.values())}
+    report["peers"], report["loss_mean_abs_diff_by_peer"] = {}, {}
+    for p, runs in peer_runs.items():
+        if "skipped" in runs:
+            report["peers"][p] = {"skipped": runs["skipped"]}
+            continue
+        k = _best(runs)
+        report["peers"][p] = _summary(runs[k], int(k), mt) if k else {"oom": all(r["oom"] for r in runs.values()),
+                                                                       "batches": list(runs)}
+        same = [m for m in runs if _ok(runs[m]) and _ok(sweep[m])]
+        if same:  # the same batches through both: the largest micro-batch both ran
+            m = max(same, key=int)
+            a, q = sweep[m]["timed_losses"], runs[m]["timed_losses"]
+            report["loss_mean_abs_diff_by_peer"][p] = {"batch": int(m), "diff": sum(abs(x - y) for x, y in zip(a, q))
+                                                       / len(a)}
+    first = report["loss_mean_abs_diff_by_peer"].get("diffusers")
+    report["loss_mean_abs_diff"] = first["diff"] if first else None
+    report["speedup"] = {p: report["atelier"]["images_per_s"] / r["images_per_s"]
+                         for p, r in report["peers"].items() if "images_per_s" in r and "images_per_s" in
+                         report["atelier"]}
+
+    report["ablation"], report["attention"] = {}, {}
+    if ablation and best is not None:
+        host, flops = data[int(best)]
+        report["ablation"]["all_on"] = sweep[best]["images_per_s"]
+        switches = {"no_compile": dataclasses.replace(main_variant, compile=False),
+                    "reference_kernels": dataclasses.replace(main_variant, kernels="ref"),
+                    "foreach_adamw": dataclasses.replace(main_variant, fused_adamw=False),
+                    **{f"sdpa_{b}": dataclasses.replace(main_variant, sdpa=b) for b in SDPA_BACKENDS}}
+        chosen = [a for a in ablation if device.type == "cuda" or not a.startswith("sdpa_")]  # SDPA choice: GPU
+        for abl in chosen:
+            v = switches[abl]
+            r = attempt(lambda: build_atelier(args, sd, v, exact), host, warmup, steps, cfg.lr, flops)
+            value = r.get("images_per_s")
+            (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = value
+            report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom",
+                                                                                 "failed", "error")}
+    report["ema_update"] = ema_timing(args, sd, device)
+    bs = int(best) if best else batches[0]
+    try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
+        with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
+            report["loader"] = loader_throughput(cfg, args, bs, loader_workers, device, Path(tmp))
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+        report["loader"] = {"images_per_s": None, "workers": loader_workers, "error": f"{type(e).__name__}: {e}"}
+    report["loader_images_per_s"] = report["loader"]["images_per_s"]
+    train = report["atelier"].get("images_per_s")
+    report["loader"]["ratio_to_training"] = report["loader_images_per_s"] / train if train and \
+        report["loader_images_per_s"] else None
+    report["notes"] = notes
+    report["clocks"]["after"] = clocks()
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def markdown(report: dict[str, Any]) -> str:
+    """The result table: Atelier and each peer at its best micro-batch, the ablation, attention, loader, EMA."""
+    c = report["config"]
+    lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens) — "
+             f"{report['gpu'].get('name') or 'cpu'}, matmul {fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
+             "| run | batch | images/s (min–max) | MFU (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
+    for name, r in [("atelier", report["atelier"])] + list(report["peers"].items()):
+        if "images_per_s" not in r:
+            lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'failed (see JSON)')} | | | |")
+            continue
+        lines.append(f"| {name} | {r['batch']} | {r['images_per_s']:.2f} ({r['images_per_s_min']:.2f}–"
+                     f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {fmt(r.get('mfu_matmul'), '.1%')} | "
+                     f"{fmt(r['peak_gb'], '.1f')} |")
+    lines += ["", f"loss mean abs diff vs diffusers: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
+              + ", ".join(f"{p} {s:.2f}x" for p, s in report["speedup"].items())]
+    for title, table in (("ablation (one switched off)", report["ablation"]), ("attention backend", report["attention"])):
+        if table:
+            lines += ["", f"| {title} | images/s |", "|---|---|"]
+            lines += [f"| {k} | {fmt(v, '.2f') if v is not None else 'failed/OOM'} |" for k, v in table.items()]
+    ld, ema = report["loader"], report["ema_update"]
+    lines += ["", f"loader: {fmt(ld['images_per_s'], '.1f')} images/s with {ld['workers']} workers "
+              f"({fmt(ld['ratio_to_training'], '.1f')}x the training rate); EMA update: "
+              f"{ema['foreach_ms']:.2f} ms foreach vs {ema['reference_ms']:.2f} ms per-tensor"]
+    return "\n".join(lines) + "\n"
+
+
+def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
+    """Images/s with each optimisation off and with each attention backend; the peers as dashed lines."""
+    marks = {p: r["images_per_s"] for p, r in report["peers"].items() if "images_per_s" in r}
+    return bar_chart({**report["ablation"], **report["attention"]}.items(), "images/s",
+                     f"imagegen {report['config']['name']}: each optimisation switched off", path, marks)
+
+
+def write(report: dict[str, Any], out: Path) -> Path:
+    return write_report(report, out, f"imagegen-{report['config']['name']}", markdown(report),
+                        lambda path: ablation_chart(report, path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--peers", default="diffusers")
+    p.add_argument("--batches", type=parse_ints, default=None)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ablation", nargs="?", const=",".join(ABLATIONS), default="",
+                   help=f"switch these off one at a time (comma list; alone: all of {','.join(ABLATIONS)})")
+    p.add_argument("--loader-workers", type=int, default=4)
+    p.add_argument("--kernels", choices=("auto", "triton", "ref"), default="auto",
+                   help="Atelier's MMDiTArgs.kernels (auto: Triton on CUDA; triton on a CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
+    a = p.parse_args(argv)
+    peers = [x for x in a.peers.split(",") if x]
+    bad = [x for x in peers if x not in PEERS]
+    if bad:
+        p.error(f"--peers: unknown {bad}; known: {list(PEERS)}")
+    if a.steps < 1 or a.warmup < (0 if a.tiny else 3):
+        p.error(f"--steps must be >= 1 and --warmup >= 3 (got {a.steps}, {a.warmup})")
+    ablation = [x for x in a.ablation.split(",") if x]
+    if [x for x in ablation if x not in ABLATIONS]:
+        p.error(f"--ablation: unknown {[x for x in ablation if x not in ABLATIONS]}; known: {list(ABLATIONS)}")
+    if a.loader_workers < 0:
+        p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
+    cfg = CONFIGS[a.config]
+    device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
+    if a.tiny:
+        cfg = tiny_config(cfg)
+    elif device.type != "cuda":
+        p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
+    report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
+                   a.loader_workers, device, exact=a.tiny, kernels=a.kernels)
+    path = write(report, Path(a.out))
+    print(markdown(report))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""bench/imagegen.py end to end at tiny size on the CPU (fp32, Triton kernels through the interpreter): every JSON
+field, and Atelier's MMDiT agreeing with diffusers' SD3Transformer2DModel on the same weights and batches."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench.imagegen import (
+    CONFIGS,
+    Variant,
+    attempt,
+    build_atelier,
+    build_peer,
+    main,
+    make_batches,
+    model_args,
+    random_state_dict,
+    tiny_config,
+)
+
+CPU = torch.device("cpu")
+# The tiny bench runs on the CPU: the Triton kernels through the interpreter (tests/conftest.py) where there is no
+# GPU; a GPU host compiles Triton for CUDA only, so there the CPU run takes the references.
+KERNELS = "ref" if torch.cuda.is_available() else "triton"
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--config", "sd3-medium-1024", "--tiny", "--out", str(out), "--peers", "diffusers", "--steps", "2",
+                 "--warmup", "1", "--ablation", "--loader-workers", "2", "--kernels", KERNELS]) == 0
+    (path,) = out.glob("imagegen-sd3-medium-1024-*.json")
+    assert path.with_suffix(".md").is_file()
+    return json.loads(path.read_text())
+
+
+def test_tiny_run_writes_every_field(tiny_report):
+    r = tiny_report
+    for key in ("gpu", "versions", "clocks", "matmul_tflops", "config", "atelier", "peers", "loss_mean_abs_diff",
+                "ablation", "loader_images_per_s"):
+        assert key in r, key
+    assert set(r["clocks"]) == {"before", "after"}
+    a = r["atelier"]
+    assert set(a) >= {"images_per_s", "mfu", "peak_gb", "batch"}
+    assert a["images_per_s"] > 0 and a["mfu"] > 0 and a["batch"] in (1, 2)
+    d = r["peers"]["diffusers"]
+    assert d["images_per_s"] > 0 and d["mfu"] > 0 and "peak_gb" in d
+    assert set(r["ablation"]) == {"all_on", "no_compile", "reference_kernels", "foreach_adamw"}
+    assert all(v > 0 for v in r["ablation"].values())
+    assert r["loader_images_per_s"] > 0 and r["loader"]["workers"] == 2
+    assert r["ema_update"]["foreach_ms"] > 0
+    assert r["config"]["image_tokens"] == 16 and r["config"]["text_tokens"] == 7
+    for run in list(r["sweep"].values()) + list(r["peer_runs"]["diffusers"].values()):
+        assert all(math.isfinite(x) for x in run["timed_losses"])
+
+
+def test_tiny_loss_parity_with_diffusers(tiny_report):
+    assert tiny_report["loss_mean_abs_diff"] < 1e-5
+
+
+def test_same_weights_same_prediction_and_training():
+    """Beyond the loss (at random init it is dominated by the target's variance): Atelier with Triton kernels and
+    diffusers predict the same velocity, and after 3 AdamW steps on one batch hold the same weights."""
+    cfg = tiny_config(CONFIGS["sd3-medium-512"])
+    args = model_args(cfg)
+    sd = random_state_dict(args, torch.float32, CPU, seed=0)
+    (b,) = make_batches(cfg, args, 2, 1, CPU, torch.float32, seed=1)
+    runs = [build_atelier(args, sd, Variant(compile=False, kernels=KERNELS), exact=True),
+            build_peer("diffusers", args, sd, exact=True)]
+    preds = [run.forward(b.x0, b.text, b.pooled, b.t * 1000) for run in runs]
+    assert preds[0].abs().mean() > 0.05
+    torch.testing.assert_close(preds[0], preds[1], rtol=1e-4, atol=1e-5)
+    losses = []
+    for run in runs:
+        opt = torch.optim.AdamW(run.params, lr=1e-3, weight_decay=0.0, foreach=True)
+        for _ in range(3):
+            loss = run.loss(b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(run.loss(b).item())
+    assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1])
+    state = runs[1].model.state_dict()
+    for name, p in runs[0].model.state_dict().items():
+        torch.testing.assert_close(p, state[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_bad_arguments_say_what(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "sd3-medium-512", "--tiny", "--peers", "onediff"])
+    assert "--peers: unknown ['onediff']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "sd3-medium-512", "--tiny", "--batches", "two"])
+    assert "expected comma-separated ints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "sd3-medium-512", "--tiny", "--ablation", "no_kernels"])
+    assert "--ablation: unknown ['no_kernels']" in capsys.readouterr().err
+
+
+def test_a_failing_run_is_a_result_not_the_end_of_the_bench():
+    cfg = tiny_config(CONFIGS["sd3-medium-512"])
+    batches = make_batches(cfg, model_args(cfg), 1, 1, CPU, torch.float32, seed=0)
+
+    def build():
+        raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+
+    r = attempt(build, batches, 0, 1, 1e-5, flops=1)
+    assert r == {"oom": False, "failed": True, "error": "RuntimeError: No available kernel. Aborting execution."}
