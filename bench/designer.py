@@ -77,7 +77,8 @@ class BenchConfig:
 CONFIGS = {
     "qwen3-8b-lora": BenchConfig("8b", True, 2048, (2, 4, 8)),
     "qwen3-1.7b-full": BenchConfig("1.7b", False, 2048, (8, 16), lr=1e-5),
-    "qwen3-8b-lora-64k": BenchConfig("8b", True, 65536, (1,), one_doc=True, ac="selective"),
+    # full AC: selective AC would keep every matmul output, ~5 GB per layer at 65,536 tokens
+    "qwen3-8b-lora-64k": BenchConfig("8b", True, 65536, (1,), one_doc=True, ac="full"),
 }
 
 
@@ -392,7 +393,9 @@ def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchC
 
 def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batches: list[int], steps: int,
           warmup: int, ablation: bool, tokenizer: str | None, device: torch.device, exact: bool,
-          compile_blocks_: bool = True, profile: bool = False, seed: int = 0) -> dict[str, Any]:
+          compile_modes: tuple[bool, ...] = (True,), profile: bool = False, seed: int = 0) -> dict[str, Any]:
+    """One config: the micro-batch sweep (each micro-batch in each of `compile_modes`, the faster one kept) with
+    the peers on the same batches, loss parity, the ablation around the best run, an optional profile."""
     args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
     dtype = torch.float32 if exact else torch.bfloat16
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
@@ -408,8 +411,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
                                "one shape",
              "data": "shapes-world chat documents through the Qwen3 tokenizer" if tokenizer else
                      "random-token documents (lognormal lengths)"}
-    main = Variant(compile=compile_blocks_ and not exact, lora_dtype="float32" if exact else cfg.lora_dtype)
-    report["atelier_variant"] = dataclasses.asdict(main)
+    modes = (False,) if exact else tuple(compile_modes)
+    variants = {c: Variant(compile=c, lora_dtype="float32" if exact else cfg.lora_dtype) for c in modes}
     best_mb, batches_by_mb = None, {}
     for mb in micro_batches:
         host = make_batches(cfg, mb, warmup + steps, tokenizer, seed + mb)
@@ -418,13 +421,21 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         plain = [to_device(b, device) for b in host]
         fixed = [to_device(fixed_shape(b, segments), device) for b in host]
         batches_by_mb[mb] = (plain, fixed, flops, six)
-        r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, main, exact), fixed, cfg, warmup, steps, flops,
-                    offload)
-        if not r["oom"]:
-            r["mfu_6n"] = statistics.median(f / s for f, s in zip(six[warmup:], r["step_s"][warmup:])) / 1e12 / PEAK_TFLOPS
-        sweep[str(mb)] = r
-        print(f"atelier mb={mb}: " + ("OOM" if r["oom"] else f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_gb']} GB"),
-              flush=True)
+        by_mode = {}
+        for c, v in variants.items():
+            r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), fixed, cfg, warmup, steps, flops,
+                        offload)
+            if not r["oom"]:
+                r["mfu_6n"] = statistics.median(f / s for f, s in zip(six[warmup:], r["step_s"][warmup:])) / 1e12 / PEAK_TFLOPS
+            r["compile"] = c
+            by_mode[c] = r
+            print(f"atelier mb={mb} compile={c}: " + ("OOM" if r["oom"] else
+                  f"{r['tokens_per_s']:,.0f} tok/s, {fmt(r['peak_gb'], '.1f')} GB"), flush=True)
+        ok_modes = [r for r in by_mode.values() if not r["oom"]]
+        sweep[str(mb)] = max(ok_modes, key=lambda r: r["tokens_per_s"]) if ok_modes else next(iter(by_mode.values()))
+        if len(by_mode) > 1:
+            report.setdefault("sweep_by_compile", {})[str(mb)] = {
+                str(c): (None if r["oom"] else r["tokens_per_s"]) for c, r in by_mode.items()}
         for p in peers:
             if "skipped" in peer_runs[p]:
                 continue
@@ -441,6 +452,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         if ok:
             best_mb = int(max(ok, key=lambda k: ok[k]["tokens_per_s"]))
     report["sweep"] = sweep
+    # the headline variant: the compile mode of the best micro-batch's run (the ablation switches around it)
+    main = variants[sweep[str(best_mb)]["compile"]] if best_mb is not None else next(iter(variants.values()))
+    report["atelier_variant"] = dataclasses.asdict(main)
     mt = report["matmul_tflops"]
     if best_mb is not None:
         b = sweep[str(best_mb)]
@@ -548,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="Atelier's LoRA weight dtype (PEFT's default is float32)")
     p.add_argument("--offload", action="store_true", help="CPU activation offload for Atelier (long sequences)")
-    p.add_argument("--compile", choices=("on", "off"), default="on", help="per-block torch.compile for Atelier")
+    p.add_argument("--compile", choices=("on", "off", "both"), default="both",
+                   help="per-block torch.compile for Atelier; both: each micro-batch both ways, the faster kept")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     a = p.parse_args(argv)
@@ -567,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     mbs = a.micro_batches or list(cfg.micro_batches)
     cfg = dataclasses.replace(cfg, offload=cfg.offload or a.offload, lora_dtype=a.lora_dtype)
     report = bench(a.config, cfg, Path(a.out), peers, mbs, a.steps, a.warmup, a.ablation, a.tokenizer, device,
-                   exact=a.tiny, compile_blocks_=a.compile == "on", profile=a.profile)
+                   exact=a.tiny, compile_modes={"on": (True,), "off": (False,), "both": (True, False)}[a.compile],
+                   profile=a.profile)
     path = write(report, Path(a.out))
     print(markdown(report))
     print(f"wrote {path}")

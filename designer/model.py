@@ -163,8 +163,12 @@ class RMSNorm(nn.Module):
         return rmsnorm(x, self.weight, self.eps, self.impl)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm (one pass over the stream)."""
-        return add_rmsnorm(x, residual, self.weight, self.eps, self.impl)
+        """(norm(x + residual), x + residual): the residual add fused into the norm (one pass over the stream).
+
+        Under autocast the stream stays in its own dtype (fp32 from fp32 embeddings) while x, a matmul output,
+        is bf16: x is promoted first, as the eager `residual + x` would.
+        """
+        return add_rmsnorm(x.to(residual.dtype), residual, self.weight, self.eps, self.impl)
 
 
 @dataclass(frozen=True)

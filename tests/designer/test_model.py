@@ -276,3 +276,19 @@ def test_train_flops_match_flop_counter(mode):
     if mode == "lora":  # frozen base weights get no weight-gradient FLOPs
         full = Qwen3(args)
         assert model.matmul_flops(10, 0) < full.matmul_flops(10, 0)
+
+
+def test_full_finetuning_under_bf16_autocast_keeps_an_fp32_stream():
+    """fp32 master weights under bf16 autocast (full fine-tuning): matmul outputs are bf16, the residual stream
+    fp32 (as transformers' eager model); the fused add + norm promotes instead of rejecting the mix."""
+    args = ModelArgs.from_size("tiny", vocab_size=64)
+    model = Qwen3(args).init_weights(0)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12).repeat(2, 1)
+    cu = torch.tensor([0, 12, 24], dtype=torch.int32)
+    want = model(ids, pos, cu, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(ids, pos, cu, 12)
+    got.float().pow(2).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
