@@ -57,7 +57,7 @@ from pipeline.policies import apply_activation_checkpointing, compile_blocks, cp
 PEERS = ("hf", "hf-liger", "hf-liger-bf16lora")
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
-PARITY_PEER = {"bfloat16": "hf-liger-bf16lora", "float32": "hf"}
+PARITY_PEER = {"bfloat16": "hf-liger-bf16lora", "float32": "hf", "mixed": "hf"}
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,9 @@ def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v:
         model = Qwen3(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
     if cfg.lora:
-        apply_lora(model, LoraArgs(rank=16, alpha=32.0, dtype="float32" if exact else v.lora_dtype))
+        # "mixed": fp32 adapter weights (the optimizer's master copy) computed in bf16 under autocast
+        weights = "float32" if exact or v.lora_dtype == "mixed" else v.lora_dtype
+        apply_lora(model, LoraArgs(rank=16, alpha=32.0, dtype=weights))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_" in name:
@@ -223,7 +225,8 @@ def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v:
     apply_activation_checkpointing(model, cfg.ac)
     if v.compile:
         compile_blocks(model)
-    autocast = not exact and not cfg.lora  # full FT: fp32 master weights under bf16 autocast (DESIGN.md)
+    # full FT: fp32 master weights under bf16 autocast (DESIGN.md); "mixed" LoRA likewise for its adapters
+    autocast = not exact and (not cfg.lora or v.lora_dtype == "mixed")
     dev = next(model.parameters()).device
 
     def loss(b: Batch) -> torch.Tensor:
@@ -559,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (shapes-world docs); default: random-token docs")
-    p.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="Atelier's LoRA weight dtype (PEFT's default is float32)")
+    p.add_argument("--lora-dtype", choices=("bfloat16", "float32", "mixed"), default="bfloat16",
+                   help="Atelier's LoRA weights: bfloat16, float32 (PEFT's default), or mixed (fp32 weights, bf16 compute)")
     p.add_argument("--offload", action="store_true", help="CPU activation offload for Atelier (long sequences)")
     p.add_argument("--compile", choices=("on", "off", "both"), default="both",
                    help="per-block torch.compile for Atelier; both: each micro-batch both ways, the faster kept")

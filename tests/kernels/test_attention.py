@@ -151,5 +151,5 @@ def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
     varlen = PackedAttention(cu, t, "varlen")(q, k, v)
     g_rows, g_varlen = (torch.autograd.grad(o, (q, k, v), do) for o in (rows, varlen))
     for name, a, e in (("o", rows, varlen), *zip(("dq", "dk", "dv"), g_rows, g_varlen)):
-        err = (a.float() - e.float()).abs().max().item()
-        assert err < 3e-2, f"{name}: rows path vs varlen max diff {err:.3e}"
+        err = ((a.float() - e.float()).abs().max() / e.float().abs().max()).item()
+        assert err < 2e-2, f"{name}: rows path vs varlen, max diff relative to max |varlen| {err:.3e}"
