@@ -19,7 +19,6 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from data.chat import encode_examples, load_examples
 from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import check_weight_files, load_pretrained, save_pretrained
+from designer.hf import Model, build_model, check_weight_files, load_pretrained, read_args, save_pretrained
 from designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
@@ -46,7 +45,6 @@ from designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
-from designer.model import ModelArgs, Qwen3
 from kernels.cross_entropy import linear_cross_entropy
 from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from pipeline.progress import log
@@ -103,14 +101,14 @@ class DesignerTask:
             return torch.float32
         return None if self.lora_args is not None else torch.bfloat16
 
-    def _wrap(self, model: Qwen3) -> Qwen3:
+    def _wrap(self, model: Model) -> Model:
         return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 
-    def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+    def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
-        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device)
-        model.args = _with_attention(model.args, self.cfg.model.attention)
+        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device, attention_impl=self.cfg.model.attention,
+                                delta_rule_impl=self.cfg.model.delta_rule)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
@@ -118,18 +116,17 @@ class DesignerTask:
                 apply_lora(model, self.lora_args)
         return self._wrap(model)
 
-    def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+    def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
         from safetensors import safe_open
 
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
-        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()), self.cfg.model.attention,
-                                        source=str(config_path))
+        args = read_args(model_dir, self.cfg.model.attention, self.cfg.model.delta_rule)
         where = check_weight_files(model_dir, args)
         with torch.device("meta"):
-            model = Qwen3(args).to(base_dtype)
+            model = build_model(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
@@ -251,7 +248,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
+def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
     """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
 
     Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
@@ -267,12 +264,6 @@ def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.devic
         out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
         out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
     return out
-
-
-def _with_attention(args: Any, impl: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(args, attention_impl=impl) if hasattr(args, "attention_impl") else args
 
 
 __all__ = ["DesignerTask", "copy_tokenizer", "merge_lora"]
