@@ -12,9 +12,8 @@ import torch
 from designer.hf import args_from_size, init_random, load_pretrained, save_pretrained
 from designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
 from designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
-from kernels.cross_entropy import linear_cross_entropy
 from pipeline.cli import main
-from tests.designer.test_model import FIXTURE, load_hf, packed_inputs, rel_err, run_rows
+from tests.designer.test_model import FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, rel_err, run_rows
 
 V = 97
 
@@ -88,40 +87,13 @@ def test_loads_a_transformers_written_checkpoint(tmp_path):
 
 
 # --- packing: attention, conv and the delta-rule state all see document boundaries ----------------
-def _labels(docs, rows, seq_len):
-    labels, starts = torch.full((len(rows), seq_len), -100), {}
-    for r, row in enumerate(rows):
-        off = 0
-        for d in row:
-            n = len(docs[d])
-            labels[r, off: off + n - 1] = torch.tensor(docs[d][1:])
-            starts[d] = (r, off)
-            off += n
-    return labels, starts
-
-
 def test_packed_rows_equal_documents_one_by_one():
     model = random_qwen35(5)
     g = torch.Generator().manual_seed(6)
     docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 70, 1, 7, 9, 3)]  # 70: two chunks
-    rows = [[0, 1, 2], [3, 4], [5]]
-    ids, pos, cu, max_len, _ = packed_inputs(docs, rows, seq_len=80)
-    labels, starts = _labels(docs, rows, 80)
-    hidden = model(ids, pos, cu, max_len)
-    loss = linear_cross_entropy(hidden.reshape(-1, model.args.dim), model.lm_head_weight, labels.reshape(-1))
-    loss.backward()
-    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    total = 0.0
-    for d, doc in enumerate(docs):
-        h = run_rows(model, torch.tensor([doc]))
-        r, off = starts[d]
-        assert rel_err(hidden[r, off: off + len(doc)], h[0]) <= 1e-5, f"document {d} differs when packed"
-        total = total + linear_cross_entropy(h[0], model.lm_head_weight, torch.tensor(doc[1:] + [-100]))
-    total.backward()
-    assert abs(loss.item() - total.item()) <= 1e-5 * abs(total.item())
-    for n, p in model.named_parameters():
-        assert rel_err(packed_grads[n], p.grad) <= 1e-5, f"gradient of {n} differs"
+    # grad_tol 5e-5: the per-head scalars' gradients (dt_bias, A_log: 4 numbers summed over every token) carry
+    # fp32 cancellation up to ~1e-5 relative; a leak across a boundary shows as O(1) (see the test below)
+    check_packed_equals_one_by_one(model, docs, [[0, 1, 2], [3, 4], [5]], seq_len=80, grad_tol=5e-5)
 
 
 def test_a_preceding_document_does_not_change_a_document():
