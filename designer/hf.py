@@ -32,6 +32,8 @@ from designer.qwen35 import Qwen35, Qwen35Args
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+VLM_TEXT = "model.language_model."  # Qwen3_5ForConditionalGeneration's text model
+VLM_SKIP = ("model.visual.", "mtp.")  # its vision tower and multi-token-prediction head
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -77,16 +79,36 @@ def _read_json(path: Path) -> dict:
 
 
 def weight_files(d: Path) -> dict[str, Path]:
-    """HF key → safetensors file holding it, from the index or the single file."""
+    """HF key → safetensors file holding it, from the index or the single file.
+
+    A Qwen3.5 vision-language checkpoint (Qwen3_5ForConditionalGeneration: the released Qwen3.5 models) keeps its
+    text model under model.language_model.*: those keys are given by their text-model names (model.*, as
+    transformers' AutoModelForCausalLM renames them) and the vision tower (model.visual.*) and the multi-token
+    prediction head (mtp.*) are left out. file_key() gives a key's name inside the file back.
+    """
     if (d / INDEX).is_file():
         weight_map = _read_json(d / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{d / INDEX}: missing 'weight_map'")
-        return {k: d / f for k, f in weight_map.items()}
-    if (d / SINGLE).is_file():
-        return {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
+        where = {k: d / f for k, f in weight_map.items()}
+    elif (d / SINGLE).is_file():
+        where = {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
+    else:
+        where = {}
+    if any(k.startswith(VLM_TEXT) for k in where):
+        where = {"model." + k[len(VLM_TEXT):] if k.startswith(VLM_TEXT) else k: f for k, f in where.items()
+                 if not k.startswith(VLM_SKIP)}
+    if where:
+        return where
     extra = " (only .bin weights found: Atelier loads safetensors only)" if list(d.glob("*.bin")) else ""
     raise FileNotFoundError(f"{d}: neither {SINGLE} nor {INDEX} found{extra}")
+
+
+def file_key(key: str, file_keys) -> str:
+    """The name of model key `key` inside a safetensors file holding `file_keys`: its own, or the VLM layout's."""
+    if key in file_keys or not key.startswith("model."):
+        return key
+    return VLM_TEXT + key[len("model."):]
 
 
 # --- the two architectures -----------------------------------------------------------------------
@@ -100,9 +122,14 @@ def args_from_hf_config(cfg: dict, attention_impl: str = "auto", source: str = "
     kind = cfg.get("model_type")
     if kind in qwen35.MODEL_TYPES:
         return Qwen35Args.from_hf_config(cfg, attention_impl, delta_rule_impl, source=source)
-    if kind == "qwen3_5":
-        raise ValueError(f"{source}: model_type 'qwen3_5' is the vision-language checkpoint layout "
-                         f"(model.language_model.*); Atelier reads the text model, model_type 'qwen3_5_text'")
+    if kind == "qwen3_5":  # the vision-language checkpoint: read its text model (weight_files renames the keys)
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
+        inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+                     if k in cfg and k not in text}
+        return Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"}, attention_impl,
+                                         delta_rule_impl, source=f"{source} text_config")
     if kind != "qwen3":
         raise ValueError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
     return ModelArgs.from_hf_config(cfg, attention_impl, source=source)
@@ -147,8 +174,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     for file in sorted(set(where.values())):
         keys = [k for k, f in where.items() if f == file]
         with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = set(f.keys())
             for k in keys:
-                state[k] = f.get_tensor(k).to(device=device, dtype=dtype)
+                state[k] = f.get_tensor(file_key(k, names)).to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = build_model(args)
     model.load_state_dict(state, strict=True, assign=True)
@@ -170,10 +198,12 @@ def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
     for file in sorted(set(where.values())):
         header = read_safetensors_header(file)
         for k in (k for k, f in where.items() if f == file):
-            if k not in header:
-                raise ValueError(f"{file}: key {k!r} listed in {INDEX} is not in the file")
-            if tuple(header[k]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+            name = file_key(k, header)
+            if name not in header:
+                raise ValueError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
+            if tuple(header[name]["shape"]) != expected[k]:
+                raise ValueError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
+                                 f"{expected[k]}")
     return where
 
 

@@ -33,7 +33,7 @@ from data.chat import encode_examples, load_examples
 from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import Model, build_model, check_weight_files, load_pretrained, read_args, save_pretrained
+from designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
 from designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
@@ -141,12 +141,13 @@ class DesignerTask:
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
                      for f in sorted(set(where.values()))}
+            names = {f: set(h.keys()) for f, h in files.items()}
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
                 key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
-                return files[where[key]].get_slice(key)[rows]
+                return files[where[key]].get_slice(file_key(key, names[where[key]]))[rows]
 
             materialize_(model, self.device, read)
         return model

@@ -104,7 +104,7 @@ def doc_starts(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _bwd_programs(device: torch.device, n: int, c_blocks: int) -> int:
-    """Token-block programs of the backward: about 4 per SM in all on CUDA (bounds the dw partials); 2 on the interpreter."""
+    """Token-block programs of the backward: ~4 per SM in all on CUDA (bounds the dw partials); 2 interpreted."""
     if device.type != "cuda":
         return max(1, min(2, triton.cdiv(n, _BLOCK_T)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -176,7 +176,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
 
 # --- reference ------------------------------------------------------------------------------------
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch in fp32, cast back: tap k reads x shifted down by K−1−k rows, zeroed where it crosses a document start."""
+    """Plain PyTorch in fp32, cast back: tap k reads x shifted down K−1−k rows, zeroed across a document start."""
     n, k = x.shape[0], weight.shape[1]
     starts = doc_starts(cu_seqlens, n)
     t = torch.arange(n, device=x.device)

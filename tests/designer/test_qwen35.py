@@ -146,11 +146,34 @@ def test_cli_init_writes_a_loadable_tiny_model(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
 
 
-def test_vlm_layout_is_named():
-    from designer.hf import args_from_hf_config
+def test_reads_the_vision_language_checkpoint_layout(tmp_path):
+    """The released Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: model_type "qwen3_5", a text_config,
+    the text model under model.language_model.*, plus model.visual.* and mtp.* (left out), as transformers'
+    AutoModelForCausalLM reads them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
 
-    with pytest.raises(ValueError, match="qwen3_5_text"):
-        args_from_hf_config({"model_type": "qwen3_5", "text_config": {}})
+    text = save_tiny(tmp_path, 3, tie_embeddings=False)
+    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in load_file(str(text / "model.safetensors")).items()}
+    state["model.visual.patch_embed.proj.weight"], state["mtp.fc.weight"] = torch.randn(4, 3), torch.randn(2, 2)
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    save_file(state, str(vlm / "model.safetensors"), metadata={"format": "pt"})
+    text_config = {k: v for k, v in json.loads((text / "config.json").read_text()).items()
+                   if k not in ("architectures", "tie_word_embeddings", "torch_dtype")}
+    (vlm / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text_config,
+        "tie_word_embeddings": False, "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 32,
+                                                        "num_heads": 2, "out_hidden_size": 64}}))
+    ours, want = load_pretrained(vlm), load_pretrained(text)
+    assert not ours.args.tie_embeddings
+    ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = want.logits(run_rows(want, ids))
+        assert torch.equal(ours.logits(run_rows(ours, ids)), expected)
+        hf = AutoModelForCausalLM.from_pretrained(str(vlm), dtype=torch.float32).eval()
+        assert rel_err(hf(input_ids=ids).logits, expected) <= 1e-5
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------
@@ -240,6 +263,13 @@ def test_training_reduces_the_loss(q35_world, tmp_path, mode):
         assert load_hf(exported).config.model_type == "qwen3_5_text"
     else:
         assert "in_proj_qkv" in json.loads((exported / "adapter_config.json").read_text())["target_modules"]
+
+
+def test_config_targets_are_the_lora_targets():
+    from designer.config import LORA_TARGETS
+    from designer.lora import ALL_TARGETS
+
+    assert LORA_TARGETS == ALL_TARGETS
 
 
 # --- the fast path on the GPU ---------------------------------------------------------------------

@@ -32,7 +32,8 @@ def _recurrent(q, k, v, g, beta, lens):
 def _inputs(lens, hk, hv, dk, dv, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
-    q, k = torch.randn(n, hk, dk, generator=g, dtype=torch.float64), torch.randn(n, hk, dk, generator=g, dtype=torch.float64)
+    q = torch.randn(n, hk, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(n, hk, dk, generator=g, dtype=torch.float64)
     v = torch.randn(n, hv, dv, generator=g, dtype=torch.float64)
     # log-decay as the model makes it: −exp(A_log)·softplus(a + dt_bias), some near 0 (long memory), some strong
     logd = -torch.rand(hv, generator=g, dtype=torch.float64).mul(3).exp() * F.softplus(

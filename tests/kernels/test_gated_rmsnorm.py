@@ -14,7 +14,8 @@ def _math(x, z, w, eps):
 
 def _run(shape, dtype, impl, weight_grad=True, device=DEV, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x64, z64 = torch.randn(shape, generator=g, dtype=torch.float64) * 2, torch.randn(shape, generator=g, dtype=torch.float64)
+    x64 = torch.randn(shape, generator=g, dtype=torch.float64) * 2
+    z64 = torch.randn(shape, generator=g, dtype=torch.float64)
     w64 = 1 + 0.3 * torch.randn(shape[-1], generator=g, dtype=torch.float64)
     dy = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
 
