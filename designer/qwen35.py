@@ -14,7 +14,8 @@ where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialise
   Gated DeltaNet (Yang et al. 2024, arXiv:2412.06464; the rest):
     [q | k | v] = silu(causal_conv1d(in_proj_qkv(x)));  β = sigmoid(in_proj_b(x));
     g = −exp(A_log) · softplus(in_proj_a(x) + dt_bias);  o = gated_delta_rule(q, k, v, g, β);
-    out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head)
+    out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head; the delta rule L2-normalises q and k
+    and scales q by Dk^−½ itself, kernels/gated_delta_rule.py)
 The model runs PACKED rows as designer/model.py does: positions restart per document and `cu_seqlens`
 marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts

@@ -46,6 +46,7 @@ from designer.lora import (
     save_peft_adapter,
 )
 from kernels.cross_entropy import linear_cross_entropy
+from pipeline.config import ConfigError
 from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from pipeline.progress import log
 
@@ -82,6 +83,7 @@ class DesignerTask:
         if not full:
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        _check_delta_rule(cfg, model_dir, device)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -247,6 +249,23 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+
+
+def _check_delta_rule(cfg: DesignerConfig, model_dir: Path, device: torch.device) -> None:
+    """Fail before loading anything when a Qwen3.5 bf16 run on CUDA would need fla-core and it is missing.
+
+    The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
+    key and costs no model load (PITFALLS.md "Silent slow paths").
+    """
+    from designer.qwen35 import Qwen35Args
+    from kernels.gated_delta_rule import FLA_MISSING, has_fla
+
+    if device.type != "cuda" or cfg.model.delta_rule == "ref" or has_fla():
+        return
+    if cfg.model.dtype == "float32" and cfg.model.delta_rule == "auto":
+        return  # "auto" runs the fp32 reference for fp32 compute
+    if isinstance(read_args(model_dir), Qwen35Args):
+        raise ConfigError(f"model.delta_rule={cfg.model.delta_rule!r}: {FLA_MISSING} (or set model.delta_rule=ref)")
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:

@@ -265,6 +265,23 @@ def test_training_reduces_the_loss(q35_world, tmp_path, mode):
         assert "in_proj_qkv" in json.loads((exported / "adapter_config.json").read_text())["target_modules"]
 
 
+def test_a_cuda_run_without_fla_stops_before_loading(q35_world, monkeypatch):
+    import kernels.gated_delta_rule as gdr
+    from designer.config import DesignerConfig, ModelConfig
+    from designer.task import _check_delta_rule
+    from pipeline.config import ConfigError
+
+    monkeypatch.setattr(gdr, "has_fla", lambda: False)
+    cuda, model = torch.device("cuda"), q35_world / "model"
+    for delta_rule in ("auto", "fla"):
+        cfg = DesignerConfig(model=ModelConfig(path=str(model), dtype="bfloat16", delta_rule=delta_rule))
+        with pytest.raises(ConfigError, match=r"model.delta_rule.*pip install fla-core"):
+            _check_delta_rule(cfg, model, cuda)
+    for ok in (ModelConfig(path=str(model), delta_rule="ref"), ModelConfig(path=str(model), dtype="float32")):
+        _check_delta_rule(DesignerConfig(model=ok), model, cuda)
+    _check_delta_rule(DesignerConfig(model=ModelConfig(path=str(model))), model, torch.device("cpu"))
+
+
 def test_config_targets_are_the_lora_targets():
     from designer.config import LORA_TARGETS
     from designer.lora import ALL_TARGETS
