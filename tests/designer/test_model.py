@@ -260,6 +260,20 @@ def count_flops(model: Qwen3, ids, pos, cu, max_len) -> tuple[int, int]:
     return matmul, attention
 
 
+def check_flops_match_counter(model, vocab: int) -> tuple[list[int], int]:
+    """model.matmul_flops and attention_flops equal what FlopCounterMode sees on two packed rows (shared by every
+    designer architecture's test). Returns (segment lengths, head tokens) of the batch."""
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 11, 7, 9)]
+    ids, pos, cu, max_len, lens = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=18)
+    matmul, attention = count_flops(model, ids, pos, cu, max_len)
+    want_matmul = model.matmul_flops(sum(lens), head_tokens=ids.numel())
+    assert abs(matmul - want_matmul) <= 0.02 * want_matmul, (matmul, want_matmul)
+    # the counter charges the full L² square; causal attention does (and is credited) half of it
+    assert attention == 2 * model.attention_flops(lens)
+    return lens, ids.numel()
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_train_flops_match_flop_counter(mode):
     from designer.lora import LoraArgs, apply_lora
@@ -272,15 +286,9 @@ def test_train_flops_match_flop_counter(mode):
         # upstream needs it); train_flops counts every input-gradient, as DESIGN.md's 2·N·T does. Let the
         # gradient flow to the embedding (whose backward is not a matmul) so both count the same work.
         model.model.embed_tokens.weight.requires_grad_(True)
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(0, 67, (n,), generator=g).tolist() for n in (5, 11, 7, 9)]
-    ids, pos, cu, max_len, lens = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=18)
-    matmul, attention = count_flops(model, ids, pos, cu, max_len)
-    want_matmul = model.matmul_flops(sum(lens), head_tokens=ids.numel())
-    assert abs(matmul - want_matmul) <= 0.02 * want_matmul, (matmul, want_matmul)
-    # the counter charges the full L² square; causal attention does (and is credited) half of it
-    assert attention == 2 * model.attention_flops(lens)
-    assert model.train_flops(lens, ids.numel()) == want_matmul + model.attention_flops(lens)
+    lens, head_tokens = check_flops_match_counter(model, 67)
+    want_matmul = model.matmul_flops(sum(lens), head_tokens)
+    assert model.train_flops(lens, head_tokens) == want_matmul + model.attention_flops(lens)
     if mode == "lora":  # frozen base weights get no weight-gradient FLOPs
         full = Qwen3(args)
         assert model.matmul_flops(10, 0) < full.matmul_flops(10, 0)

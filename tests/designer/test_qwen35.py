@@ -202,7 +202,7 @@ def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
     """FlopCounterMode sees the weight matmuls (mm) and the full-attention layer's SDPA (bmm) once the delta rule,
     whose FLOPs test_train_flops checks from the kernel's shapes, is swapped for a matmul-free stand-in."""
     import designer.qwen35 as q35
-    from tests.designer.test_model import count_flops
+    from tests.designer.test_model import check_flops_match_counter
 
     monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl: v * beta[..., None])
     model = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", 67, tie_embeddings=(mode == "full"),
@@ -210,13 +210,7 @@ def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
     if mode == "lora":
         apply_lora(model, LoraArgs(rank=4, alpha=8.0, targets=("q", "qkv", "out", "down")))
         model.model.embed_tokens.weight.requires_grad_(True)  # as in test_model: every input-gradient runs
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(0, 67, (n,), generator=g).tolist() for n in (5, 11, 7, 9)]
-    ids, pos, cu, max_len, lens = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=18)
-    matmul, attention = count_flops(model, ids, pos, cu, max_len)
-    want = model.matmul_flops(sum(lens), head_tokens=ids.numel())
-    assert abs(matmul - want) <= 0.02 * want, (matmul, want)
-    assert attention == 2 * model.attention_flops(lens)  # the counter charges the full L² square
+    check_flops_match_counter(model, 67)
 
 
 # --- LoRA -----------------------------------------------------------------------------------------
