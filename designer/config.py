@@ -10,7 +10,10 @@ from typing import Literal
 
 from pipeline.config import ConfigError, OutputConfig, TrainConfig
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# designer.lora.TARGETS' short names (not imported: parsing a config needs no torch): Qwen3 and Qwen3.5 attention
+# and MLP linears, then Qwen3.5's Gated DeltaNet projections. The default is all of them ("all linear"); each
+# block takes the ones it has.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "z", "b", "a", "out")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,9 @@ class ModelConfig:
     attention: Literal["auto", "flash", "varlen", "sdpa"] = "auto"
     # rmsnorm / rope / swiglu / LoRA linear: "auto" = the Triton kernels on CUDA, the references elsewhere
     kernels: Literal["auto", "triton", "ref"] = "auto"
+    # Qwen3.5's gated delta rule (kernels/gated_delta_rule.py): "auto" = fla-core on CUDA (an error if it is
+    # not installed), the fp32 reference on CPU; "ref" accepts the slow reference anywhere
+    delta_rule: Literal["auto", "fla", "ref"] = "auto"
 
     def validate(self) -> None:
         if not self.path:

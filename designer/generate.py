@@ -96,6 +96,9 @@ def generate(
     Prompts are run in batches of `batch_size`, longest first (less padding); results keep prompt order.
     Sampling draws from one torch.Generator seeded with `seed`, so a call is reproducible.
     """
+    if not isinstance(model, Qwen3):  # the KV cache below has no recurrent (conv + delta-rule) state
+        raise NotImplementedError(f"generate: KV-cache sampling supports Qwen3 only, not {type(model).__name__} "
+                                  f"(Qwen3.5 generation needs a conv and delta-rule state cache: not built yet)")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:

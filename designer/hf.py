@@ -1,6 +1,8 @@
 """Hugging Face layout I/O for the designer: config.json + safetensors (one file, or shards + index).
 
-Directory layout written and read (the one transformers' Qwen3ForCausalLM uses):
+Two architectures, told apart by config.json's model_type: "qwen3" (designer.model.Qwen3) and
+"qwen3_5_text" (designer.qwen35.Qwen35, transformers' Qwen3_5ForCausalLM). Directory layout written and read
+(the one transformers uses for both):
   config.json, generation_config.json,
   model.safetensors                         — one shard, or
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"})
@@ -11,6 +13,8 @@ size before any tensor is read, so a truncated or mismatched file fails with its
 Directories are written to a temporary sibling and renamed into place (atomic on one filesystem).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import json
 import math
@@ -23,10 +27,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from designer.model import ModelArgs, Qwen3, hf_param_shapes, init_param
+from designer import model as qwen3
+from designer import qwen35
+from designer.model import ModelArgs, Qwen3
+from designer.qwen35 import Qwen35, Qwen35Args
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+VLM_TEXT = "model.language_model."  # Qwen3_5ForConditionalGeneration's text model
+VLM_SKIP = ("model.visual.", "mtp.")  # its vision tower and multi-token-prediction head
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -72,40 +81,114 @@ def _read_json(path: Path) -> dict:
 
 
 def weight_files(d: Path) -> dict[str, Path]:
-    """HF key → safetensors file holding it, from the index or the single file."""
+    """HF key → safetensors file holding it, from the index or the single file.
+
+    A Qwen3.5 vision-language checkpoint (Qwen3_5ForConditionalGeneration: the released Qwen3.5 models) keeps its
+    text model under model.language_model.*: those keys are given by their text-model names (model.*, as
+    transformers' AutoModelForCausalLM renames them) and the vision tower (model.visual.*) and the multi-token
+    prediction head (mtp.*) are left out. file_key() gives a key's name inside the file back.
+    """
     if (d / INDEX).is_file():
         weight_map = _read_json(d / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{d / INDEX}: missing 'weight_map'")
-        return {k: d / f for k, f in weight_map.items()}
-    if (d / SINGLE).is_file():
-        return {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
+        where = {k: d / f for k, f in weight_map.items()}
+    elif (d / SINGLE).is_file():
+        where = {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
+    else:
+        where = {}
+    if any(k.startswith(VLM_TEXT) for k in where):
+        where = {"model." + k[len(VLM_TEXT):] if k.startswith(VLM_TEXT) else k: f for k, f in where.items()
+                 if not k.startswith(VLM_SKIP)}
+    if where:
+        return where
     extra = " (only .bin weights found: Atelier loads safetensors only)" if list(d.glob("*.bin")) else ""
     raise FileNotFoundError(f"{d}: neither {SINGLE} nor {INDEX} found{extra}")
 
 
+def file_key(key: str, file_keys) -> str:
+    """The name of model key `key` inside a safetensors file holding `file_keys`: its own, or the VLM layout's."""
+    if key in file_keys or not key.startswith("model."):
+        return key
+    return VLM_TEXT + key[len("model."):]
+
+
+# --- the two architectures -----------------------------------------------------------------------
+Args = ModelArgs | Qwen35Args
+Model = Qwen3 | Qwen35
+
+
+def args_from_hf_config(cfg: dict, attention_impl: str = "auto", source: str = "config.json",
+                        delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
+    """ModelArgs (model_type "qwen3") or Qwen35Args ("qwen3_5_text") from a config.json dict."""
+    kind = cfg.get("model_type")
+    if kind in qwen35.MODEL_TYPES:
+        return dataclasses.replace(Qwen35Args.from_hf_config(cfg, attention_impl, delta_rule_impl, source=source),
+                                   kernels=kernels)
+    if kind == "qwen3_5":  # the vision-language checkpoint: read its text model (weight_files renames the keys)
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
+        inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+                     if k in cfg and k not in text}
+        args = Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"}, attention_impl,
+                                         delta_rule_impl, source=f"{source} text_config")
+        return dataclasses.replace(args, kernels=kernels)
+    if kind != "qwen3":
+        raise ValueError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
+    return ModelArgs.from_hf_config(cfg, attention_impl, source=source, kernels=kernels)
+
+
+def args_from_size(size: str, vocab_size: int, **overrides) -> Args:
+    """Args of a named size: designer.model.SIZES (Qwen3) or designer.qwen35.SIZES ("qwen3.5-*")."""
+    if size in qwen35.SIZES:
+        return Qwen35Args.from_size(size, vocab_size, **overrides)
+    if size not in qwen3.SIZES:
+        raise ValueError(f"unknown designer size {size!r}; known: {sorted(qwen3.SIZES) + sorted(qwen35.SIZES)}")
+    return ModelArgs.from_size(size, vocab_size, **overrides)
+
+
+def build_model(args: Args) -> Model:
+    """The (uninitialised) model of `args`, on the current default device."""
+    return Qwen35(args) if isinstance(args, Qwen35Args) else Qwen3(args)
+
+
+def hf_param_shapes(args: Args) -> dict[str, tuple[int, ...]]:
+    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).hf_param_shapes(args)
+
+
+def init_param(args: Args, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).init_param(name, shape, gen)
+
+
+def read_args(d: Path, attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
+    """The Args of the HF directory d (its config.json); `kernels` is Qwen3's ModelArgs.kernels."""
+    return args_from_hf_config(_read_json(d / "config.json"), attention_impl, str(d / "config.json"), delta_rule_impl,
+                               kernels)
+
+
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    attention_impl: str = "auto", kernels: str = "auto") -> Qwen3:
-    """Qwen3 from an HF directory (config.json + safetensors), every key and shape checked."""
+                    attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Model:
+    """Qwen3 or Qwen3.5 from an HF directory (config.json + safetensors), every key and shape checked."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
-    args = ModelArgs.from_hf_config(_read_json(d / "config.json"), attention_impl, source=str(d / "config.json"),
-                                    kernels=kernels)
+    args = read_args(d, attention_impl, delta_rule_impl, kernels)
     where = check_weight_files(d, args)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):
         keys = [k for k, f in where.items() if f == file]
         with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = set(f.keys())
             for k in keys:
-                state[k] = f.get_tensor(k).to(device=device, dtype=dtype)
+                state[k] = f.get_tensor(file_key(k, names)).to(device=device, dtype=dtype)
     with torch.device("meta"):
-        model = Qwen3(args)
+        model = build_model(args)
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
 
-def check_weight_files(d: Path, args: ModelArgs) -> dict[str, Path]:
+def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
     """HF key → safetensors file, after checking every key and shape against config.json (nothing is read yet)."""
     expected = hf_param_shapes(args)
     where = weight_files(d)
@@ -120,10 +203,12 @@ def check_weight_files(d: Path, args: ModelArgs) -> dict[str, Path]:
     for file in sorted(set(where.values())):
         header = read_safetensors_header(file)
         for k in (k for k, f in where.items() if f == file):
-            if k not in header:
-                raise ValueError(f"{file}: key {k!r} listed in {INDEX} is not in the file")
-            if tuple(header[k]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, config.json implies {expected[k]}")
+            name = file_key(k, header)
+            if name not in header:
+                raise ValueError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
+            if tuple(header[name]["shape"]) != expected[k]:
+                raise ValueError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
+                                 f"{expected[k]}")
     return where
 
 
@@ -140,7 +225,7 @@ def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_by
     return shards
 
 
-def write_hf_dir(out_dir: str | os.PathLike, args: ModelArgs, shapes: dict[str, tuple[int, ...]],
+def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple[int, ...]],
                  make: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int,
                  tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Write an HF model directory atomically, building one shard of tensors at a time with `make(key)`.
@@ -188,9 +273,9 @@ def write_hf_dir(out_dir: str | os.PathLike, args: ModelArgs, shapes: dict[str, 
     return out
 
 
-def save_pretrained(model: Qwen3, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-    """Write `model` as an HF Qwen3 directory (merge LoRA first: designer.lora.merge_lora)."""
+    """Write `model` as an HF Qwen3 / Qwen3.5 directory (merge LoRA first: designer.lora.merge_lora)."""
     state = model.state_dict()
     lora = [k for k in state if "lora_" in k or ".base_layer." in k]
     if lora:
@@ -204,17 +289,17 @@ def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.P
                 dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> Path:
     """A random-init HF directory of a SIZES entry, vocab and special tokens from the tokenizer (copied in).
 
-    Streams the same draws as Qwen3.init_weights(seed), one tensor at a time, so no model is built.
+    Streams the same draws as init_weights(seed) (Qwen3 or Qwen35), one tensor at a time, so no model is built.
     """
     from transformers import AutoTokenizer
 
     if not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"init_random: tokenizer directory {tokenizer_dir} does not exist")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    args = ModelArgs.from_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id)
+    args = args_from_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
     shapes = hf_param_shapes(args)
     gen = torch.Generator().manual_seed(seed)
     # make() is called in state-dict order, which is named_parameters() order: same draws as init_weights.
-    return write_hf_dir(out_dir, args, shapes, lambda k: init_param(k, shapes[k], gen), dtype, max_shard_bytes,
+    return write_hf_dir(out_dir, args, shapes, lambda k: init_param(args, k, shapes[k], gen), dtype, max_shard_bytes,
                         tokenizer_dir)

@@ -10,6 +10,11 @@ dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
 Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
 `base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
 `modules_to_save`, so PEFT and vLLM load them.
+
+Targets are short names for the linears of both designer architectures (TARGETS). A block gets the targets
+it has: Qwen3's blocks and Qwen3.5's full-attention blocks have self_attn (q, k, v, o), Qwen3.5's Gated
+DeltaNet blocks have linear_attn (qkv, z, b, a, out), every block has mlp (gate, up, down). The default is
+all of them, i.e. every linear of either architecture ("all linear"); a target set that wraps nothing raises.
 """
 from __future__ import annotations
 
@@ -26,11 +31,17 @@ from torch import nn
 
 from designer.hf import read_safetensors_header
 from designer.model import Qwen3
+from designer.qwen35 import Qwen35
 from kernels.lora_linear import lora_linear
 
-# Atelier's short target names → Qwen3 module names and their parent (self_attn or mlp).
+# Atelier's short target names → module names in a block, with their parent (self_attn, linear_attn or mlp).
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+           # Qwen3.5's Gated DeltaNet projections
+           "qkv": "linear_attn.in_proj_qkv", "z": "linear_attn.in_proj_z", "b": "linear_attn.in_proj_b",
+           "a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}
+ALL_TARGETS = tuple(TARGETS)
+Model = Qwen3 | Qwen35
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,7 +52,7 @@ class LoraArgs:
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    targets: tuple[str, ...] = ALL_TARGETS
     rslora: bool = False
     dtype: str = "float32"  # adapter weights and adapter compute
 
@@ -108,17 +119,27 @@ class LoRALinear(nn.Module):
         return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
 
 
-def lora_targets(model: Qwen3, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
-    """(full module name, parent, attribute) of every target linear."""
+def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
+    """(full module name, parent, attribute) of every target linear the model's blocks have."""
     out = []
     for i, block in enumerate(model.model.layers):
         for t in args.targets:
             parent_name, leaf = TARGETS[t].split(".")
-            out.append((f"model.layers.{i}.{TARGETS[t]}", getattr(block, parent_name), leaf))
+            parent = getattr(block, parent_name, None)  # a Qwen3.5 block has self_attn or linear_attn
+            if parent is not None:
+                out.append((f"model.layers.{i}.{TARGETS[t]}", parent, leaf))
+    if not out:
+        raise ValueError(f"LoRA targets {list(args.targets)} name no linear of this {type(model).__name__}")
     return out
 
 
-def apply_lora(model: Qwen3, args: LoraArgs) -> Qwen3:
+def peft_target_modules(model: nn.Module) -> list[str]:
+    """PEFT's target_modules of a model with LoRA applied: the leaf names actually wrapped, in module order."""
+    leaves = [name.rsplit(".", 1)[1] for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return list(dict.fromkeys(leaves))
+
+
+def apply_lora(model: Model, args: LoraArgs) -> Model:
     """Freeze every base parameter and wrap the target linears in LoRALinear, in place."""
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA layers")
@@ -144,14 +165,14 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_peft_adapter(model: Qwen3, args: LoraArgs, out_dir: str | os.PathLike, base_model_path: str) -> Path:
+def save_peft_adapter(model: Model, args: LoraArgs, out_dir: str | os.PathLike, base_model_path: str) -> Path:
     """Write adapter_config.json + adapter_model.safetensors (PEFT format) atomically."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in lora_state_dict(model).items()}
     if not tensors:
         raise ValueError("save_peft_adapter: the model has no LoRA layers (apply_lora first)")
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.rank, "lora_alpha": args.alpha,
-        "lora_dropout": args.dropout, "target_modules": args.target_modules, "use_rslora": args.rslora,
+        "lora_dropout": args.dropout, "target_modules": peft_target_modules(model), "use_rslora": args.rslora,
         "bias": "none", "base_model_name_or_path": base_model_path, "modules_to_save": None,
         "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "use_dora": False,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
@@ -189,7 +210,7 @@ def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
     by_leaf = {v.split(".")[1]: k for k, v in TARGETS.items()}
     unknown = [m for m in modules if m not in by_leaf]
     if unknown:
-        raise ValueError(f"{source}: target_modules {unknown} are not Qwen3 linears {list(by_leaf)}")
+        raise ValueError(f"{source}: target_modules {unknown} are not designer linears {list(by_leaf)}")
     order = [t for t in TARGETS if t in {by_leaf[m] for m in modules}]
     try:
         return LoraArgs(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
@@ -198,7 +219,7 @@ def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
         raise ValueError(f"{source}: {e}") from None
 
 
-def load_peft_adapter(model: Qwen3, adapter_dir: str | os.PathLike) -> LoraArgs:
+def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     """Apply LoRA (unless already applied) and load a PEFT adapter's weights; returns its LoraArgs."""
     d = Path(adapter_dir)
     if not d.is_dir():
@@ -238,7 +259,7 @@ def load_peft_adapter(model: Qwen3, adapter_dir: str | os.PathLike) -> LoraArgs:
     return args
 
 
-def merge_lora(model: Qwen3) -> Qwen3:
+def merge_lora(model: Model) -> Model:
     """Fold every LoRALinear into a plain nn.Linear (W + s·B·A), in place; the result saves as a full HF model."""
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):

@@ -250,13 +250,15 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
 
-class Qwen3(nn.Module):
-    """Qwen3 dense causal LM. `state_dict()` keys equal transformers' Qwen3ForCausalLM keys."""
+class CausalLM(nn.Module):
+    """What the designer architectures share around their blocks (Qwen3 here, Qwen35 in designer/qwen35.py):
+    `model` (embeddings → blocks → final norm, HF's `model.` prefix), the LM head, init by parameter name,
+    logits and the weight-matmul FLOPs."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: Any, backbone: nn.Module) -> None:
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.model = backbone
         # Tied: the LM head IS the embedding matrix; there is no lm_head module (and no lm_head.weight key).
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -265,8 +267,44 @@ class Qwen3(nn.Module):
         """[V, D]: lm_head.weight, or the embedding weight when tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def init_by_name(self, rule: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor],
+                     seed: int | None) -> Any:
+        """Every parameter, in named_parameters() order, := rule(name, shape, one CPU generator seeded `seed`).
+
+        Values are drawn on the CPU in fp32 and copied, so a seed gives the same weights on any device
+        and in any dtype (designer/hf.py's init_random streams the same draws to disk).
+        """
+        gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(rule(name, tuple(p.shape), gen))
+        return self
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] → logits [..., V] (materialises V; the trainer uses kernels.linear_cross_entropy)."""
+        return hidden @ self.lm_head_weight.t()
+
+    def matmul_flops(self, tokens: int, head_tokens: int) -> int:
+        """Training FLOPs of every weight matmul, walked from the modules (so LoRA adapters count themselves).
+
+        Per weight W [in → out] on T tokens: 2·in·out·T forward + 2·in·out·T input-grad
+        + 2·in·out·T weight-grad only if W.requires_grad (a LoRA's frozen base gets none).
+        The LM head runs on `head_tokens` tokens (the ones with a loss).
+        Input-gradients are counted for every matmul (DESIGN.md's 2·N·T). With LoRA and a frozen
+        embedding, autograd skips layer 0's q/k/v/gate/up input-gradients, so this overstates the work
+        by 2·(those weights)·T, under 1/num_layers of the input-gradient FLOPs.
+        """
+        return linear_train_flops(self.model.layers, self.lm_head_weight, tokens, head_tokens)
+
+
+class Qwen3(CausalLM):
+    """Qwen3 dense causal LM. `state_dict()` keys equal transformers' Qwen3ForCausalLM keys."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, Backbone(args))
+
     def init_weights(self, seed: int | None = None) -> Qwen3:
-        """Initialise every parameter, in named_parameters() order, from one CPU generator.
+        """Initialise every parameter from one CPU generator (CausalLM.init_by_name with this table).
 
         | parameter                                   | init                  |
         |---------------------------------------------|-----------------------|
@@ -275,15 +313,8 @@ class Qwen3(nn.Module):
         | *_proj.bias (attention_bias=True)           | zeros                 |
         | *norm.weight (input/post/q/k/final norms)   | ones                  |
         | lm_head.weight (untied)                     | normal(0, 0.02)       |
-
-        Values are drawn on the CPU in fp32 and copied, so a seed gives the same weights on any device
-        and in any dtype (designer/hf.py's init_random streams the same draws to disk).
         """
-        gen = torch.Generator().manual_seed(0 if seed is None else seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.copy_(init_param(name, tuple(p.shape), gen))
-        return self
+        return self.init_by_name(init_param, seed)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       attends: Sequence[Attend]) -> torch.Tensor:
@@ -301,40 +332,11 @@ class Qwen3(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
         """Packed forward. input_ids, position_ids int64 [B,T]; cu_seqlens int32 [S+1] over B·T → hidden [B,T,D]."""
-        if input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise ValueError(f"Qwen3.forward: input_ids must be int64 [B,T], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if position_ids.shape != input_ids.shape or position_ids.dtype != torch.long:
-            raise ValueError(f"Qwen3.forward: position_ids must be int64 {tuple(input_ids.shape)}, got "
-                             f"{position_ids.dtype} {tuple(position_ids.shape)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-            raise ValueError(f"Qwen3.forward: cu_seqlens must be int32 [S+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        check_packed_inputs("Qwen3.forward", input_ids, position_ids, cu_seqlens)
         attend = PackedAttention(cu_seqlens, max_seqlen, self.args.attention_impl)
         return self.hidden_states(input_ids, position_ids, [attend] * self.args.num_layers)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] → logits [..., V] (materialises V; the trainer uses kernels.linear_cross_entropy)."""
-        return hidden @ self.lm_head_weight.t()
-
-    # --- FLOPs ------------------------------------------------------------------------------------
-    def matmul_flops(self, tokens: int, head_tokens: int) -> int:
-        """Training FLOPs of every weight matmul, walked from the modules (so LoRA adapters count themselves).
-
-        Per weight W [in → out] on T tokens: 2·in·out·T forward + 2·in·out·T input-grad
-        + 2·in·out·T weight-grad only if W.requires_grad (a LoRA's frozen base gets none).
-        The LM head runs on `head_tokens` tokens (the ones with a loss).
-        Input-gradients are counted for every matmul (DESIGN.md's 2·N·T). With LoRA and a frozen
-        embedding, autograd skips layer 0's q/k/v/gate/up input-gradients, so this overstates the work
-        by 2·(those weights)·T, under 1/num_layers of the input-gradient FLOPs.
-        """
-        total = 0
-        for m in self.model.layers.modules():
-            if isinstance(m, nn.Linear):
-                per = 2 * m.in_features * m.out_features * tokens
-                total += per * (3 if m.weight.requires_grad else 2)
-        w = self.lm_head_weight
-        per = 2 * w.shape[0] * w.shape[1] * head_tokens
-        return total + per * (3 if w.requires_grad else 2)
-
+    # --- FLOPs (matmul_flops: CausalLM) -------------------------------------------------------------
     def attention_flops(self, doc_lens: Sequence[int]) -> int:
         """Causal attention training FLOPs: (4 forward + 8 backward)·L²·H·Dh per doc and layer, halved by the mask."""
         a = self.args
@@ -343,6 +345,32 @@ class Qwen3(nn.Module):
     def train_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
         """Useful FLOPs of one forward+backward over documents of lengths `doc_lens` (padding excluded)."""
         return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
+
+
+def check_packed_inputs(who: str, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """The packed forward's input contract (shared by every designer architecture); raises naming `who`."""
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"{who}: input_ids must be int64 [B,T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    if position_ids.shape != input_ids.shape or position_ids.dtype != torch.long:
+        raise ValueError(f"{who}: position_ids must be int64 {tuple(input_ids.shape)}, got "
+                         f"{position_ids.dtype} {tuple(position_ids.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{who}: cu_seqlens must be int32 [S+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+
+
+def linear_train_flops(layers: nn.Module, lm_head_weight: torch.Tensor, tokens: int, head_tokens: int) -> int:
+    """Training FLOPs of every nn.Linear under `layers` on `tokens` tokens plus the LM head on `head_tokens`.
+
+    Per weight W [in → out]: 2·in·out·T forward + 2·in·out·T input-grad + 2·in·out·T weight-grad only if
+    W.requires_grad (a LoRA's frozen base gets none; a LoRA's own A and B are nn.Linear and count themselves).
+    """
+    total = 0
+    for m in layers.modules():
+        if isinstance(m, nn.Linear):
+            per = 2 * m.in_features * m.out_features * tokens
+            total += per * (3 if m.weight.requires_grad else 2)
+    per = 2 * lm_head_weight.shape[0] * lm_head_weight.shape[1] * head_tokens
+    return total + per * (3 if lm_head_weight.requires_grad else 2)
 
 
 def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

@@ -19,7 +19,6 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from data.chat import encode_examples, load_examples
 from data.packing import Batch, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
-from designer.hf import check_weight_files, load_pretrained, save_pretrained
+from designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
 from designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
@@ -46,8 +45,8 @@ from designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
-from designer.model import ModelArgs, Qwen3
 from kernels.cross_entropy import linear_cross_entropy
+from pipeline.config import ConfigError
 from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from pipeline.progress import log
 
@@ -84,6 +83,7 @@ class DesignerTask:
         if not full:
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        _check_delta_rule(cfg, model_dir, device)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -103,14 +103,14 @@ class DesignerTask:
             return torch.float32
         return None if self.lora_args is not None else torch.bfloat16
 
-    def _wrap(self, model: Qwen3) -> Qwen3:
+    def _wrap(self, model: Model) -> Model:
         return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 
-    def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+    def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
         model = load_pretrained(model_dir, dtype=base_dtype, device=self.device, attention_impl=self.cfg.model.attention,
-                                kernels=self.cfg.model.kernels)
+                                delta_rule_impl=self.cfg.model.delta_rule, kernels=self.cfg.model.kernels)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
@@ -118,18 +118,17 @@ class DesignerTask:
                 apply_lora(model, self.lora_args)
         return self._wrap(model)
 
-    def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Qwen3:
+    def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
         from safetensors import safe_open
 
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
-        args = ModelArgs.from_hf_config(json.loads(config_path.read_text()), self.cfg.model.attention,
-                                        source=str(config_path), kernels=self.cfg.model.kernels)
+        args = read_args(model_dir, self.cfg.model.attention, self.cfg.model.delta_rule, self.cfg.model.kernels)
         where = check_weight_files(model_dir, args)
         with torch.device("meta"):
-            model = Qwen3(args).to(base_dtype)
+            model = build_model(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
@@ -144,12 +143,13 @@ class DesignerTask:
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
                      for f in sorted(set(where.values()))}
+            names = {f: set(h.keys()) for f, h in files.items()}
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
                 key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
-                return files[where[key]].get_slice(key)[rows]
+                return files[where[key]].get_slice(file_key(key, names[where[key]]))[rows]
 
             materialize_(model, self.device, read)
         return model
@@ -251,7 +251,24 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _lora_init_like_apply_lora(model: Qwen3, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
+def _check_delta_rule(cfg: DesignerConfig, model_dir: Path, device: torch.device) -> None:
+    """Fail before loading anything when a Qwen3.5 bf16 run on CUDA would need fla-core and it is missing.
+
+    The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
+    key and costs no model load (PITFALLS.md "Silent slow paths").
+    """
+    from designer.qwen35 import Qwen35Args
+    from kernels.gated_delta_rule import FLA_MISSING, has_fla
+
+    if device.type != "cuda" or cfg.model.delta_rule == "ref" or has_fla():
+        return
+    if cfg.model.dtype == "float32" and cfg.model.delta_rule == "auto":
+        return  # "auto" runs the fp32 reference for fp32 compute
+    if isinstance(read_args(model_dir), Qwen35Args):
+        raise ConfigError(f"model.delta_rule={cfg.model.delta_rule!r}: {FLA_MISSING} (or set model.delta_rule=ref)")
+
+
+def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
     """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
 
     Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws

@@ -4,7 +4,7 @@
     atelier data synth --out DIR --n N --seed S
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|... --tokenizer DIR --out DIR
+    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
@@ -127,7 +127,8 @@ def designer_init(args: argparse.Namespace) -> int:
     from designer.hf import init_random
 
     path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
-    print(f"wrote a random-init Qwen3 {args.size} model to {path}")
+    kind = "Qwen3.5" if args.size.startswith("qwen3.5") else "Qwen3"
+    print(f"wrote a random-init {kind} {args.size} model to {path}")
     return 0
 
 
@@ -264,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
     train_args(sp)
     launch_args(sp)
-    sp = command(d, "init", designer_init, "write a random-init Qwen3 model directory (HF layout)")
-    sp.add_argument("--size", required=True, help="tiny, demo, 0.6b, 1.7b, 4b, 8b, 14b, 32b")
+    sp = command(d, "init", designer_init, "write a random-init Qwen3 / Qwen3.5 model directory (HF layout)")
+    sp.add_argument("--size", required=True,
+                    help="Qwen3: tiny, demo, 0.6b, 1.7b, 4b, 8b, 14b, 32b; Qwen3.5 (hybrid): qwen3.5-tiny, qwen3.5-9b")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)

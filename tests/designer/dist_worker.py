@@ -24,5 +24,8 @@ if __name__ == "__main__":
             code = main(argv)
             if code != 0:
                 raise SystemExit(f"run {name} exited with {code}")
+        # every rank finished before any tears the group down: a rank leaving while its peer was still
+        # exporting aborted at exit now and then ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()

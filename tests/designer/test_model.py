@@ -120,16 +120,14 @@ def test_loads_a_transformers_written_checkpoint(tmp_path):
 
 
 # --- packing --------------------------------------------------------------------------------------
-def test_packed_rows_equal_documents_one_by_one():
-    torch.manual_seed(0)
-    args = ModelArgs.from_size("tiny", 53, attention_impl="sdpa")
-    model = Qwen3(args).init_weights(5)
-    g = torch.Generator().manual_seed(6)
-    docs = [torch.randint(0, 53, (n,), generator=g).tolist() for n in (5, 11, 1, 7, 9, 3)]
-    ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1, 2], [3, 4], [5]], seq_len=20)
+def check_packed_equals_one_by_one(model, docs: list[list[int]], rows: list[list[int]], seq_len: int,
+                                   grad_tol: float = 1e-5) -> None:
+    """Packed rows of `docs` give each document's hidden states and the loss of the documents run one by one
+    (rel ≤ 1e-5), and every gradient (rel ≤ grad_tol). Shared by every designer architecture's test."""
+    ids, pos, cu, max_len, _ = packed_inputs(docs, rows, seq_len=seq_len)
     # labels: next token inside each document, nothing across boundaries or on padding
     labels, starts = torch.full_like(ids, -100), {}
-    for r, row in enumerate([[0, 1, 2], [3, 4], [5]]):
+    for r, row in enumerate(rows):
         off = 0
         for d in row:
             n = len(docs[d])
@@ -137,7 +135,7 @@ def test_packed_rows_equal_documents_one_by_one():
             starts[d] = (r, off)
             off += n
     hidden = model(ids, pos, cu, max_len)
-    loss = linear_cross_entropy(hidden.reshape(-1, args.dim), model.lm_head_weight, labels.reshape(-1))
+    loss = linear_cross_entropy(hidden.reshape(-1, model.args.dim), model.lm_head_weight, labels.reshape(-1))
     loss.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -152,7 +150,17 @@ def test_packed_rows_equal_documents_one_by_one():
     total.backward()
     assert abs(loss.item() - total.item()) <= 1e-5 * abs(total.item())
     for n, p in model.named_parameters():
-        assert rel_err(packed_grads[n], p.grad) <= 1e-5, f"gradient of {n} differs"
+        err = rel_err(packed_grads[n], p.grad)
+        assert err <= grad_tol, f"gradient of {n} differs: relative {err:.2e}"
+
+
+def test_packed_rows_equal_documents_one_by_one():
+    torch.manual_seed(0)
+    args = ModelArgs.from_size("tiny", 53, attention_impl="sdpa")
+    model = Qwen3(args).init_weights(5)
+    g = torch.Generator().manual_seed(6)
+    docs = [torch.randint(0, 53, (n,), generator=g).tolist() for n in (5, 11, 1, 7, 9, 3)]
+    check_packed_equals_one_by_one(model, docs, [[0, 1, 2], [3, 4], [5]], seq_len=20)
 
 
 # --- HF I/O ---------------------------------------------------------------------------------------
@@ -252,6 +260,20 @@ def count_flops(model: Qwen3, ids, pos, cu, max_len) -> tuple[int, int]:
     return matmul, attention
 
 
+def check_flops_match_counter(model, vocab: int) -> tuple[list[int], int]:
+    """model.matmul_flops and attention_flops equal what FlopCounterMode sees on two packed rows (shared by every
+    designer architecture's test). Returns (segment lengths, head tokens) of the batch."""
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 11, 7, 9)]
+    ids, pos, cu, max_len, lens = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=18)
+    matmul, attention = count_flops(model, ids, pos, cu, max_len)
+    want_matmul = model.matmul_flops(sum(lens), head_tokens=ids.numel())
+    assert abs(matmul - want_matmul) <= 0.02 * want_matmul, (matmul, want_matmul)
+    # the counter charges the full L² square; causal attention does (and is credited) half of it
+    assert attention == 2 * model.attention_flops(lens)
+    return lens, ids.numel()
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_train_flops_match_flop_counter(mode):
     from designer.lora import LoraArgs, apply_lora
@@ -264,15 +286,9 @@ def test_train_flops_match_flop_counter(mode):
         # upstream needs it); train_flops counts every input-gradient, as DESIGN.md's 2·N·T does. Let the
         # gradient flow to the embedding (whose backward is not a matmul) so both count the same work.
         model.model.embed_tokens.weight.requires_grad_(True)
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(0, 67, (n,), generator=g).tolist() for n in (5, 11, 7, 9)]
-    ids, pos, cu, max_len, lens = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=18)
-    matmul, attention = count_flops(model, ids, pos, cu, max_len)
-    want_matmul = model.matmul_flops(sum(lens), head_tokens=ids.numel())
-    assert abs(matmul - want_matmul) <= 0.02 * want_matmul, (matmul, want_matmul)
-    # the counter charges the full L² square; causal attention does (and is credited) half of it
-    assert attention == 2 * model.attention_flops(lens)
-    assert model.train_flops(lens, ids.numel()) == want_matmul + model.attention_flops(lens)
+    lens, head_tokens = check_flops_match_counter(model, 67)
+    want_matmul = model.matmul_flops(sum(lens), head_tokens)
+    assert model.train_flops(lens, head_tokens) == want_matmul + model.attention_flops(lens)
     if mode == "lora":  # frozen base weights get no weight-gradient FLOPs
         full = Qwen3(args)
         assert model.matmul_flops(10, 0) < full.matmul_flops(10, 0)

@@ -1,0 +1,415 @@
+"""Qwen3.5 hybrid causal LM (text): Gated DeltaNet layers interleaved with gated full-attention layers,
+with Hugging Face Qwen3_5ForCausalLM state-dict names (transformers' `qwen3_5_text` model type).
+
+Shape legend: B rows, T tokens per row, N = B·T packed tokens, D dim, S documents in a packed batch,
+H query heads, Hkv kv heads, Dh head dim (full attention; RoPE turns the first R = Dh·partial_rotary_factor
+dims), Hk / Hv Gated DeltaNet key / value heads, Dk / Dv their head dims, C = 2·Hk·Dk + Hv·Dv conv channels,
+K conv taps, F ffn dim, V vocab.
+
+Every block is pre-norm:  x += mixer(n(x));  x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))
+where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialised to 0) and the mixer is
+  full attention (every `full_attention_interval`-th layer; Qwen3 attention plus an output gate):
+    [q | gate] = q_proj(x) per head;  o = attn(rope_R(q_norm(q)), rope_R(k_norm(k_proj(x))), v_proj(x));
+    out = o_proj(o · sigmoid(gate))
+  Gated DeltaNet (Yang et al. 2024, arXiv:2412.06464; the rest):
+    [q | k | v] = silu(causal_conv1d(in_proj_qkv(x)));  β = sigmoid(in_proj_b(x));
+    g = −exp(A_log) · softplus(in_proj_a(x) + dt_bias);  o = gated_delta_rule(q, k, v, g, β);
+    out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head; the delta rule L2-normalises q and k
+    and scales q by Dk^−½ itself, kernels/gated_delta_rule.py)
+The model runs PACKED rows as designer/model.py does: positions restart per document and `cu_seqlens`
+marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
+attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
+at zero per document) — so a packed row equals its documents run one by one (PITFALLS.md "Packing that
+leaks"). HF layout I/O lives in designer/hf.py (dispatching on config.json's model_type).
+
+Qwen3.5 uses M-RoPE (separate t/h/w position sections) for images; for text the three position streams
+are equal, so it is plain RoPE on the first R dims (mrope_section / mrope_interleaved only round-trip).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs
+from designer.model import init_param as qwen3_init_param
+from kernels.attention import IMPLS as ATTENTION_IMPLS
+from kernels.causal_conv1d import causal_conv1d
+from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, gated_delta_rule
+from kernels.gated_rmsnorm import gated_rmsnorm
+from kernels.rmsnorm import rmsnorm
+from kernels.rope import rope, rope_cos_sin
+
+MODEL_TYPES = ("qwen3_5_text",)
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen35Args:
+    """Architecture of a Qwen3.5 text model. Shared field names with designer.model.ModelArgs."""
+
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    gdn_num_key_heads: int
+    gdn_num_value_heads: int
+    gdn_key_head_dim: int
+    gdn_value_head_dim: int
+    gdn_conv_kernel: int = 4
+    full_attention_interval: int = 4  # layer i is full attention iff (i + 1) % interval == 0 (HF's default rule)
+    layer_types: tuple[str, ...] = ()  # () = from full_attention_interval; else one of LINEAR / FULL per layer
+    partial_rotary_factor: float = 0.25
+    max_seq_len: int = 262144
+    rope_theta: float = 1e7
+    mrope_section: tuple[int, ...] | None = None  # round-trips only (see the module docstring)
+    mrope_interleaved: bool | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    attention_impl: str = "auto"  # kernels.attention impl
+    delta_rule_impl: str = "auto"  # kernels.gated_delta_rule impl: auto | fla | ref
+    kernels: str = "auto"  # the shared MLP's swiglu (designer.model.MLP): auto | triton | ref
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                  "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
+                  "gdn_conv_kernel", "full_attention_interval", "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Qwen35Args.{f} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Qwen35Args.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.gdn_num_value_heads % self.gdn_num_key_heads:
+            raise ValueError(f"Qwen35Args.gdn_num_value_heads={self.gdn_num_value_heads} is not a multiple of "
+                             f"gdn_num_key_heads={self.gdn_num_key_heads}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"Qwen35Args: head_dim {self.head_dim} · partial_rotary_factor {self.partial_rotary_factor} "
+                             f"= {self.rotary_dim} rotary dims; need an even number in [2, head_dim]")
+        types = tuple(self.layer_types) or tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
+                                                 for i in range(self.num_layers))
+        if len(types) != self.num_layers or any(t not in (LINEAR, FULL) for t in types):
+            raise ValueError(f"Qwen35Args.layer_types must list {LINEAR!r} or {FULL!r} for each of the "
+                             f"{self.num_layers} layers, got {list(types)}")
+        object.__setattr__(self, "layer_types", types)
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        if self.kernels not in KERNEL_IMPLS:
+            raise ValueError(f"Qwen35Args.kernels must be one of {KERNEL_IMPLS}, got {self.kernels!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"Qwen35Args.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.delta_rule_impl not in DELTA_RULE_IMPLS:
+            raise ValueError(f"Qwen35Args.delta_rule_impl must be one of {DELTA_RULE_IMPLS}, got {self.delta_rule_impl!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # HF: int(head_dim · partial_rotary_factor)
+
+    @classmethod
+    def from_size(cls, size: str, vocab_size: int, **overrides: Any) -> Qwen35Args:
+        if size not in SIZES:
+            raise ValueError(f"unknown Qwen3.5 size {size!r}; known: {sorted(SIZES)}")
+        return cls(vocab_size=vocab_size, **{**SIZES[size], **overrides})
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], attention_impl: str = "auto", delta_rule_impl: str = "auto",
+                       source: str = "config.json") -> Qwen35Args:
+        """Qwen35Args from a transformers `qwen3_5_text` config.json dict (flat, rope in "rope_parameters")."""
+        if cfg.get("model_type") not in MODEL_TYPES:
+            raise ValueError(f"{source}: model_type must be one of {MODEL_TYPES}, got {cfg.get('model_type')!r}")
+        need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        missing = [k for k in need if k not in cfg]
+        if missing:
+            raise ValueError(f"{source}: missing keys {missing}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        rp = dict(cfg.get("rope_parameters") or {})
+        if rp.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: rope_parameters.rope_type {rp['rope_type']!r} is not supported (only 'default')")
+        heads = cfg["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_dim=cfg["intermediate_size"],
+                gdn_num_key_heads=cfg["linear_num_key_heads"], gdn_num_value_heads=cfg["linear_num_value_heads"],
+                gdn_key_head_dim=cfg["linear_key_head_dim"], gdn_value_head_dim=cfg["linear_value_head_dim"],
+                gdn_conv_kernel=cfg.get("linear_conv_kernel_dim", 4), layer_types=tuple(cfg.get("layer_types") or ()),
+                full_attention_interval=cfg.get("full_attention_interval", 4),
+                partial_rotary_factor=float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+                max_seq_len=cfg.get("max_position_embeddings", 32768),
+                rope_theta=float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                mrope_section=rp.get("mrope_section"), mrope_interleaved=rp.get("mrope_interleaved"),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)), attention_impl=attention_impl,
+                delta_rule_impl=delta_rule_impl, bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"),
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+        """config.json dict that AutoModelForCausalLM loads as Qwen3_5ForCausalLM."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                           "partial_rotary_factor": self.partial_rotary_factor}
+        if self.mrope_section is not None:
+            rope_parameters["mrope_section"] = list(self.mrope_section)
+        if self.mrope_interleaved is not None:
+            rope_parameters["mrope_interleaved"] = self.mrope_interleaved
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "intermediate_size": self.ffn_dim,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "linear_num_key_heads": self.gdn_num_key_heads, "linear_num_value_heads": self.gdn_num_value_heads,
+            "linear_key_head_dim": self.gdn_key_head_dim, "linear_value_head_dim": self.gdn_value_head_dim,
+            "linear_conv_kernel_dim": self.gdn_conv_kernel, "layer_types": list(self.layer_types),
+            "full_attention_interval": self.full_attention_interval,
+            "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
+            "rope_parameters": rope_parameters, "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.attention_bias, "attention_dropout": 0.0, "initializer_range": 0.02,
+            "use_cache": True, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "torch_dtype": dtype_name, "dtype": dtype_name,
+        }
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    # Odd on purpose: Dh 32 != D/H, Dk 16 != Dv 24, Hv = 2·Hk, 8 rotary dims of 32, 3 GDN + 1 full layer.
+    "qwen3.5-tiny": dict(dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_dim=128,
+                         gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=16, gdn_value_head_dim=24,
+                         max_seq_len=512, tie_embeddings=True),
+    # The real 9B text shapes. Layers (32 = 24 GDN + 8 full, interval 4) and vocab (248,320, from the tokenizer)
+    # from issue 7; every other number is transformers 5.24's Qwen3_5TextConfig default, whose docstring calls
+    # it "the Qwen3.5-9B style configuration". Not from there: rope_theta 1e7 and 262,144 positions (the
+    # released Qwen3.5 / Qwen3-Next configs; transformers' defaults are 1e4 and 32,768) and untied embeddings
+    # (transformers' default, and 9B-class Qwen models untie). See num_params: 8.95e9 with vocab 248,320.
+    "qwen3.5-9b": dict(dim=4096, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, ffn_dim=12288,
+                       gdn_num_key_heads=16, gdn_num_value_heads=32, gdn_key_head_dim=128, gdn_value_head_dim=128,
+                       gdn_conv_kernel=4, full_attention_interval=4, partial_rotary_factor=0.25,
+                       max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, tie_embeddings=False),
+}
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: rmsnorm(x) · (1 + w), w initialised to 0 (HF's Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, 1.0 + self.weight.float(), self.eps)  # 1 + w in fp32, as HF computes it
+
+
+class GatedAttention(nn.Module):
+    """Qwen3 attention (QK-norm, GQA) with partial RoPE and a sigmoid output gate from q_proj's second half."""
+
+    def __init__(self, args: Qwen35Args) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.num_heads * args.head_dim * 2, bias=bias)  # [q | gate] per head
+        self.k_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, dh, r = self.num_heads, self.head_dim, cos.shape[-1]
+        q, gate = self.q_proj(x).view(b, t, h, 2 * dh).chunk(2, dim=-1)  # [B,T,H,Dh] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, dh))  # [B,T,Hkv,Dh]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, dh)  # [B,T,Hkv,Dh]
+        q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin)  # partial RoPE: the first R dims turn
+        q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        o = attend(q, k, v) * torch.sigmoid(gate)  # [B,T,H,Dh]
+        return self.o_proj(o.reshape(b, t, h * dh))  # [B,T,D]
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) · w · silu(z) over a value head (w initialised to 1; HF's Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rmsnorm(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer: projections → short causal conv → gated delta rule → gated norm → out_proj."""
+
+    def __init__(self, args: Qwen35Args) -> None:
+        super().__init__()
+        self.hk, self.hv = args.gdn_num_key_heads, args.gdn_num_value_heads
+        self.dk, self.dv = args.gdn_key_head_dim, args.gdn_value_head_dim
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        channels = 2 * key_dim + value_dim  # C
+        self.in_proj_qkv = nn.Linear(args.dim, channels, bias=False)
+        self.in_proj_z = nn.Linear(args.dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(args.dim, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(args.dim, self.hv, bias=False)
+        # Depthwise, no bias; an nn.Conv1d only to hold HF's conv1d.weight [C, 1, K] (kernels/causal_conv1d runs it).
+        self.conv1d = nn.Conv1d(channels, channels, args.gdn_conv_kernel, groups=channels, bias=False,
+                                padding=args.gdn_conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))  # init_weights draws log(uniform(0.01, 16))
+        self.norm = GatedRMSNorm(self.dv, args.norm_eps)
+        self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, impl: str) -> torch.Tensor:
+        """x [B,T,D] → [B,T,D]; `impl` is the delta rule's (read from the model's args at each forward)."""
+        b, t, _ = x.shape
+        n = b * t
+        w = self.conv1d.weight
+        qkv = self.in_proj_qkv(x).view(n, -1)  # [N,C]: packed documents, one after another
+        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), cu_seqlens)  # [N,C], silu applied
+        q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        q, k, v = q.view(n, self.hk, self.dk), k.view(n, self.hk, self.dk), v.view(n, self.hv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x)).view(n, self.hv)  # [N,Hv]
+        # log-decay in fp32 (HF: an fp16 A would overflow to -inf)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B,T,Hv]
+        o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta, cu_seqlens, impl)  # [N,Hv,Dv]
+        z = self.in_proj_z(x).view(n, self.hv, self.dv)  # [N,Hv,Dv]
+        o = self.norm(o, z)  # [N,Hv,Dv]
+        return self.out_proj(o.view(b, t, self.hv * self.dv))  # [B,T,D]
+
+
+class Block(nn.Module):
+    def __init__(self, args: Qwen35Args, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == FULL:
+            self.self_attn = GatedAttention(args)
+        else:
+            self.linear_attn = GatedDeltaNet(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                cu_seqlens: torch.Tensor, delta_rule_impl: str) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == FULL:
+            x = x + self.self_attn(h, cos, sin, attend)
+        else:
+            x = x + self.linear_attn(h, cu_seqlens, delta_rule_impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, blocks, final norm."""
+
+    def __init__(self, args: Qwen35Args) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, kind) for kind in args.layer_types)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Qwen35(CausalLM):
+    """Qwen3.5 text LM. `state_dict()` keys equal transformers' Qwen3_5ForCausalLM keys."""
+
+    def __init__(self, args: Qwen35Args) -> None:
+        super().__init__(args, Backbone(args))
+
+    def init_weights(self, seed: int | None = None) -> Qwen35:
+        """Initialise every parameter from one CPU generator (CausalLM.init_by_name with this table).
+
+        | parameter                                               | init                          |
+        |---------------------------------------------------------|-------------------------------|
+        | model.embed_tokens.weight, lm_head.weight (untied)      | normal(0, 0.02)               |
+        | *_proj.weight, in_proj_*.weight, out_proj.weight        | normal(0, 0.02)               |
+        | linear_attn.conv1d.weight                               | normal(0, 0.02)               |
+        | *_proj.bias (attention_bias=True)                       | zeros                         |
+        | zero-centred norms (input/post/q/k/final) .weight       | zeros (the norm scales 1 + w) |
+        | linear_attn.norm.weight (gated norm)                    | ones                          |
+        | linear_attn.dt_bias                                     | ones                          |
+        | linear_attn.A_log                                       | log(uniform(0.01, 16))        |
+        """
+        return self.init_by_name(init_param, seed)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int) -> torch.Tensor:
+        """Packed forward. input_ids, position_ids int64 [B,T]; cu_seqlens int32 [S+1] over B·T → hidden [B,T,D]."""
+        check_packed_inputs("Qwen35.forward", input_ids, position_ids, cu_seqlens)
+        a = self.args
+        attend = PackedAttention(cu_seqlens, max_seqlen, a.attention_impl)
+        cos, sin = rope_cos_sin(position_ids, a.rotary_dim, a.rope_theta)  # [B,T,R] fp32
+        x = self.model.embed_tokens(input_ids)  # [B,T,D]
+        for block in self.model.layers:
+            x = block(x, cos, sin, attend, cu_seqlens, a.delta_rule_impl)
+        return self.model.norm(x)
+
+    # --- FLOPs (matmul_flops: CausalLM, every nn.Linear and the LM head) ---------------------------
+    def attention_flops(self, doc_lens: Sequence[int]) -> int:
+        """Causal attention training FLOPs of the full-attention layers: 6·L²·H·Dh per doc and layer."""
+        a = self.args
+        n_full = a.layer_types.count(FULL)
+        return 6 * n_full * sum(n * n for n in doc_lens) * a.num_heads * a.head_dim
+
+    def delta_rule_flops(self, doc_lens: Sequence[int]) -> int:
+        """Training FLOPs of the chunked gated delta rule, from fla's kernel shapes (chunks of c = 64 per document).
+
+        Forward, per value head and chunk of c tokens (triangular products counted half, as causal attention):
+          (βk)kᵀ c²·Dk, the triangular inverse c³/3, u = A⁻¹βv c²·Dv, w = A⁻¹βk c²·Dk, v' = u − wS 2c·Dk·Dv,
+          qS 2c·Dk·Dv, qkᵀ c²·Dk, (qkᵀ)v' c²·Dv, S += kᵀv' 2c·Dk·Dv
+          = c²·(3·Dk + 2·Dv) + 6·c·Dk·Dv + c³/3.
+        Training = 3 × forward (BENCHMARKS.md's convention for attention). The conv (2·K·C per token) and
+        the elementwise gates are not matmuls and are not counted.
+        """
+        a = self.args
+        dk, dv = a.gdn_key_head_dim, a.gdn_value_head_dim
+        per_head = 0
+        for length in doc_lens:
+            full, rest = divmod(length, CHUNK)
+            for c, count in ((CHUNK, full), (rest, 1 if rest else 0)):
+                per_head += count * (c * c * (3 * dk + 2 * dv) + 6 * c * dk * dv + c ** 3 // 3)
+        return 3 * a.layer_types.count(LINEAR) * a.gdn_num_value_heads * per_head
+
+    def train_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
+        """Useful FLOPs of one forward+backward over documents of lengths `doc_lens` (padding excluded)."""
+        return (self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
+                + self.delta_rule_flops(doc_lens))
+
+
+def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """The fp32 CPU init of one parameter by its HF name (the table in Qwen35.init_weights)."""
+    if name.endswith(("linear_attn.norm.weight", "dt_bias")):
+        return torch.ones(shape)
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.01, 16.0, generator=gen).log_()
+    if name.endswith("norm.weight"):  # zero-centred: the norm scales by 1 + w
+        return torch.zeros(shape)
+    return qwen3_init_param(name, shape, gen)  # weights normal(0, 0.02), biases 0, LoRA weights refused
+
+
+def hf_param_shapes(args: Qwen35Args) -> dict[str, tuple[int, ...]]:
+    """HF key → shape of every parameter, in state-dict order, without allocating."""
+    with torch.device("meta"):
+        model = Qwen35(dataclasses.replace(args, attention_impl="sdpa", delta_rule_impl="ref"))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def num_params(args: Qwen35Args) -> int:
+    """Parameter count (the tied LM head counted once)."""
+    return sum(math.prod(s) for s in hf_param_shapes(args).values())

@@ -1,0 +1,349 @@
+"""Qwen3.5 designer: parity with transformers' Qwen3_5ForCausalLM both ways, packing exactness (attention, conv
+and delta-rule state), HF I/O and sizes, FLOPs, LoRA with PEFT, and end-to-end training through the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from designer.hf import args_from_size, init_random, load_pretrained, save_pretrained
+from designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
+from designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
+from pipeline.cli import main
+from tests.designer.test_model import FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, rel_err, run_rows
+
+V = 97
+
+
+def random_qwen35(seed: int = 0, vocab: int = V, **overrides) -> Qwen35:
+    """A tiny fp32 Qwen3.5 whose every parameter matters: norms away from their init, decays and conv taps spread."""
+    model = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", vocab, eos_token_id=2, pad_token_id=0, **overrides))
+    model.init_weights(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centred ones around 0, the gated one around 1
+                p.copy_(torch.empty_like(p).uniform_(-0.5, 0.5, generator=g) + (1.0 if "linear_attn" in name else 0.0))
+            elif name.endswith(("dt_bias", ".bias")):
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0, generator=g))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(torch.empty_like(p).normal_(0.0, 0.5, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-3.0, 1.0, generator=g))
+            elif p.dim() == 2:
+                p.copy_(torch.empty_like(p).normal_(0.0, 0.04, generator=g))
+    return model
+
+
+def save_tiny(root: Path, seed: int = 0, **overrides) -> Path:
+    name = f"q35-{seed}-{'-'.join(f'{k}={v}' for k, v in overrides.items())}"
+    return save_pretrained(random_qwen35(seed, **overrides), root / name, dtype=torch.float32)
+
+
+# --- parity with transformers ---------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=False, attention_bias=True),
+                                       dict(layer_types=(FULL, LINEAR, LINEAR), num_layers=3, partial_rotary_factor=0.5)])
+def test_logits_match_transformers(tmp_path, overrides):
+    path = save_tiny(tmp_path, 1, **overrides)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    ours, hf = load_pretrained(path, attention_impl="sdpa"), load_hf(path)
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+    tied = ours.args.tie_embeddings
+    assert set(ours.state_dict()) == {k for k in hf.state_dict() if not (tied and k == "lm_head.weight")}
+    ids = torch.randint(0, V, (2, 75), generator=torch.Generator().manual_seed(2))  # > one 64-token chunk
+    with torch.no_grad():
+        got, want = ours.logits(run_rows(ours, ids)), hf(input_ids=ids).logits
+    err = rel_err(got, want)
+    print(f"qwen3.5 logits vs transformers {overrides}: relative {err:.2e}")
+    assert err <= 1e-5, err
+
+
+def test_loads_a_transformers_written_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                            num_attention_heads=3, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                                         "partial_rotary_factor": 0.5})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # HF inits the zero-centred norms to 0 and the conv small: spread them
+        for n, p in hf.named_parameters():
+            if "norm" in n or "conv1d" in n:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")  # several shards + index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ours = load_pretrained(tmp_path / "hf")
+    assert ours.args.rope_theta == 5e5 and ours.args.rotary_dim == 8 and ours.args.layer_types.count(FULL) == 1
+    ids = torch.randint(0, 61, (1, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = rel_err(ours.logits(run_rows(ours, ids)), hf(input_ids=ids).logits)
+    print(f"transformers-written qwen3.5 → Atelier: relative {err:.2e}")
+    assert err <= 1e-5, err
+
+
+# --- packing: attention, conv and the delta-rule state all see document boundaries ----------------
+def test_packed_rows_equal_documents_one_by_one():
+    model = random_qwen35(5)
+    g = torch.Generator().manual_seed(6)
+    docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 70, 1, 7, 9, 3)]  # 70: two chunks
+    # grad_tol 5e-5: the per-head scalars' gradients (dt_bias, A_log: 4 numbers summed over every token) carry
+    # fp32 cancellation up to ~1e-5 relative; a leak across a boundary shows as O(1) (see the test below)
+    check_packed_equals_one_by_one(model, docs, [[0, 1, 2], [3, 4], [5]], seq_len=80, grad_tol=5e-5)
+
+
+def test_a_preceding_document_does_not_change_a_document():
+    model = random_qwen35(7).eval()
+    g = torch.Generator().manual_seed(8)
+    doc, other = torch.randint(0, V, (20,), generator=g).tolist(), torch.randint(0, V, (30,), generator=g).tolist()
+    with torch.no_grad():
+        alone = run_rows(model, torch.tensor([doc]))[0]
+        ids, pos, cu, max_len, _ = packed_inputs([other, doc], [[0, 1]], seq_len=50)
+        after = model(ids, pos, cu, max_len)[0, 30:]
+        assert rel_err(after, alone) <= 1e-6  # equal up to matmul blocking over 50 vs 20 rows
+        # the same row as ONE document (positions continuing): conv taps and state now cross — the test can tell
+        leaky = model(ids, torch.arange(50)[None], torch.tensor([0, 50], dtype=torch.int32), 50)[0, 30:]
+    assert rel_err(leaky, alone) > 1e-3
+
+
+# --- HF I/O, sizes, CLI ---------------------------------------------------------------------------
+def test_config_round_trip_sizes_and_init(tmp_path):
+    for size in SIZES:
+        args = args_from_size(size, 248320)
+        assert Qwen35Args.from_hf_config(args.to_hf_config()) == args
+    big = args_from_size("qwen3.5-9b", 248320)
+    assert big.layer_types.count(LINEAR) == 24 and big.layer_types.count(FULL) == 8
+    assert big.layer_types[3] == FULL and big.rotary_dim == 64
+    assert abs(num_params(big) / 1e9 - 8.95) < 0.01  # 9B-class text model (embeddings + untied head: 2.03e9)
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**{k: v for k, v in big.to_hf_config().items()
+                               if k not in ("architectures", "dtype", "torch_dtype", "model_type")})
+    assert cfg.layer_types == list(big.layer_types) and cfg.linear_num_value_heads == 32
+    with pytest.raises(ValueError, match="gdn_num_value_heads"):
+        Qwen35Args.from_size("qwen3.5-tiny", 17, gdn_num_value_heads=3)
+    with pytest.raises(ValueError, match="delta_rule_impl"):
+        Qwen35Args.from_size("qwen3.5-tiny", 17, delta_rule_impl="triton")
+
+
+def test_cli_init_writes_a_loadable_tiny_model(tmp_path):
+    from data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([FIXTURE], 300, tmp_path / "tok")
+    out = tmp_path / "m"
+    assert main(["designer", "init", "--size", "qwen3.5-tiny", "--tokenizer", str(tok), "--out", str(out),
+                 "--dtype", "float32", "--seed", "3"]) == 0
+    model = load_pretrained(out)
+    ref = Qwen35(model.args).init_weights(3)  # init_random streams init_weights' draws
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert load_hf(out).config.model_type == "qwen3_5_text"
+    init_random("qwen3.5-tiny", tok, tmp_path / "sharded", max_shard_bytes=40_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+
+
+def test_reads_the_vision_language_checkpoint_layout(tmp_path):
+    """The released Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: model_type "qwen3_5", a text_config,
+    the text model under model.language_model.*, plus model.visual.* and mtp.* (left out), as transformers'
+    AutoModelForCausalLM reads them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    text = save_tiny(tmp_path, 3, tie_embeddings=False)
+    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+             for k, v in load_file(str(text / "model.safetensors")).items()}
+    state["model.visual.patch_embed.proj.weight"], state["mtp.fc.weight"] = torch.randn(4, 3), torch.randn(2, 2)
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    save_file(state, str(vlm / "model.safetensors"), metadata={"format": "pt"})
+    text_config = {k: v for k, v in json.loads((text / "config.json").read_text()).items()
+                   if k not in ("architectures", "tie_word_embeddings", "torch_dtype")}
+    (vlm / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text_config,
+        "tie_word_embeddings": False, "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 32,
+                                                        "num_heads": 2, "out_hidden_size": 64}}))
+    ours, want = load_pretrained(vlm), load_pretrained(text)
+    assert not ours.args.tie_embeddings
+    ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = want.logits(run_rows(want, ids))
+        assert torch.equal(ours.logits(run_rows(ours, ids)), expected)
+        hf = AutoModelForCausalLM.from_pretrained(str(vlm), dtype=torch.float32).eval()
+        assert rel_err(hf(input_ids=ids).logits, expected) <= 1e-5
+
+
+# --- FLOPs ----------------------------------------------------------------------------------------
+def test_train_flops():
+    model = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", V))
+    a = model.args
+    lens = [64, 65, 1, 130]
+    linear = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    assert model.matmul_flops(260, 10) == 6 * linear * 260 + 6 * V * a.dim * 10
+    assert model.attention_flops(lens) == 6 * 1 * sum(n * n for n in lens) * a.num_heads * a.head_dim
+    dk, dv = a.gdn_key_head_dim, a.gdn_value_head_dim
+
+    def chunk(c):  # forward FLOPs of one chunk and value head (qwen35.delta_rule_flops' docstring)
+        return c * c * (3 * dk + 2 * dv) + 6 * c * dk * dv + c ** 3 // 3
+
+    per_head = chunk(64) + (chunk(64) + chunk(1)) + chunk(1) + (2 * chunk(64) + chunk(2))
+    assert model.delta_rule_flops(lens) == 3 * 3 * a.gdn_num_value_heads * per_head  # 3 GDN layers, ×3 fwd+bwd
+    assert model.train_flops(lens, 10) == (model.matmul_flops(260, 10) + model.attention_flops(lens)
+                                           + model.delta_rule_flops(lens))
+    apply_lora(model, LoraArgs(rank=4, alpha=8.0))
+    assert model.matmul_flops(260, 10) < 6 * linear * 260  # frozen bases: no weight-gradient FLOPs
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
+    """FlopCounterMode sees the weight matmuls (mm) and the full-attention layer's SDPA (bmm) once the delta rule,
+    whose FLOPs test_train_flops checks from the kernel's shapes, is swapped for a matmul-free stand-in."""
+    import designer.qwen35 as q35
+    from tests.designer.test_model import check_flops_match_counter
+
+    monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl: v * beta[..., None])
+    model = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", 67, tie_embeddings=(mode == "full"),
+                                        attention_impl="sdpa")).init_weights(0)
+    if mode == "lora":
+        apply_lora(model, LoraArgs(rank=4, alpha=8.0, targets=("q", "qkv", "out", "down")))
+        model.model.embed_tokens.weight.requires_grad_(True)  # as in test_model: every input-gradient runs
+    check_flops_match_counter(model, 67)
+
+
+# --- LoRA -----------------------------------------------------------------------------------------
+def test_lora_targets_the_gdn_projections_and_peft_loads_the_adapter(tmp_path):
+    from peft import PeftModel
+
+    path = save_tiny(tmp_path, 4, tie_embeddings=False)
+    ours = apply_lora(load_pretrained(path), LoraArgs(rank=4, alpha=8.0))  # default: every linear
+    wrapped = {n for n, m in ours.named_modules() if isinstance(m, LoRALinear)}
+    assert "model.layers.0.linear_attn.in_proj_qkv" in wrapped and "model.layers.0.linear_attn.in_proj_a" in wrapped
+    assert "model.layers.3.self_attn.q_proj" in wrapped and "model.layers.0.self_attn.q_proj" not in wrapped
+    assert len(wrapped) == 3 * (5 + 3) + 1 * (4 + 3)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.normal_(0, 0.05, generator=g)
+    ours.eval()
+    ids = torch.randint(0, V, (2, 33), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ours.logits(run_rows(ours, ids))
+    adapter = save_peft_adapter(ours, LoraArgs(rank=4, alpha=8.0), tmp_path / "adapter", base_model_path=str(path))
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert set(cfg["target_modules"]) == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj",
+                                          "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    peft = PeftModel.from_pretrained(load_hf(path), str(adapter)).eval()
+    with torch.no_grad():
+        err = rel_err(peft(input_ids=ids).logits, want)
+    print(f"qwen3.5 LoRA adapter through PEFT: relative {err:.2e}")
+    assert err <= 1e-5
+    again = load_pretrained(path)
+    load_peft_adapter(again, adapter)
+    with torch.no_grad():
+        assert rel_err(again.eval().logits(run_rows(again, ids)), want) <= 1e-5
+    all_attention = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", V, num_layers=2, layer_types=(FULL, FULL)))
+    with pytest.raises(ValueError, match="name no linear"):
+        apply_lora(all_attention, LoraArgs(rank=4, targets=("qkv", "z")))
+
+
+# --- training through the CLI ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def q35_world(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("q35")
+    assert main(["data", "tokenizer", "--corpus", str(FIXTURE), "--vocab-size", "400", "--out", str(d / "tok")]) == 0
+    assert main(["designer", "init", "--size", "qwen3.5-tiny", "--tokenizer", str(d / "tok"), "--out",
+                 str(d / "model"), "--dtype", "float32"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_training_reduces_the_loss(q35_world, tmp_path, mode):
+    from tests.designer.test_train import train_args, train_losses
+
+    out = tmp_path / mode
+    extra = ["--set", "lora.rank=0", "--set", "train.lr=3e-3"] if mode == "full" else \
+        ["--set", "lora.rank=8", "--set", "train.lr=1e-2"]
+    assert main(train_args(q35_world, out, *extra, "--set", "train.max_steps=30", "--set", "train.warmup_steps=2",
+                           "--set", "train.eval_every=0", "--set", "train.save_every=0")) == 0
+    losses = [l for _, l in train_losses(out)]
+    print(f"qwen3.5 {mode}: losses {losses[0]:.3f} → {losses[-1]:.3f}")
+    # it learns (LoRA on a frozen random base moves slower: the embedding and head are not trained)
+    assert sum(losses[-4:]) / 4 < (0.8 if mode == "full" else 0.92) * sum(losses[:4]) / 4, losses
+    exported = out / ("model" if mode == "full" else "adapter")
+    assert exported.is_dir()
+    if mode == "full":
+        assert load_hf(exported).config.model_type == "qwen3_5_text"
+    else:
+        assert "in_proj_qkv" in json.loads((exported / "adapter_config.json").read_text())["target_modules"]
+
+
+def test_a_cuda_run_without_fla_stops_before_loading(q35_world, monkeypatch):
+    import kernels.gated_delta_rule as gdr
+    from designer.config import DesignerConfig, ModelConfig
+    from designer.task import _check_delta_rule
+    from pipeline.config import ConfigError
+
+    monkeypatch.setattr(gdr, "has_fla", lambda: False)
+    cuda, model = torch.device("cuda"), q35_world / "model"
+    for delta_rule in ("auto", "fla"):
+        cfg = DesignerConfig(model=ModelConfig(path=str(model), dtype="bfloat16", delta_rule=delta_rule))
+        with pytest.raises(ConfigError, match=r"model.delta_rule.*pip install fla-core"):
+            _check_delta_rule(cfg, model, cuda)
+    for ok in (ModelConfig(path=str(model), delta_rule="ref"), ModelConfig(path=str(model), dtype="float32")):
+        _check_delta_rule(DesignerConfig(model=ok), model, cuda)
+    _check_delta_rule(DesignerConfig(model=ModelConfig(path=str(model))), model, torch.device("cpu"))
+
+
+def test_config_targets_are_the_lora_targets():
+    from designer.config import LORA_TARGETS
+    from designer.lora import ALL_TARGETS
+
+    assert LORA_TARGETS == ALL_TARGETS
+
+
+@pytest.mark.multigpu
+def test_two_processes_equal_one(q35_world, tmp_path):
+    """FSDP2 on two processes (gloo, CPU), each rank reading only its shard of the Qwen3.5 weights, with activation
+    checkpointing: the same losses and adapter as one process on the same global batch."""
+    from safetensors.torch import load_file
+
+    from tests.designer.test_distributed import LORA, args, assert_same_losses, launch_two
+
+    two = tmp_path / "two"
+    launch_two({"lora": args(q35_world, two, *LORA, "--set", "train.micro_batch=1",
+                             "--set", "train.distributed.activation_checkpointing=true")}, tmp_path)
+    one = tmp_path / "one"
+    assert main(args(q35_world, one, *LORA, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(one, two, range(1, 5))
+    # Adam turns fp32 summation-order noise in near-zero gradients (in_proj_a's, through the decay) into
+    # ~2e-5 differences after 4 steps at lr 1e-2: atol 1e-4, ten times the Qwen3 test's
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (one, two))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+# --- the fast path on the GPU ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_path_matches_the_reference_in_bf16():
+    """Whole model on CUDA in bf16: fla's delta rule and varlen attention ("auto") against the fp32 delta-rule
+    reference and per-document SDPA (the conv and norms run their Triton kernels in both)."""
+    from kernels.gated_delta_rule import has_fla
+
+    if not has_fla():
+        pytest.skip("needs fla-core (pip install fla-core)")
+    model = random_qwen35(9).cuda()
+    g = torch.Generator().manual_seed(10)
+    docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (300, 1, 64, 65, 80)]
+    ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1, 2], [3, 4]], seq_len=365)
+    ids, pos, cu = ids.cuda(), pos.cuda(), cu.cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = model(ids, pos, cu, max_len)
+        model.args = dataclasses.replace(model.args, delta_rule_impl="ref", attention_impl="sdpa")
+        ref = model(ids, pos, cu, max_len)
+    assert rel_err(fast.float(), ref.float()) < 3e-2

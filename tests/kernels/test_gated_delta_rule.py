@@ -1,0 +1,141 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.gated_delta_rule as gdr
+from kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_ref
+from tests.kernels._compare import assert_close
+
+
+def _cu(lens: list[int], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def _recurrent(q, k, v, g, beta, lens):
+    """The recurrence of the module docstring, token by token, each document from a zero state (any dtype)."""
+    rep = v.shape[1] // q.shape[1]
+    q = q.repeat_interleave(rep, 1) / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6).repeat_interleave(rep, 1)
+    k = k.repeat_interleave(rep, 1) / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6).repeat_interleave(rep, 1)
+    q = q * q.shape[-1] ** -0.5
+    out, t = [], 0
+    for n in lens:
+        s = q.new_zeros(v.shape[1], q.shape[-1], v.shape[-1])  # [Hv, Dk, Dv]
+        for _ in range(n):
+            s = s * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+            t += 1
+    return torch.stack(out)
+
+
+def _inputs(lens, hk, hv, dk, dv, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    q = torch.randn(n, hk, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(n, hk, dk, generator=g, dtype=torch.float64)
+    v = torch.randn(n, hv, dv, generator=g, dtype=torch.float64)
+    # log-decay as the model makes it: −exp(A_log)·softplus(a + dt_bias), some near 0 (long memory), some strong
+    logd = -torch.rand(hv, generator=g, dtype=torch.float64).mul(3).exp() * F.softplus(
+        torch.randn(n, hv, generator=g, dtype=torch.float64))
+    beta = torch.rand(n, hv, generator=g, dtype=torch.float64)
+    return [t.to(device) for t in (q, k, v, logd, beta)]
+
+
+# lengths around the 64-token chunk: a chunk boundary, one past it, a single token, two chunks and a bit
+CASES = [([5], 1, 1, 4, 4), ([64, 65, 1, 130], 2, 4, 16, 24), ([3, 70, 7], 3, 3, 8, 5), ([128], 1, 2, 32, 16)]
+
+
+@pytest.mark.parametrize("lens,hk,hv,dk,dv", CASES)
+def test_ref_equals_the_recurrence_with_grads(lens, hk, hv, dk, dv):
+    leaves = _inputs(lens, hk, hv, dk, dv)
+    dy = torch.randn(sum(lens), hv, dv, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def go(fn, dt):
+        xs = [t.to(dt).requires_grad_() for t in leaves]
+        y = fn(*xs)
+        return [y, *torch.autograd.grad((y.double() * dy).sum(), xs)]
+
+    got = go(lambda *xs: gated_delta_rule_ref(*xs, _cu(lens)), torch.float32)
+    exp = go(lambda *xs: _recurrent(*xs, lens), torch.float64)
+    assert got[0].dtype == torch.float32
+    for name, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, exp):
+        assert_close(a, e, atol=5e-5, rtol=5e-4, what=f"{name} {lens}")
+
+
+def test_state_restarts_at_every_document():
+    """A document's output is the same alone and after another document in the row; without the boundary it is not."""
+    q, k, v, g, beta = _inputs([50, 90], 2, 4, 8, 8, seed=3)
+    packed = gated_delta_rule_ref(q, k, v, g, beta, _cu([50, 90]))
+    alone = gated_delta_rule_ref(*(t[50:] for t in (q, k, v, g, beta)), _cu([90]))
+    assert torch.equal(packed[50:], alone)
+    leaky = gated_delta_rule_ref(q, k, v, g, beta, _cu([140]))
+    assert not torch.allclose(leaky[50:], alone)
+
+
+def test_auto_is_the_reference_on_cpu_and_fla_fails_loudly(monkeypatch):
+    q, k, v, g, beta = (t.float() for t in _inputs([7, 3], 1, 2, 4, 4))
+    cu = _cu([7, 3])
+    assert torch.equal(gated_delta_rule(q, k, v, g, beta, cu), gated_delta_rule_ref(q, k, v, g, beta, cu))
+    monkeypatch.setattr(gdr, "has_fla", lambda: False)
+    with pytest.raises(RuntimeError, match="pip install fla-core"):
+        gated_delta_rule(q, k, v, g, beta, cu, impl="fla")
+
+
+def test_bad_inputs():
+    q, k, v, g, beta = (t.float() for t in _inputs([6], 2, 4, 4, 4))
+    with pytest.raises(ValueError, match="multiple"):
+        gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3], _cu([6]))
+    with pytest.raises(ValueError, match="beta"):
+        gated_delta_rule(q, k, v, g, beta[:, :1], _cu([6]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="rise from 0 to N"):
+        gated_delta_rule_ref(q, k, v, g, beta, _cu([5]))
+    with pytest.raises(ValueError, match="impl"):
+        gated_delta_rule(q, k, v, g, beta, _cu([6]), impl="triton")
+
+
+# --- the fast path on the GPU (fla-core) ------------------------------------------------------------
+def _rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
+    """fla's own test criterion: RMS(a − e) / RMS(e)."""
+    a, e = a.double(), e.double()
+    return float((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
+def test_fla_matches_the_reference_at_qwen35_9b_shapes():
+    """Qwen3.5-9B: Hk 16, Hv 32, Dk = Dv = 128; four packed rows of 2048 with uneven documents, bf16."""
+    lens = [700, 1348, 2048, 1, 63, 64, 65, 1855, 37, 2011]
+    leaves = [t.to(torch.bfloat16) for t in _inputs(lens, 16, 32, 128, 128, device="cuda")]
+    leaves[3] = leaves[3].float()  # the model's log-decay is fp32
+    dy = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(lens, "cuda")
+
+    def go(impl):
+        xs = [t.clone().requires_grad_() for t in leaves]
+        y = gated_delta_rule(*xs, cu, impl=impl)
+        return [y, *torch.autograd.grad((y.float() * dy.float()).sum(), xs)]
+
+    fast, ref = go("fla"), go("ref")
+    # the gate gradients sum bf16 products over whole chunks (fla's own tests allow them twice the others' error)
+    limits = {"o": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
+    for (name, limit), a, e in zip(limits.items(), fast, ref):
+        assert torch.isfinite(a).all(), name
+        print(f"fla vs reference, 9B shapes, {name}: RMS ratio {_rms_ratio(a, e):.2e}")
+        assert _rms_ratio(a, e) < limit, f"{name}: RMS ratio {_rms_ratio(a, e):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_bf16_uses_fla_or_says_what_to_install(monkeypatch):
+    q, k, v, g, beta = (t.to("cuda", torch.bfloat16) for t in _inputs([70, 9], 2, 4, 64, 64))
+    cu = _cu([70, 9], "cuda")
+    if gdr.has_fla():
+        o = gated_delta_rule(q, k, v, g.float(), beta, cu)
+        assert _rms_ratio(o, gated_delta_rule_ref(q, k, v, g, beta, cu)) < 1e-2
+    monkeypatch.setattr(gdr, "has_fla", lambda: False)
+    with pytest.raises(RuntimeError, match="pip install fla-core"):
+        gated_delta_rule(q, k, v, g, beta, cu)
