@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
-from bench.harness import PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, timed_steps, write_report
+from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
+                           write_report)
 from data.chat import EncodedDoc
 from data.packing import Batch, make_batch, pack_documents
 from designer.lora import LoraArgs, LoRALinear, apply_lora
@@ -371,10 +372,8 @@ def ablation_switches(cfg: BenchConfig, main: Variant, exact: bool) -> dict[str,
     return out
 
 
-def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, path: Path, rows: int = 45) -> Path:
-    """torch.profiler over 2 steps after 3 warm-up steps: the kernel table by CUDA time, written to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, path: Path) -> Path:
+    """bench.harness.profile_table over Atelier's step (3 warm-up steps, 2 profiled)."""
     torch._dynamo.reset()
     run: Run = run_build()
     opt = adamw(run.params, cfg.lr, fused=run.fused_adamw)
@@ -387,11 +386,7 @@ def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchC
         opt.zero_grad(set_to_none=True)
         return loss
 
-    timed_steps(step, 3, cuda=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed_steps(lambda i: step(3 + i), 2, cuda=True)
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90))
-    return path
+    return profile_table(step, 3, path)
 
 
 def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batches: list[int], steps: int,

@@ -45,6 +45,18 @@ def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
     return {"step_s": times, "losses": [float(x) for x in losses]}
 
 
+def profile_table(step: Callable[[int], torch.Tensor], warmup: int, path: Path, rows: int = 45,
+                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Path:
+    """`warmup` steps, then torch.profiler over 2 more: the kernel table by CUDA time, written to `path` (GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_steps(step, warmup, cuda=True, context=context)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(lambda i: step(warmup + i), 2, cuda=True, context=context)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90))
+    return path
+
+
 def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda: bool) -> dict[str, Any]:
     """`use(build())` on a clean device (compile caches reset, peak memory counter reset); an out-of-memory
     error is a result ({"oom": True, "error": ...}). Frees the built run and the cache afterwards."""
@@ -98,11 +110,15 @@ def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    items = [(k, v or 0.0) for k, v in items]
+    items = list(items)
     if not items:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4a7bb7")
+    names = [k for k, _ in items][::-1]
+    ax.barh(names, [v or 0.0 for _, v in items][::-1], color="#4a7bb7")
+    for i, (_, v) in enumerate(items[::-1]):
+        if v is None:  # a run without a rate (out of memory): say so instead of drawing an empty bar
+            ax.text(0, i, " out of memory", va="center", fontsize=8, color="#c0504d")
     for name, x in (marks or {}).items():
         ax.axvline(x, color="#c0504d", linestyle="--", linewidth=1)
         ax.text(x, -0.6, f" {name}", color="#c0504d", fontsize=7)

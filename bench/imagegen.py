@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import re
 import statistics
 import sys
@@ -49,7 +50,8 @@ import torch
 from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
-from bench.harness import PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, timed_steps, write_report
+from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
+                           write_report)
 from imagegen.ema import EMA, ema_update_ref
 from imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
@@ -262,6 +264,22 @@ def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, st
 
 # ------------------------------------------------------------------------------------------------ EMA and loader
 
+def profile_run(build: Callable[[], Run], batches: list[ImageBatch], lr: float, path: Path) -> Path:
+    """bench.harness.profile_table over one run's step (3 warm-up steps, 2 profiled), on the GPU. No Dynamo reset:
+    the sweep's compiled blocks are reused (the same module structure and shapes)."""
+    run = build()
+    opt = adamw(run.params, lr, fused=run.fused_adamw)
+
+    def step(i: int) -> torch.Tensor:
+        loss = run.loss(batches[i % len(batches)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return profile_table(step, 3, path, context=lambda: _sdpa_context(run.sdpa))
+
+
 def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
     """Milliseconds of one EMA update over all trainable weights: imagegen.ema's one foreach lerp vs the
     per-tensor reference loop (the trainer runs it after every optimizer step)."""
@@ -362,7 +380,7 @@ def _best(runs: dict[str, dict[str, Any]]) -> str | None:
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
           ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, profile_path: Path | None = None) -> dict[str, Any]:
     args = model_args(cfg)
     dtype = torch.float32 if exact else torch.bfloat16
     N, L = image_tokens(cfg, args), cfg.text_tokens
@@ -435,6 +453,12 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
             (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = value
             report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom",
                                                                                  "failed", "error")}
+    if profile_path is not None and best is not None and device.type == "cuda":
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        report["profile"] = str(profile_run(lambda: build_atelier(args, sd, main_variant, exact), data[int(best)][0],
+                                            cfg.lr, profile_path))
+        gc.collect()
+        torch.cuda.empty_cache()
     report["ema_update"] = ema_timing(args, sd, device)
     bs = int(best) if best else batches[0]
     try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
@@ -504,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader-workers", type=int, default=4)
     p.add_argument("--kernels", choices=("auto", "triton", "ref"), default="auto",
                    help="Atelier's MMDiTArgs.kernels (auto: Triton on CUDA; triton on a CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
@@ -524,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     elif device.type != "cuda":
         p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
     report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
-                   a.loader_workers, device, exact=a.tiny, kernels=a.kernels)
+                   a.loader_workers, device, exact=a.tiny, kernels=a.kernels,
+                   profile_path=Path(a.out) / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
+                   if a.profile else None)
     path = write(report, Path(a.out))
     print(markdown(report))
     print(f"wrote {path}")
