@@ -1,7 +1,8 @@
 """Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches (issue 6).
 
-    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k --out DIR
-        [--peers hf,hf-liger,hf-liger-bf16lora] [--micro-batches 2,4,8] [--steps 10 --warmup 3] [--ablation]
+    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
+        --out DIR [--peers hf,hf-liger,hf-liger-bf16lora,hf-nofla] [--micro-batches 2,4,8] [--steps 10 --warmup 3]
+        [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed] [--profile]
         [--tokenizer .gpu/qwen3-tokenizer] [--tiny]
 
 Shapes: B rows per micro-batch, T tokens per row, N = B·T, D dim, V vocab.
@@ -30,6 +31,7 @@ FT, LM head on the loss tokens) — the same count is used for the peers' MFU (s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
@@ -39,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +52,12 @@ from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_in
                            write_report)
 from data.chat import EncodedDoc
 from data.packing import Batch, make_batch, pack_documents
-from designer.lora import LoraArgs, LoRALinear, apply_lora
-from designer.model import ModelArgs, Qwen3, hf_param_shapes
+from designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
+from designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from kernels.cross_entropy import linear_cross_entropy
 from pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
 
-PEERS = ("hf", "hf-liger", "hf-liger-bf16lora")
+PEERS = ("hf", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
 PARITY_PEER = {"bfloat16": "hf-liger-bf16lora", "float32": "hf", "mixed": "hf"}
@@ -63,8 +65,8 @@ PARITY_PEER = {"bfloat16": "hf-liger-bf16lora", "float32": "hf", "mixed": "hf"}
 
 @dataclass(frozen=True)
 class BenchConfig:
-    size: str                      # designer.model.SIZES key
-    lora: bool                     # LoRA r16/alpha32 on all 7 targets, or full fine-tuning
+    size: str                      # designer.model.SIZES or designer.qwen35.SIZES key
+    lora: bool                     # LoRA r16/alpha32 on every linear (all 7 / 12 targets), or full fine-tuning
     seq_len: int                   # T
     micro_batches: tuple[int, ...]
     one_doc: bool = False          # one document of seq_len tokens per row
@@ -80,6 +82,11 @@ CONFIGS = {
     "qwen3-1.7b-full": BenchConfig("1.7b", False, 2048, (8, 16), lr=1e-5),
     # full AC: selective AC would keep every matmul output, ~5 GB per layer at 65,536 tokens
     "qwen3-8b-lora-64k": BenchConfig("8b", True, 65536, (1,), one_doc=True, ac="full"),
+    # issue 7: the hybrid (24 Gated DeltaNet + 8 gated-attention layers), LoRA on every linear of both kinds.
+    # transformers gets no document boundaries from position ids in its Gated DeltaNet layers (state and conv
+    # leak across documents), so on packed rows only speed compares; loss parity uses rows of one document.
+    "qwen3.5-9b-lora": BenchConfig("qwen3.5-9b", True, 2048, (2, 4, 8), vocab_size=248320),
+    "qwen3.5-9b-lora-1doc": BenchConfig("qwen3.5-9b", True, 2048, (2, 4), one_doc=True, vocab_size=248320),
 }
 
 
@@ -97,7 +104,8 @@ class Variant:
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
     """The same code path at CPU size: tiny model, short rows, fp32."""
-    return dataclasses.replace(cfg, size="tiny", seq_len=96 if not cfg.one_doc else 64, micro_batches=(1, 2),
+    tiny = "qwen3.5-tiny" if cfg.size.startswith("qwen3.5") else "tiny"
+    return dataclasses.replace(cfg, size=tiny, seq_len=96 if not cfg.one_doc else 64, micro_batches=(1, 2),
                                vocab_size=256)
 
 
@@ -162,7 +170,7 @@ def fixed_shape(b: Batch, segments: int) -> Batch:
 
 # ------------------------------------------------------------------------------------------------ weights
 
-def random_state_dict(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
@@ -174,18 +182,19 @@ def random_state_dict(args: ModelArgs, dtype: torch.dtype, device: torch.device,
     return out
 
 
-def lora_init(args: ModelArgs, lora: LoraArgs, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def lora_init(args: Args, lora: LoraArgs, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """PEFT's default init for every adapter, by Atelier name: A kaiming-uniform(a=√5) in fp32, B zeros."""
     g = torch.Generator(device=device).manual_seed(seed)
+    shapes = hf_param_shapes(args)
+    with torch.device("meta"):
+        targets = [name for name, _, _ in lora_targets(build_model(args), lora)]  # the linears apply_lora wraps
     out = {}
-    for name, shape in hf_param_shapes(args).items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            stem = name.removesuffix(".weight")
-            fan_in = shape[1]
-            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): gain·√(3/fan_in) = 1/√fan_in
-            out[f"{stem}.lora_A.weight"] = torch.empty(lora.rank, fan_in, device=device).uniform_(-bound, bound,
-                                                                                                  generator=g)
-            out[f"{stem}.lora_B.weight"] = torch.zeros(shape[0], lora.rank, device=device)
+    for stem in targets:
+        out_features, fan_in = shapes[f"{stem}.weight"]
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): gain·√(3/fan_in) = 1/√fan_in
+        out[f"{stem}.lora_A.weight"] = torch.empty(lora.rank, fan_in, device=device).uniform_(-bound, bound,
+                                                                                              generator=g)
+        out[f"{stem}.lora_B.weight"] = torch.zeros(out_features, lora.rank, device=device)
     return out
 
 
@@ -208,10 +217,10 @@ class Run:
     fused_adamw: bool
 
 
-def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
+def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
     args = dataclasses.replace(args, attention_impl=v.attention, kernels=v.kernels)
     with torch.device("meta"):
-        model = Qwen3(args)
+        model = build_model(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
     if cfg.lora:
         # "mixed": fp32 adapter weights (the optimizer's master copy) computed in bf16 under autocast
@@ -247,32 +256,65 @@ def build_atelier(cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, v:
     return Run(model, loss, params, v.fused_adamw)
 
 
-def build_peer(name: str, cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: dict, exact: bool) -> Run:
-    """transformers Qwen3ForCausalLM (SDPA) on the same weights; + PEFT LoRA with the same A/B; + Liger."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _hf_model(args: Args, liger: bool) -> nn.Module:
+    """The transformers CausalLM of `args` on the meta device (Qwen3ForCausalLM or Qwen3_5ForCausalLM), SDPA
+    attention, no KV cache (with one, transformers skips its packed-sequence detection and the mask leaks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if "liger" in name:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3  # raises ImportError → skipped
-
-        apply_liger_kernel_to_qwen3()  # patches the classes: build the model after this
     hf_cfg = {k: v for k, v in args.to_hf_config().items() if k not in ("architectures", "torch_dtype", "dtype")}
-    config = Qwen3Config(**hf_cfg)
+    kind = hf_cfg.pop("model_type")
+    if liger:
+        import liger_kernel.transformers as lk
+
+        family = "qwen3" if kind == "qwen3" else "qwen3_5"
+        apply = getattr(lk, f"apply_liger_kernel_to_{family}", None)
+        if apply is None:
+            raise ImportError(f"liger_kernel {getattr(lk, '__version__', '?')} has no apply_liger_kernel_to_{family}")
+        apply()  # patches the classes: build the model after this
+    config = AutoConfig.for_model(kind, **hf_cfg)
     config._attn_implementation = "sdpa"
-    # No KV cache in training: with one, transformers skips its packed-sequence detection and the mask leaks.
     config.use_cache = False
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+@contextlib.contextmanager
+def without_fla() -> Iterator[None]:
+    """transformers' Qwen3.5 as a machine without fla-core runs it (its torch fallback for the delta rule and the
+    conv): fla made unimportable and the modeling module re-imported, for the duration (build AND run inside)."""
+    import importlib
+    import sys
+
+    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    hidden = {k: sys.modules[k] for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    for k in hidden:
+        del sys.modules[k]
+    sys.modules["fla"] = None  # type: ignore[assignment]  # `import fla` now raises ImportError
+    try:
+        importlib.reload(importlib.import_module(name))
+        yield
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+        importlib.reload(importlib.import_module(name))
+
+
+def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, exact: bool) -> Run:
+    """transformers' model (SDPA) on the same weights; + PEFT LoRA with the same A/B on the same linears; + Liger."""
+    model = _hf_model(args, liger="liger" in name)
     weights = weights_for(sd, not cfg.lora, exact)
     model.load_state_dict(weights, assign=True, strict=not args.tie_embeddings)
     if args.tie_embeddings:
         model.tie_weights()
     dev = next(iter(weights.values())).device
     # non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the device
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(dev)
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(dev)
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lora = LoraArgs(rank=16, alpha=32.0)
+        with torch.device("meta"):
+            targets = sorted({leaf for _, _, leaf in lora_targets(build_model(args), lora)})
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
         dtype = torch.bfloat16 if name.endswith("bf16lora") else torch.float32
         with torch.no_grad():
@@ -293,6 +335,11 @@ def build_peer(name: str, cfg: BenchConfig, args: ModelArgs, sd: dict, lora_sd: 
 
     params = [p for p in model.parameters() if p.requires_grad]
     return Run(model, loss, params, fused_adamw=dev.type == "cuda")
+
+
+def peer_context(name: str) -> contextlib.AbstractContextManager:
+    """What a peer runs inside: "hf-nofla" without fla-core (Qwen3.5's slow path), the others as installed."""
+    return without_fla() if name == "hf-nofla" else contextlib.nullcontext()
 
 
 def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, warmup: int, steps: int,
@@ -328,10 +375,10 @@ def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, wa
     return r
 
 
-def step_flops(cfg: BenchConfig, args: ModelArgs, batches: list[Batch]) -> tuple[list[int], list[int]]:
+def step_flops(cfg: BenchConfig, args: Args, batches: list[Batch]) -> tuple[list[int], list[int]]:
     """Per batch: the model's train_flops (LoRA: 4N+6N_lora+attn) and the 6·N_mm figure, from a meta model."""
     with torch.device("meta"):
-        m = Qwen3(args)
+        m = build_model(args)
     if cfg.lora:
         apply_lora(m, LoraArgs(rank=16, alpha=32.0))
     useful = [m.train_flops(b.doc_lens, head_tokens=b.num_loss_tokens) for b in batches]
@@ -394,7 +441,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
           compile_modes: tuple[bool, ...] = (True,), profile: bool = False, seed: int = 0) -> dict[str, Any]:
     """One config: the micro-batch sweep (each micro-batch in each of `compile_modes`, the faster one kept) with
     the peers on the same batches, loss parity, the ablation around the best run, an optional profile."""
-    args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
+    args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
     dtype = torch.float32 if exact else torch.bfloat16
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
                               "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
@@ -438,8 +485,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
             if "skipped" in peer_runs[p]:
                 continue
             try:
-                peer_runs[p][str(mb)] = measure(lambda: build_peer(p, cfg, args, sd, lora_sd, exact), plain, cfg,
-                                                warmup, steps, flops, False)
+                with peer_context(p):
+                    peer_runs[p][str(mb)] = measure(lambda: build_peer(p, cfg, args, sd, lora_sd, exact), plain,
+                                                    cfg, warmup, steps, flops, False)
             except ImportError as e:
                 peer_runs[p] = {"skipped": f"import failed: {e}"}
                 notes[f"{p}_skipped"] = str(e)

@@ -115,3 +115,17 @@ def test_bad_arguments_say_what(capsys):
     assert "expected comma-separated ints" in capsys.readouterr().err
     with pytest.raises(ValueError, match="segments > 1"):
         fixed_shape(_setup()[4], 1)
+
+
+def test_tiny_qwen35_rows_of_one_document_match_transformers_and_packed_rows_do_not(tmp_path):
+    """The Qwen3.5 configs through the same harness: on rows of one document Atelier and transformers+PEFT (its
+    torch path here) train alike; on packed rows transformers leaks recurrent state across documents."""
+    diffs = {}
+    for name in ("qwen3.5-9b-lora-1doc", "qwen3.5-9b-lora"):
+        cfg = dataclasses.replace(tiny_config(CONFIGS[name]), micro_batches=(2,))
+        r = bench(name, cfg, tmp_path, ["hf", "hf-nofla"], [2], steps=2, warmup=1, ablation=False, tokenizer=None,
+                  device=CPU, exact=True)
+        diffs[name] = r["loss_mean_abs_diff"]
+        assert r["peers"]["hf-nofla"]["tokens_per_s"] > 0
+    assert diffs["qwen3.5-9b-lora-1doc"] < 1e-4
+    assert diffs["qwen3.5-9b-lora"] > 1e-3
