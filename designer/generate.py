@@ -1,4 +1,5 @@
-"""Batched sampling with a KV cache, for captions (greedy when temperature == 0).
+"""Batched sampling for captions (greedy when temperature == 0): a KV cache for Qwen3; for Qwen3.5, whose Gated
+DeltaNet layers would need a conv and recurrent-state cache, the packed forward re-run each step.
 
 Shape legend: B prompts in a batch, P longest prompt, T tokens fed this step (P at prefill, 1 after),
 S = P + max_new_tokens cache slots, H / Hkv heads, Dh head dim, V vocab.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from designer.model import Qwen3
+from designer.model import CausalLM, Qwen3
 
 
 class KVCache:
@@ -78,7 +79,7 @@ def _encode(tokenizer, prompts: Sequence[str | Sequence[int]]) -> list[list[int]
 
 @torch.no_grad()
 def generate(
-    model: Qwen3,
+    model: CausalLM,
     tokenizer,
     prompts: Sequence[str | Sequence[int]],
     max_new_tokens: int,
@@ -96,9 +97,6 @@ def generate(
     Prompts are run in batches of `batch_size`, longest first (less padding); results keep prompt order.
     Sampling draws from one torch.Generator seeded with `seed`, so a call is reproducible.
     """
-    if not isinstance(model, Qwen3):  # the KV cache below has no recurrent (conv + delta-rule) state
-        raise NotImplementedError(f"generate: KV-cache sampling supports Qwen3 only, not {type(model).__name__} "
-                                  f"(Qwen3.5 generation needs a conv and delta-rule state cache: not built yet)")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -122,8 +120,10 @@ def generate(
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            for i, out in zip(chunk, _generate_batch(model, [ids[i] for i in chunk], max_new_tokens, temperature,
-                                                     top_p, gen, eos_t)):
+            # Qwen3 decodes from a KV cache; a model with recurrent layers (Qwen3.5) re-runs its packed forward
+            batch = _generate_batch if isinstance(model, Qwen3) else _generate_batch_recompute
+            for i, out in zip(chunk, batch(model, [ids[i] for i in chunk], max_new_tokens, temperature, top_p, gen,
+                                           eos_t)):
                 results[i] = out
     finally:
         model.train(was_training)
@@ -155,6 +155,36 @@ def _generate_batch(model: Qwen3, ids: list[list[int]], max_new: int, temperatur
             break
         tokens, positions = nxt[:, None], positions[:, -1:] + 1  # [B,1]
     return [out[r, : int(lengths[r])].tolist() for r in range(b)]
+
+
+def _generate_batch_recompute(model: CausalLM, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
+                              gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
+    """No cache: each step runs the packed forward over every unfinished sequence (prompt + tokens so far), one
+    document each in a single row, and samples from each document's last position. O(L²) in the sequence
+    length, exact by construction (it is the training forward); for models whose Gated DeltaNet layers would
+    need a conv and recurrent-state cache (Qwen3.5), which is not built."""
+    device = model.lm_head_weight.device
+    stop = set(eos.tolist())
+    seqs, outs = [list(x) for x in ids], [[] for _ in ids]
+    live = list(range(len(ids)))
+    for _ in range(max_new):
+        lens = [len(seqs[i]) for i in live]
+        tokens = torch.tensor([t for i in live for t in seqs[i]], device=device)[None]  # [1,N]
+        positions = torch.cat([torch.arange(n) for n in lens]).to(device)[None]  # [1,N], restarting per document
+        ends = torch.tensor(lens).cumsum(0)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(device=device, dtype=torch.int32)  # [S+1]
+        hidden = model(tokens, positions, cu, max(lens))  # [1,N,D]
+        nxt = _sample(model.logits(hidden[0, (ends - 1).to(device)]).float(), temperature, top_p, gen).tolist()  # [S]
+        still = []
+        for i, tok in zip(live, nxt):
+            if tok not in stop:
+                outs[i].append(tok)
+                seqs[i].append(tok)
+                still.append(i)
+        live = still
+        if not live:
+            break
+    return outs
 
 
 @torch.no_grad()
