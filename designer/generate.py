@@ -36,7 +36,7 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,Dh], k/v [B,T,Hkv,Dh] for slots [length, length+T) → o [B,T,H,Dh]."""
-        t, end = q.shape[1], self.length + q.shape[1]
+        end = self.length + q.shape[1]
         self.k[layer, :, :, self.length : end] = k.transpose(1, 2).to(self.k.dtype)
         self.v[layer, :, :, self.length : end] = v.transpose(1, 2).to(self.v.dtype)
         q_slot = torch.arange(self.length, end, device=q.device)  # [T]

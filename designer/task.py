@@ -19,7 +19,6 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 from __future__ import annotations
 
 import contextlib
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path

@@ -8,7 +8,6 @@ Artifact keys must be lowercase letters, digits and dashes (Prefect's rule); `ar
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import re
