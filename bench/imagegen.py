@@ -2,7 +2,7 @@
 
     python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
         [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
-        [--kernels auto|triton|ref] [--tiny]
+        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
 L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
@@ -34,7 +34,6 @@ DataLoader with workers, batched and moved to the device, against the training r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import re
@@ -93,7 +92,7 @@ class Variant:
     compile: bool = True
     kernels: str = "auto"         # MMDiTArgs.kernels; "ref": the plain-PyTorch paths
     fused_adamw: bool = True
-    sdpa: str | None = None       # None: PyTorch's own SDPA backend choice; else one of SDPA_BACKENDS
+    attention: str = "auto"       # MMDiTArgs.attention: "auto" (PyTorch's SDPA choice) or one of SDPA_BACKENDS
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
@@ -172,7 +171,6 @@ class Run:
     params: list[nn.Parameter]
     fused_adamw: bool
     autocast: bool                # bf16 autocast over fp32 master weights; off for exact (tiny) runs
-    sdpa: str | None = None
 
     def loss(self, b: ImageBatch) -> torch.Tensor:
         """The loss both sides share: noise the latents, predict the velocity, the batch's mean flow_loss (fp32)."""
@@ -188,7 +186,7 @@ def _fp32_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
     with torch.device("meta"):
-        model = MMDiT(dataclasses.replace(args, kernels=v.kernels))
+        model = MMDiT(dataclasses.replace(args, kernels=v.kernels, attention=v.attention))
     model.load_state_dict(_fp32_copy(sd), assign=True)
     model.train().requires_grad_(True)
     last = model.transformer_blocks[-1].attn  # no text queries in the last block (imagegen/task.py _wrap)
@@ -198,7 +196,7 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
     if v.compile:
         compile_blocks(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    return Run(model, model, params, v.fused_adamw, autocast=not exact, sdpa=v.sdpa)
+    return Run(model, model, params, v.fused_adamw, autocast=not exact)
 
 
 def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool) -> Run:
@@ -222,16 +220,6 @@ def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool) -> Run:
     return Run(model, forward, params, fused_adamw=dev.type == "cuda", autocast=not exact)
 
 
-def _sdpa_context(backend: str | None) -> contextlib.AbstractContextManager:
-    if backend is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    names = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    return sdpa_kernel(names[backend])
-
-
 def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
             flops: int) -> dict[str, Any]:
     """Build, run warmup + steps optimizer steps, time them; OOM is a result (bench.harness.guarded)."""
@@ -247,8 +235,7 @@ def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, st
             opt.zero_grad(set_to_none=True)
             return loss
 
-        # the SDPA backend context covers the compile too: Inductor picks the backend when it traces
-        return timed_steps(step, warmup + steps, cuda, context=lambda: _sdpa_context(run.sdpa))
+        return timed_steps(step, warmup + steps, cuda)
 
     r = guarded(build, use, cuda)
     if r["oom"]:
@@ -277,7 +264,7 @@ def profile_run(build: Callable[[], Run], batches: list[ImageBatch], lr: float, 
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return profile_table(step, 3, path, context=lambda: _sdpa_context(run.sdpa))
+    return profile_table(step, 3, path)
 
 
 def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
@@ -380,7 +367,7 @@ def _best(runs: dict[str, dict[str, Any]]) -> str | None:
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
           ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
-          seed: int = 0, profile_path: Path | None = None) -> dict[str, Any]:
+          seed: int = 0, profile_path: Path | None = None, attention: str = "auto") -> dict[str, Any]:
     args = model_args(cfg)
     dtype = torch.float32 if exact else torch.bfloat16
     N, L = image_tokens(cfg, args), cfg.text_tokens
@@ -392,7 +379,7 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     with torch.device("meta"):
         meta_model = MMDiT(args)
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
-    main_variant = Variant(compile=not exact, kernels=kernels)
+    main_variant = Variant(compile=not exact, kernels=kernels, attention=attention)
     sweep: dict[str, Any] = {}
     peer_runs: dict[str, dict[str, Any]] = {p: {} for p in peers}
     notes = {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master copies per run, bf16 autocast",
@@ -444,7 +431,7 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         switches = {"no_compile": dataclasses.replace(main_variant, compile=False),
                     "reference_kernels": dataclasses.replace(main_variant, kernels="ref"),
                     "foreach_adamw": dataclasses.replace(main_variant, fused_adamw=False),
-                    **{f"sdpa_{b}": dataclasses.replace(main_variant, sdpa=b) for b in SDPA_BACKENDS}}
+                    **{f"sdpa_{b}": dataclasses.replace(main_variant, attention=b) for b in SDPA_BACKENDS}}
         chosen = [a for a in ablation if device.type == "cuda" or not a.startswith("sdpa_")]  # SDPA choice: GPU
         for abl in chosen:
             v = switches[abl]
@@ -528,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader-workers", type=int, default=4)
     p.add_argument("--kernels", choices=("auto", "triton", "ref"), default="auto",
                    help="Atelier's MMDiTArgs.kernels (auto: Triton on CUDA; triton on a CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--attention", choices=("auto", *SDPA_BACKENDS), default="auto",
+                   help="Atelier's SDPA backend (MMDiTArgs.attention); the sdpa_* ablation rows measure each")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     a = p.parse_args(argv)
@@ -551,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
                    a.loader_workers, device, exact=a.tiny, kernels=a.kernels,
                    profile_path=Path(a.out) / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
-                   if a.profile else None)
+                   if a.profile else None, attention=a.attention)
     path = write(report, Path(a.out))
     print(markdown(report))
     print(f"wrote {path}")

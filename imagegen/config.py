@@ -26,6 +26,9 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # the MMDiT's fused ops (MMDiTArgs.kernels): "auto" = Triton on CUDA, plain PyTorch elsewhere
     kernels: Literal["auto", "triton", "ref"] = "auto"
+    # the joint attention's SDPA backend (MMDiTArgs.attention): "auto" = PyTorch's choice; pin the fastest one
+    # bench/imagegen.py measured on your card
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
 
     def validate(self) -> None:
         if not self.path:

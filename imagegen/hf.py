@@ -38,8 +38,9 @@ def resolve_dir(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{root}: no {CONFIG_NAME} here or in {root / 'transformer'}")
 
 
-def read_args(path: str | os.PathLike, kernels: str = "auto") -> MMDiTArgs:
-    """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation."""
+def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "auto") -> MMDiTArgs:
+    """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation,
+    ``attention`` the SDPA backend."""
     cfg_path = resolve_dir(path) / CONFIG_NAME
     try:
         config = json.loads(cfg_path.read_text())
@@ -47,7 +48,7 @@ def read_args(path: str | os.PathLike, kernels: str = "auto") -> MMDiTArgs:
         raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-    return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels)
+    return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels, attention=attention)
 
 
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
@@ -98,10 +99,10 @@ def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", kernels: str = "auto") -> MMDiT:
+                    device: str | torch.device = "cpu", kernels: str = "auto", attention: str = "auto") -> MMDiT:
     """Build an MMDiT from a diffusers SD3 transformer directory; every key and shape is checked."""
     model_dir = resolve_dir(path)
-    args = read_args(model_dir, kernels)
+    args = read_args(model_dir, kernels, attention)
     where = weight_map(model_dir, args)
     with torch.device("meta"):  # no throw-away random init of a multi-GB model
         model = MMDiT(args)

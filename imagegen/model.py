@@ -24,6 +24,8 @@ on CUDA and the references elsewhere. Both give the same numbers (tests/imagegen
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass, field, fields
 
@@ -39,6 +41,19 @@ from kernels.rmsnorm import rmsnorm
 NORM_EPS = 1e-6
 TIME_FREQ_DIM = 256
 KERNEL_IMPLS = ("auto", "triton", "ref")
+# SDPA backends for the joint attention (MMDiTArgs.attention): "auto" leaves the choice to PyTorch; the others
+# pin one, so the fastest exact backend measured on a card (bench/imagegen.py's sdpa_* rows) can be chosen.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
+    """The SDPA backend context for MMDiTArgs.attention ("auto": none, PyTorch chooses). Traced by torch.compile."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]])
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,7 @@ class MMDiTArgs:
     # Implementation of the fused ops (module docstring), not an architecture field: it is never written to
     # config.json, and checkpoints are the same with either choice.
     kernels: str = "auto"  # "auto" | "triton" | "ref"
+    attention: str = "auto"  # SDPA backend, ATTENTION_BACKENDS (like kernels: not in config.json)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -80,6 +96,8 @@ class MMDiTArgs:
             raise bad("qk_norm", 'must be None or "rms_norm"')
         if self.kernels not in KERNEL_IMPLS:
             raise bad("kernels", f"must be one of {KERNEL_IMPLS}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise bad("attention", f"must be one of {ATTENTION_BACKENDS}")
         object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
         for i in self.dual_attention_layers:
             if not isinstance(i, int) or not 0 <= i < self.num_layers:
@@ -107,7 +125,8 @@ class MMDiTArgs:
     )
 
     @classmethod
-    def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto") -> MMDiTArgs:
+    def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto",
+                              attention: str = "auto") -> MMDiTArgs:
         """Build from a diffusers ``SD3Transformer2DModel`` config dict; ``source`` names it in errors."""
         name = config.get("_class_name", "SD3Transformer2DModel")
         if name != "SD3Transformer2DModel":
@@ -120,7 +139,7 @@ class MMDiTArgs:
             merged["out_channels"] = merged["in_channels"]
         kwargs = {cls._RENAME.get(k, k): v for k, v in merged.items()}
         kwargs["dual_attention_layers"] = tuple(kwargs["dual_attention_layers"] or ())
-        kwargs["kernels"] = kernels
+        kwargs["kernels"], kwargs["attention"] = kernels, attention
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -130,7 +149,7 @@ class MMDiTArgs:
         inverse = {v: k for k, v in self._RENAME.items()}
         out = {"_class_name": "SD3Transformer2DModel"}
         for f in fields(self):
-            if f.name == "kernels":
+            if f.name in ("kernels", "attention"):  # implementation choices, not architecture
                 continue
             value = getattr(self, f.name)
             out[inverse.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
@@ -281,6 +300,7 @@ class Attention(nn.Module):
         super().__init__()
         d = args.dim
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
+        self.attention = args.attention
         self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # ModuleList so the key is to_out.0.* as in diffusers (its to_out.1 is a parameter-free Dropout).
         self.to_out = nn.ModuleList([nn.Linear(d, d)])
@@ -315,7 +335,8 @@ class Attention(nn.Module):
                 q = torch.cat([q, self._heads(ctx, self.add_q_proj, self.norm_added_q)], dim=2)  # [B, Hn, S, Dh]
             k = torch.cat([k, self._heads(ctx, self.add_k_proj, self.norm_added_k)], dim=2)
             v = torch.cat([v, self._heads(ctx, self.add_v_proj, None)], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v)  # [B, Hn, S or N, Dh]
+        with sdpa_backend(self.attention):
+            o = F.scaled_dot_product_attention(q, k, v)  # [B, Hn, S or N, Dh]
         o = o.transpose(1, 2).reshape(B, -1, self.num_heads * self.head_dim)  # [B, S or N, D]
         x_out = self.to_out[0](o[:, :N])
         if not self.context:

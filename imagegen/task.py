@@ -97,7 +97,8 @@ class ImagegenTask:
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         # fp32 master weights
         self.model = self._build_sharded() if sharded_init else self._wrap(
-            load_pretrained(cfg.model.path, dtype=torch.float32, device=device, kernels=cfg.model.kernels))
+            load_pretrained(cfg.model.path, dtype=torch.float32, device=device, kernels=cfg.model.kernels,
+                            attention=cfg.model.attention))
         self._gen = torch.Generator(device=device)  # re-seeded per global micro-batch
         self._step = 0  # optimizer steps done (after_optimizer_step / the checkpoint)
         self._ema_export: dict[str, torch.Tensor] | None = None  # gathered at the last step's evaluation
@@ -156,7 +157,7 @@ class ImagegenTask:
         model_dir = resolve_dir(self.cfg.model.path)
         where = weight_map(model_dir, read_args(model_dir))
         with torch.device("meta"):
-            model = MMDiT(read_args(model_dir, self.cfg.model.kernels))
+            model = MMDiT(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
         self._wrap(model)
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))

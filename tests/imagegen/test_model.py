@@ -261,11 +261,35 @@ def test_kernels_on_equals_kernels_off(args):
 
 
 def test_kernels_choice_stays_out_of_the_checkpoint_config():
-    args = dataclasses.replace(SD35_TINY, kernels="triton")
-    assert "kernels" not in args.to_diffusers_config()
-    assert MMDiTArgs.from_diffusers_config(args.to_diffusers_config(), kernels="triton") == args
+    args = dataclasses.replace(SD35_TINY, kernels="triton", attention="math")
+    assert "kernels" not in args.to_diffusers_config() and "attention" not in args.to_diffusers_config()
+    assert MMDiTArgs.from_diffusers_config(args.to_diffusers_config(), kernels="triton", attention="math") == args
     with pytest.raises(ValueError, match="MMDiTArgs.kernels='cuda'"):
         dataclasses.replace(SD3_TINY, kernels="cuda")
+    with pytest.raises(ValueError, match="MMDiTArgs.attention='fast'"):
+        dataclasses.replace(SD3_TINY, attention="fast")
+
+
+def test_pinned_sdpa_backend_gives_the_same_model_and_compiles():
+    """MMDiTArgs.attention pins the joint attention's SDPA backend: the math backend equals PyTorch's own choice
+    (CPU), in eager and under torch.compile (the backend context is traced, no graph break)."""
+    weights = reference(SD35_TINY).state_dict()
+    x = inputs(SD35_TINY, 12, 20)
+    auto, pinned = MMDiT(SD35_TINY), MMDiT(dataclasses.replace(SD35_TINY, attention="math"))
+    auto.load_state_dict(weights, strict=True)
+    pinned.load_state_dict(weights, strict=True)
+    assert rel_err(pinned(*x), auto(*x)) <= 1e-6
+    if not torch.cuda.is_available():  # the pin is real: a CUDA-only backend has no CPU kernel to run
+        cudnn = MMDiT(dataclasses.replace(SD35_TINY, attention="cudnn"))
+        cudnn.load_state_dict(weights, strict=True)
+        with pytest.raises(RuntimeError):
+            cudnn(*x)
+    block = pinned.transformer_blocks[0]
+    hidden, ctx, temb = torch.randn(2, 16, SD35_TINY.dim), torch.randn(2, 5, SD35_TINY.dim), torch.randn(2, SD35_TINY.dim)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(hidden, ctx, temb), block(hidden, ctx, temb)):
+        assert rel_err(a, b) <= 1e-6
 
 
 @pytest.mark.gpu
