@@ -41,9 +41,20 @@ def logs_of(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    from prefect.logging.handlers import APILogHandler
+
+    # Run logs reach the API in background batches: send what is still queued before reading (without this the
+    # last lines of a run, e.g. a retry's "resumed from", were sometimes missing). Then read every page: the API
+    # returns at most PREFECT_API_DEFAULT_LIMIT entries per call.
+    APILogHandler().flush()
+    out: list[str] = []
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return [entry.message for entry in logs]
+        while True:
+            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                    offset=len(out))
+            out += [entry.message for entry in page]
+            if not page:
+                return out
 
 
 @pytest.fixture(scope="module")
