@@ -50,8 +50,12 @@ class DistributedConfig:
     # The root (embeddings, final norm, LM head) is never resharded after forward: the loss reads the LM head
     # weight outside the model's forward.
     reshard_after_forward: Literal["default", "always", "never"] = "default"
-    activation_checkpointing: bool = False  # recompute each block in backward
+    # recompute in backward (pipeline/policies.py): "full" keeps only each block's input; "selective" keeps the
+    # matmul and attention outputs and recomputes norms, RoPE, SwiGLU and casts (long sequences)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
+    # keep saved activations in pinned host memory between forward and backward (one 64k-token document)
+    cpu_offload: bool = False
     # "sharded": build on the meta device and read each rank's rows of every tensor from the safetensors
     # files; "full": every rank loads the whole model on the CPU first, then shards it (small models only).
     init: Literal["sharded", "full"] = "sharded"

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import DistributedConfig, TrainConfig
+from pipeline.policies import checkpoint_blocks, compile_block_list
 
 
 class DistributedError(RuntimeError):
@@ -149,20 +150,6 @@ def broadcast_object(ctx: DistContext, obj: object) -> object:
 # ----------------------------------------------------------------------------- AC → compile → FSDP
 
 
-def checkpoint_activations(block: nn.Module) -> None:
-    """Recompute `block` in backward (non-reentrant torch.utils.checkpoint, RNG state preserved).
-
-    Wraps the instance's forward rather than the module (checkpoint_wrapper adds `_checkpoint_wrapped_module`
-    to every parameter name), so state-dict keys, checkpoints and exports keep the stock names.
-    """
-    inner = block.forward
-
-    def forward(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    block.forward = forward  # type: ignore[method-assign]
-
-
 def _reshard_policy(policy: str, index: int, num_blocks: int) -> bool:
     if policy == "always":
         return True
@@ -180,12 +167,9 @@ def parallelize(model: nn.Module, blocks: Sequence[nn.Module], ctx: DistContext,
     base with fp32 adapters). Gradients are reduced in `cfg.reduce_dtype` and summed over ranks.
     Works on a meta-device model (then call `materialize_`) or on a loaded one.
     """
-    if cfg.activation_checkpointing:
-        for block in blocks:
-            checkpoint_activations(block)
+    checkpoint_blocks(blocks, cfg.activation_checkpointing)  # pipeline/policies.py: none | full | selective
     if cfg.compile:
-        for block in blocks:
-            block.compile()  # in place: parameter names keep no `_orig_mod.` prefix
+        compile_block_list(blocks)  # in place: parameter names keep no `_orig_mod.` prefix
     if not ctx.enabled:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -309,6 +293,6 @@ class consolidated:
 
 __all__ = [
     "DistContext", "DistributedError", "torchrun_env", "launched_by_torchrun", "init_distributed", "shutdown",
-    "barrier", "all_reduce_sum", "broadcast_object", "checkpoint_activations", "parallelize", "set_gradient_sync",
+    "barrier", "all_reduce_sum", "broadcast_object", "parallelize", "set_gradient_sync",
     "is_sharded", "local_rows", "materialize_", "full_state_dict", "consolidated",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,11 +93,17 @@ def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     """Checkpoint every block of `model` ("none" | "full" | "selective"), in place; returns `model`."""
+    checkpoint_blocks(model_blocks(model), mode)
+    return model
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module], mode: str) -> None:
+    """apply_activation_checkpointing over an explicit list of blocks (pipeline/distributed.parallelize's)."""
     if mode not in AC_MODES:
-        raise ValueError(f"apply_activation_checkpointing: mode must be one of {AC_MODES}, got {mode!r}")
+        raise ValueError(f"activation checkpointing: mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
-        return model
-    for i, block in enumerate(model_blocks(model)):
+        return
+    for i, block in enumerate(blocks):
         if getattr(block, "_atelier_ac", None):
             raise ValueError(f"apply_activation_checkpointing: block {i} is already checkpointed "
                              f"({block._atelier_ac}); apply a policy once")
@@ -105,7 +111,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
             raise ValueError(f"apply_activation_checkpointing: block {i} is already compiled; the order is "
                              "activation checkpointing → compile → FSDP")
         _checkpoint_forward(block, selective=(mode == "selective"))
-    return model
 
 
 def compile_blocks(model: nn.Module, fullgraph: bool = False, dynamic: bool | None = False,
@@ -117,18 +122,23 @@ def compile_blocks(model: nn.Module, fullgraph: bool = False, dynamic: bool | No
     fullgraph=True fails loudly on a graph break; leave it False where a block calls host-syncing code
     (kernels' CPU reference paths do `.tolist()`).
     """
+    compile_block_list(model_blocks(model), fullgraph, dynamic, mode)
+    return model
+
+
+def compile_block_list(blocks: Sequence[nn.Module], fullgraph: bool = False, dynamic: bool | None = False,
+                       mode: str | None = None) -> None:
+    """compile_blocks over an explicit list of blocks (pipeline/distributed.parallelize's)."""
     import torch._dynamo
 
-    blocks = model_blocks(model)
-    # Every block shares one code object, and each one's `layer` int (and each block's own parameters)
-    # is a guard: allow one cache entry per block rather than falling back to eager after 8.
+    # Blocks share one code object; guards that differ between blocks (a block's input requiring grad or not,
+    # a layer kind) each add a cache entry: allow one per block rather than falling back to eager after 8.
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(blocks) + 8)
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            4 * limit)
     for block in blocks:
         block.compile(fullgraph=fullgraph, dynamic=dynamic, mode=mode)
-    return model
 
 
 @contextlib.contextmanager

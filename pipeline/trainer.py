@@ -51,6 +51,7 @@ from pipeline.distributed import (
     set_gradient_sync,
 )
 from pipeline.mfu import ThroughputMeter, device_peak_flops
+from pipeline.policies import cpu_offload
 from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
 from pipeline.task import Task
 
@@ -361,8 +362,9 @@ class Trainer:
                 if weight > 0:
                     for i, b in enumerate(micro):
                         set_gradient_sync(model, i == len(micro) - 1)  # one reduce-scatter per step
-                        loss = self.task.loss_sum(b) / weight
-                        loss.backward()
+                        with cpu_offload(enabled=cfg.distributed.cpu_offload):  # forward AND backward inside
+                            loss = self.task.loss_sum(b) / weight
+                            loss.backward()
                         loss_total += loss.detach()
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
                 grad_norm = self._clip(params, max_norm)

@@ -72,7 +72,7 @@ def two(world, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("two")
     two1 = ("--set", "train.micro_batch=1")
     launch_two({
-        "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=true"),
+        "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=full"),
         "lora_cut": args(world, d / "lora_cut", *LORA, *two1, "--set", "train.max_steps=2"),
         "lora_cut_resumed": args(world, d / "lora_cut", *LORA, *two1),
         "full": args(world, d / "full", *FULL, *two1, "--set", "train.distributed.async_checkpoint=true"),

@@ -315,7 +315,7 @@ def test_two_processes_equal_one(q35_world, tmp_path):
 
     two = tmp_path / "two"
     launch_two({"lora": args(q35_world, two, *LORA, "--set", "train.micro_batch=1",
-                             "--set", "train.distributed.activation_checkpointing=true")}, tmp_path)
+                             "--set", "train.distributed.activation_checkpointing=full")}, tmp_path)
     one = tmp_path / "one"
     assert main(args(q35_world, one, *LORA, "--set", "train.micro_batch=2")) == 0
     assert_same_losses(one, two, range(1, 5))

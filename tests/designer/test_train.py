@@ -144,3 +144,23 @@ def test_truncated_checkpoint_is_named_and_kept(world, tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(f) in err and "truncated" in err
     assert f.stat().st_size == 100 and (out / "checkpoints" / "step-2").is_dir()
+
+
+def test_selective_checkpointing_and_cpu_offload_train_exactly_like_plain(world, tmp_path):
+    """The long-sequence options of `[train.distributed]` change memory, not numbers: the same losses (fp32)."""
+    common = ["--set", "lora.rank=4", "--set", "train.max_steps=4", "--set", "train.save_every=0",
+              "--set", "train.eval_every=0", "--set", "model.dtype=float32"]
+    runs = {}
+    for name, extra in {"plain": [], "saved": ["--set", "train.distributed.activation_checkpointing=selective",
+                                               "--set", "train.distributed.cpu_offload=true"]}.items():
+        assert main(train_args(world, tmp_path / name, *common, *extra)) == 0
+        runs[name] = train_losses(tmp_path / name)
+    assert len(runs["plain"]) == 4
+    for (s1, l1), (s2, l2) in zip(runs["plain"], runs["saved"]):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-6 * max(1.0, abs(l1)), (runs["plain"], runs["saved"])
+
+
+def test_boolean_activation_checkpointing_is_a_named_error(world, tmp_path, capsys):
+    assert main(train_args(world, tmp_path / "r", "--set", "train.distributed.activation_checkpointing=true")) != 0
+    err = capsys.readouterr().err
+    assert "activation_checkpointing" in err and "selective" in err

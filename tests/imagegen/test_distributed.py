@@ -59,7 +59,7 @@ def launch_two(runs: dict[str, list[str]], tmp: Path) -> None:
 def two(world, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("imagegen-two")
     launch_two({
-        "run": cli_args(world, d / "run", *COMMON, *TWO, "train.distributed.activation_checkpointing=true"),
+        "run": cli_args(world, d / "run", *COMMON, *TWO, "train.distributed.activation_checkpointing=full"),
         "cut": cli_args(world, d / "cut", *COMMON, *TWO, "train.max_steps=2"),
         "cut_resumed": cli_args(world, d / "cut", *COMMON, *TWO),
         "full_init": cli_args(world, d / "full_init", *COMMON, *TWO, "train.distributed.init=full"),

@@ -10,11 +10,11 @@ import torch
 from designer.lora import LoraArgs, apply_lora
 from designer.model import ModelArgs, Qwen3
 from pipeline.config import DistributedConfig, TrainConfig
+from pipeline.policies import checkpoint_blocks
 from pipeline.distributed import (
     DistContext,
     DistributedError,
     all_reduce_sum,
-    checkpoint_activations,
     init_distributed,
     local_rows,
     materialize_,
@@ -79,7 +79,7 @@ def test_activation_checkpointing_keeps_loss_gradients_and_names():
     apply_lora(ac, LoraArgs(rank=4, alpha=8.0, targets=("q", "v", "down")))
     ac.load_state_dict(ref.state_dict())
     names = [n for n, _ in ac.named_parameters()]
-    parallelize(ac, list(ac.model.layers), DistContext(), DistributedConfig(activation_checkpointing=True), None)
+    parallelize(ac, list(ac.model.layers), DistContext(), DistributedConfig(activation_checkpointing="full"), None)
     assert [n for n, _ in ac.named_parameters()] == names  # checkpoints and exports keep the stock names
     loss_ref, loss_ac = loss_of(ref, 2), loss_of(ac, 2)
     loss_ref.backward()
@@ -91,12 +91,13 @@ def test_activation_checkpointing_keeps_loss_gradients_and_names():
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
 
 
-def test_checkpoint_activations_recomputes_in_backward():
-    block = torch.nn.Linear(4, 4)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpoint_blocks_recomputes_in_backward(mode):
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
     calls = []
     plain = block.forward
     block.forward = lambda x: calls.append(1) or plain(x)  # counts runs of the block's own forward
-    checkpoint_activations(block)
+    checkpoint_blocks([block], mode)
     block(torch.randn(3, 4, requires_grad=True)).sum().backward()
     assert len(calls) == 2  # forward, then the recomputation in backward
 
