@@ -256,26 +256,44 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
     return Run(model, loss, params, v.fused_adamw)
 
 
-def _hf_model(args: Args, liger: bool) -> nn.Module:
+def _hf_model(args: Args) -> nn.Module:
     """The transformers CausalLM of `args` on the meta device (Qwen3ForCausalLM or Qwen3_5ForCausalLM), SDPA
     attention, no KV cache (with one, transformers skips its packed-sequence detection and the mask leaks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = {k: v for k, v in args.to_hf_config().items() if k not in ("architectures", "torch_dtype", "dtype")}
     kind = hf_cfg.pop("model_type")
-    if liger:
-        import liger_kernel.transformers as lk
-
-        family = "qwen3" if kind == "qwen3" else "qwen3_5"
-        apply = getattr(lk, f"apply_liger_kernel_to_{family}", None)
-        if apply is None:
-            raise ImportError(f"liger_kernel {getattr(lk, '__version__', '?')} has no apply_liger_kernel_to_{family}")
-        apply()  # patches the classes: build the model after this
     config = AutoConfig.for_model(kind, **hf_cfg)
     config._attn_implementation = "sdpa"
     config.use_cache = False
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def _modeling_module(args: Args) -> str:
+    return ("transformers.models.qwen3.modeling_qwen3" if args.to_hf_config()["model_type"] == "qwen3"
+            else "transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+@contextlib.contextmanager
+def with_liger(args: Args) -> Iterator[None]:
+    """Liger's kernels patched into transformers' classes for the duration (build AND run inside), then undone
+    by re-importing the modeling module. Liger patches process-wide and has no undo: without this, every
+    transformers peer built after a Liger peer silently ran with Liger's kernels."""
+    import importlib
+
+    import liger_kernel.transformers as lk
+
+    name = _modeling_module(args)
+    family = name.rsplit("modeling_", 1)[1]
+    apply = getattr(lk, f"apply_liger_kernel_to_{family}", None)
+    if apply is None:
+        raise ImportError(f"liger_kernel {getattr(lk, '__version__', '?')} has no apply_liger_kernel_to_{family}")
+    try:
+        apply()
+        yield
+    finally:
+        importlib.reload(importlib.import_module(name))
 
 
 @contextlib.contextmanager
@@ -300,8 +318,11 @@ def without_fla() -> Iterator[None]:
 
 
 def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, exact: bool) -> Run:
-    """transformers' model (SDPA) on the same weights; + PEFT LoRA with the same A/B on the same linears; + Liger."""
-    model = _hf_model(args, liger="liger" in name)
+    """transformers' model (SDPA) on the same weights; + PEFT LoRA with the same A/B on the same linears.
+
+    Build and run it inside peer_context(name, args), which applies Liger or hides fla-core for that peer only.
+    """
+    model = _hf_model(args)
     weights = weights_for(sd, not cfg.lora, exact)
     model.load_state_dict(weights, assign=True, strict=not args.tie_embeddings)
     if args.tie_embeddings:
@@ -337,9 +358,18 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
     return Run(model, loss, params, fused_adamw=dev.type == "cuda")
 
 
-def peer_context(name: str) -> contextlib.AbstractContextManager:
-    """What a peer runs inside: "hf-nofla" without fla-core (Qwen3.5's slow path), the others as installed."""
+def peer_context(name: str, args: Args) -> contextlib.AbstractContextManager:
+    """What a peer runs inside: "hf-liger*" with Liger's kernels, "hf-nofla" without fla-core (Qwen3.5's slow
+    path), "hf" as transformers is installed. Each undoes itself, so peers never leak into one another."""
+    if "liger" in name:
+        return with_liger(args)
     return without_fla() if name == "hf-nofla" else contextlib.nullcontext()
+
+
+def peer_kernels(run: Run) -> str:
+    """What a built peer really runs, for the report: its final norm's class (Liger's, or transformers')."""
+    inner = run.model.get_base_model() if hasattr(run.model, "get_base_model") else run.model
+    return type(inner.model.norm).__name__
 
 
 def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, warmup: int, steps: int,
@@ -485,9 +515,16 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
             if "skipped" in peer_runs[p]:
                 continue
             try:
-                with peer_context(p):
-                    peer_runs[p][str(mb)] = measure(lambda: build_peer(p, cfg, args, sd, lora_sd, exact), plain,
-                                                    cfg, warmup, steps, flops, False)
+                seen: list[str] = []
+
+                def build(p: str = p) -> Run:
+                    run = build_peer(p, cfg, args, sd, lora_sd, exact)
+                    seen.append(peer_kernels(run))
+                    return run
+
+                with peer_context(p, args):
+                    peer_runs[p][str(mb)] = measure(build, plain, cfg, warmup, steps, flops, False)
+                peer_runs[p][str(mb)]["norm_class"] = seen[0] if seen else None
             except ImportError as e:
                 peer_runs[p] = {"skipped": f"import failed: {e}"}
                 notes[f"{p}_skipped"] = str(e)

@@ -6,11 +6,13 @@ the bf16 matmul rate measured on this card in this run — the practical ceiling
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,5 +75,24 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float | None:
     return 2 * n**3 * iters / seconds / 1e12
 
 
+PACKAGES = ("bench", "data", "designer", "imagegen", "kernels", "pipeline")
+
+
+def source_revision() -> dict[str, str | None]:
+    """Which code produced a report: the git commit (None where the tree travelled without .git, as on the
+    device machine) and a SHA-256 over every .py file of the packages, which identifies the code either way."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"git_commit": commit, "source_sha256": digest.hexdigest()}
+
+
 def environment() -> dict[str, Any]:
-    return {"gpu": gpu_info(), "versions": versions(), "command": " ".join(sys.argv), "host": platform.node()}
+    return {"gpu": gpu_info(), "versions": versions(), "command": " ".join(sys.argv), "host": platform.node(),
+            "source": source_revision()}

@@ -23,9 +23,9 @@ from torch import nn
 from kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
 from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope, rope_cos_sin, rope_type
-
-KERNEL_IMPLS = ("auto", "triton", "ref")
 from kernels.swiglu import swiglu
+
+KERNEL_IMPLS = ("auto", "triton", "ref")  # ModelArgs.kernels: rmsnorm / rope / swiglu / LoRA linear
 
 # (q [B,T,H,Dh], k [B,T,Hkv,Dh], v [B,T,Hkv,Dh]) -> o [B,T,H,Dh], one per layer; the packed forward
 # (PackedAttention) and the KV-cache generator (designer/generate.py) each supply them, so there is one

@@ -25,7 +25,6 @@ on CUDA and the references elsewhere. Both give the same numbers (tests/imagegen
 from __future__ import annotations
 
 import contextlib
-
 import math
 from dataclasses import dataclass, field, fields
 

@@ -16,7 +16,8 @@ Implementations (chosen by the caller, from ModelArgs.attention_impl — never a
   "varlen" torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16), causal = window_size (-1, 0); with
            grouped kv heads on a torch whose varlen_attn has no enable_gqa (< 2.14), PyTorch's own flash
            kernels are called directly (aten._flash_attention_forward/_backward take Hkv < H natively):
-           repeating the kv heads instead cost ~5% of a Qwen3-8B LoRA step (the copy and the summed grads);
+           repeating the kv heads instead took 2.7% of a Qwen3-8B LoRA step's GPU time (the copy and the
+           summed gradients; +1% tok/s once removed, bench/results/designer-qwen3-8b-lora-2026-12-03*);
   "sdpa"   the reference below: SDPA per document with is_causal (any device/dtype; a Python loop);
   "auto"   flash → varlen on CUDA with fp16/bf16; sdpa on CPU or in fp32. On CUDA with fp16/bf16 and
            neither fast path installed it raises instead of silently running the slow loop
@@ -144,7 +145,11 @@ def packed_causal_attention(
 def rows_are_documents(num_segments: int, rows: int, row_len: int, max_seqlen: int) -> bool:
     """True when `num_segments` documents (cu_seqlens has num_segments + 1 entries) over rows × row_len tokens
     are exactly the rows: the lengths sum to rows·row_len and none exceeds max_seqlen, so with
-    num_segments == rows and max_seqlen == row_len every document has row_len tokens. Host ints only."""
+    num_segments == rows and max_seqlen == row_len every document has row_len tokens. Host ints only.
+
+    Contract (the designer's packed forward, data/packing.py): cu_seqlens covers EVERY token, padding included
+    (cu_seqlens[-1] == rows·row_len). Checking that here would cost a device sync per layer; a caller that
+    leaves padding outside cu_seqlens must not use this shortcut."""
     return num_segments == rows and max_seqlen == row_len
 
 

@@ -129,3 +129,30 @@ def test_tiny_qwen35_rows_of_one_document_match_transformers_and_packed_rows_do_
         assert r["peers"]["hf-nofla"]["tokens_per_s"] > 0
     assert diffs["qwen3.5-9b-lora-1doc"] < 1e-4
     assert diffs["qwen3.5-9b-lora"] > 1e-3
+
+
+def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
+    """Liger patches transformers' classes process-wide with no undo; the bench's peer context re-imports the
+    modeling module afterwards, so a later "hf" peer runs transformers' own kernels (a stand-in Liger here)."""
+    import sys
+    import types
+
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    from bench.designer import _hf_model, peer_context
+
+    class FakeLigerNorm(modeling.Qwen3RMSNorm):
+        pass
+
+    def apply_liger_kernel_to_qwen3():
+        modeling.Qwen3RMSNorm = FakeLigerNorm  # what Liger does: swap the module's class
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_qwen3 = apply_liger_kernel_to_qwen3
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    args = ModelArgs.from_size("tiny", vocab_size=64)
+    with peer_context("hf-liger", args):
+        assert type(_hf_model(args).model.norm).__name__ == "FakeLigerNorm"
+    with peer_context("hf", args):
+        assert type(_hf_model(args).model.norm).__name__ == "Qwen3RMSNorm"

@@ -305,6 +305,7 @@ def test_full_finetuning_under_bf16_autocast_keeps_an_fp32_stream():
     want = model(ids, pos, cu, 12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = model(ids, pos, cu, 12)
+    assert got.dtype == torch.float32  # the final norm keeps the stream's dtype: the stream stayed fp32
     got.float().pow(2).mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert (got.float() - want).abs().max() < 0.1 * want.abs().max()

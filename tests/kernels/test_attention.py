@@ -151,9 +151,44 @@ def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
                for x in _inputs([b * t], h, hkv, dh, torch.bfloat16, seed=5))
     cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda")
     do = torch.randn(b, t, h, dh, device="cuda", dtype=torch.bfloat16)
-    rows = PackedAttention(cu, t, "auto")(q, k, v)
+    import designer.model as model_mod
+
+    calls = []
+    real = model_mod.causal_attention_rows
+    model_mod.causal_attention_rows = lambda *a: calls.append(1) or real(*a)
+    try:
+        rows = PackedAttention(cu, t, "auto")(q, k, v)
+        assert calls == [1]  # the one-document-rows path ran
+        two_docs = torch.tensor([0, t // 2, t, 2 * t], dtype=torch.int32, device="cuda")
+        PackedAttention(two_docs, t, "auto")(q, k, v)
+        assert calls == [1]  # a row with two documents does not take it
+    finally:
+        model_mod.causal_attention_rows = real
     varlen = PackedAttention(cu, t, "varlen")(q, k, v)
     g_rows, g_varlen = (torch.autograd.grad(o, (q, k, v), do) for o in (rows, varlen))
     for name, a, e in (("o", rows, varlen), *zip(("dq", "dk", "dv"), g_rows, g_varlen)):
         err = ((a.float() - e.float()).abs().max() / e.float().abs().max()).item()
         assert err < 2e-2, f"{name}: rows path vs varlen, max diff relative to max |varlen| {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_varlen_gqa_directly_matches_the_reference():
+    """FlashVarlenGQA (aten's flash kernels with Hkv < H) on its own, whatever this torch's varlen_attn offers."""
+    from bench.attention import eager_attention
+    from kernels.attention import FlashVarlenGQA
+
+    lens = [300, 17, 1, 211]
+    q, k, v = (t.cuda().requires_grad_() for t in _inputs(lens, 32, 8, 128, torch.bfloat16, seed=7))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
+    o = FlashVarlenGQA.apply(q, k, v, cu, max(lens))
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    of = packed_causal_attention_ref(qf, kf, vf, cu, max(lens))
+    want = (of, *torch.autograd.grad(of, (qf, kf, vf), do.float()))
+    ob = eager_attention(q, k, v, lens)
+    base = (ob, *torch.autograd.grad(ob, (q, k, v), do))
+    for name, a, e, b in zip(("o", "dq", "dk", "dv"), got, want, base):
+        err, ref = (a.float() - e).abs().max(), (b.float() - e).abs().max()
+        assert err <= 2 * ref + 1e-3, f"{name}: max error {err:.3e} vs eager bf16 {ref:.3e}"
