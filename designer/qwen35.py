@@ -78,7 +78,7 @@ class Qwen35Args:
     attention_bias: bool = False
     attention_impl: str = "auto"  # kernels.attention impl
     delta_rule_impl: str = "auto"  # kernels.gated_delta_rule impl: auto | fla | ref
-    kernels: str = "auto"  # the shared MLP's swiglu (designer.model.MLP): auto | triton | ref
+    kernels: str = "auto"  # rmsnorm / rope / swiglu / conv / gated norm / LoRA linear: auto | triton | ref
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -207,13 +207,13 @@ SIZES: dict[str, dict[str, Any]] = {
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: rmsnorm(x) · (1 + w), w initialised to 0 (HF's Qwen3_5RMSNorm)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, impl: str = "auto") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.eps, self.impl = eps, impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, 1.0 + self.weight.float(), self.eps)  # 1 + w in fp32, as HF computes it
+        return rmsnorm(x, 1.0 + self.weight.float(), self.eps, self.impl)  # 1 + w in fp32, as HF computes it
 
 
 class GatedAttention(nn.Module):
@@ -227,8 +227,9 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=bias)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.kernels)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.kernels)
+        self.kernels = args.kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
@@ -237,7 +238,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, dh))  # [B,T,Hkv,Dh]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, dh)  # [B,T,Hkv,Dh]
-        q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin)  # partial RoPE: the first R dims turn
+        q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin, self.kernels)  # partial RoPE: the first R dims turn
         q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
         o = attend(q, k, v) * torch.sigmoid(gate)  # [B,T,H,Dh]
         return self.o_proj(o.reshape(b, t, h * dh))  # [B,T,D]
@@ -246,13 +247,13 @@ class GatedAttention(nn.Module):
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) · w · silu(z) over a value head (w initialised to 1; HF's Qwen3_5RMSNormGated)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, impl: str = "auto") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.impl = eps, impl
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rmsnorm(x, z, self.weight, self.eps)
+        return gated_rmsnorm(x, z, self.weight, self.eps, self.impl)
 
 
 class GatedDeltaNet(nn.Module):
@@ -273,7 +274,8 @@ class GatedDeltaNet(nn.Module):
                                 padding=args.gdn_conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))  # init_weights draws log(uniform(0.01, 16))
-        self.norm = GatedRMSNorm(self.dv, args.norm_eps)
+        self.norm = GatedRMSNorm(self.dv, args.norm_eps, args.kernels)
+        self.kernels = args.kernels
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, impl: str) -> torch.Tensor:
@@ -282,7 +284,7 @@ class GatedDeltaNet(nn.Module):
         n = b * t
         w = self.conv1d.weight
         qkv = self.in_proj_qkv(x).view(n, -1)  # [N,C]: packed documents, one after another
-        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), cu_seqlens)  # [N,C], silu applied
+        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), cu_seqlens, self.kernels)  # [N,C], silu applied
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         q, k, v = q.view(n, self.hk, self.dk), k.view(n, self.hk, self.dk), v.view(n, self.hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x)).view(n, self.hv)  # [N,Hv]
@@ -303,8 +305,8 @@ class Block(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(args)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 cu_seqlens: torch.Tensor, delta_rule_impl: str) -> torch.Tensor:
@@ -323,7 +325,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, kind) for kind in args.layer_types)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
 
 class Qwen35(CausalLM):

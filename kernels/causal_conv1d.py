@@ -17,7 +17,8 @@ summed by torch (deterministic, no atomics).
 
 Implementations (argument `impl`, from the model config): "triton" (any device; CPU through
 TRITON_INTERPRET=1, which tests use), "ref" (causal_conv1d_ref, differentiated by autograd), "auto"
-(Triton on CUDA outside torch.compile, the reference elsewhere — the same rule as kernels/rmsnorm.py).
+(Triton on CUDA, the reference elsewhere). The launchers are torch.library custom ops, so they stay
+opaque calls inside torch.compile'd blocks.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def _bwd_programs(device: torch.device, n: int, c_blocks: int) -> int:
     return max(1, min(triton.cdiv(n, _BLOCK_T), triton.cdiv(4 * sms, c_blocks)))
 
 
+# torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
+@torch.library.custom_op("atelier::causal_conv1d_fwd", mutates_args=())
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """x [N, C] contiguous, weight [C, K] contiguous, starts int32 [N] → y [N, C]."""
     n, c = x.shape
@@ -122,9 +125,15 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> tor
     return y
 
 
+@conv_fwd.register_fake
+def _(x, weight, starts):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("atelier::causal_conv1d_bwd", mutates_args=())
 def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor,
-             compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dy, x [N, C] contiguous → (dx [N, C] in x.dtype, dw fp32 [C, K] or None)."""
+             compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy, x [N, C] contiguous → (dx [N, C] in x.dtype, dw fp32 [C, K], or empty when not computed)."""
     n, c = x.shape
     k = weight.shape[1]
     kp = triton.next_power_of_2(k)
@@ -134,7 +143,12 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts: to
     dw_part = torch.empty(g, c, kp, dtype=torch.float32, device=x.device)
     _conv_bwd_kernel[(g, c_blocks)](x, weight, starts, dy, dx, dw_part, n, c, K=k, KP=kp, BLOCK_T=_BLOCK_T,
                                     BLOCK_C=_BLOCK_C, num_warps=4)
-    return dx, (dw_part.sum(0)[:, :k] if compute_dw else None)
+    return dx, (dw_part.sum(0)[:, :k].contiguous() if compute_dw else x.new_empty(0, dtype=torch.float32))
+
+
+@conv_bwd.register_fake
+def _(dy, x, weight, starts, compute_dw):
+    return torch.empty_like(x), x.new_empty(tuple(weight.shape) if compute_dw else (0,), dtype=torch.float32)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
@@ -149,8 +163,9 @@ class CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         x, weight, starts = ctx.saved_tensors
-        dx, dw = conv_bwd(dy.contiguous(), x, weight, starts, compute_dw=ctx.needs_input_grad[1])
-        return dx, (dw.to(weight.dtype) if dw is not None else None), None
+        compute_dw = ctx.needs_input_grad[1]
+        dx, dw = conv_bwd(dy.contiguous(), x, weight, starts, compute_dw)
+        return dx, (dw.to(weight.dtype) if compute_dw else None), None
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -168,7 +183,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, impl
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """silu(causal depthwise conv1d) within each document. x [N, C], weight [C, K] → [N, C] in x.dtype."""
     _check(x, weight, cu_seqlens, impl)
-    if impl == "ref" or (impl == "auto" and (not x.is_cuda or torch.compiler.is_compiling())):
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
         return causal_conv1d_ref(x, weight, cu_seqlens)
     starts = doc_starts(cu_seqlens, x.shape[0])
     return CausalConv1dFunction.apply(x.contiguous(), weight.contiguous(), starts)

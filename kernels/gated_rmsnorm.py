@@ -14,8 +14,8 @@ Note on rounding: Hugging Face rounds n to the input dtype before multiplying by
 (identical in fp32, within one bf16 ulp otherwise).
 
 Implementations (argument `impl`): "triton" (any device; CPU through TRITON_INTERPRET=1), "ref"
-(gated_rmsnorm_ref, differentiated by autograd), "auto" (Triton on CUDA outside torch.compile, the
-reference elsewhere — the rule of kernels/rmsnorm.py).
+(gated_rmsnorm_ref, differentiated by autograd), "auto" (Triton on CUDA, the reference elsewhere). The
+launchers are torch.library custom ops, so they stay opaque calls inside torch.compile'd blocks.
 """
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ def _gated_bwd_kernel(dy_ptr, x_ptr, z_ptr, w_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_
 
 
 # --- launchers ------------------------------------------------------------------------------------
-def gated_rmsnorm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
+@torch.library.custom_op("atelier::gated_rmsnorm_fwd", mutates_args=())
+def gated_rmsnorm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, z [R, D] contiguous → (y [R, D], rstd fp32 [R])."""
     r, d = x.shape
     block_d, rows, num_warps = _blocks(d)
@@ -91,9 +93,15 @@ def gated_rmsnorm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     return y, rstd
 
 
+@gated_rmsnorm_fwd.register_fake
+def _(x, z, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("atelier::gated_rmsnorm_bwd", mutates_args=())
 def gated_rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      compute_dw: bool):
-    """dy, x, z [R, D] contiguous → (dx, dz [R, D], dw fp32 [D] or None)."""
+                      compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy, x, z [R, D] contiguous → (dx, dz [R, D], dw fp32 [D], or empty when not computed)."""
     r, d = x.shape
     block_d, rows, num_warps = _blocks(d)
     g = max(1, min(triton.cdiv(r, rows), _num_programs_cap(x.device)))
@@ -101,7 +109,12 @@ def gated_rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight
     dw_part = torch.empty(g, d, dtype=torch.float32, device=x.device) if compute_dw else dx
     _gated_bwd_kernel[(g,)](dy, x, z, weight, rstd, dx, dz, dw_part, r, d, COMPUTE_DW=compute_dw, ROWS=rows,
                             BLOCK_D=block_d, num_warps=num_warps)
-    return dx, dz, (dw_part.sum(0) if compute_dw else None)
+    return dx, dz, (dw_part.sum(0) if compute_dw else x.new_empty(0, dtype=torch.float32))
+
+
+@gated_rmsnorm_bwd.register_fake
+def _(dy, x, z, weight, rstd, compute_dw):
+    return torch.empty_like(x), torch.empty_like(z), x.new_empty(x.shape[1] if compute_dw else 0, dtype=torch.float32)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
@@ -117,8 +130,9 @@ class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         x, z, weight, rstd = ctx.saved_tensors
-        dx, dz, dw = gated_rmsnorm_bwd(dy.contiguous(), x, z, weight, rstd, compute_dw=ctx.needs_input_grad[2])
-        return dx, dz, (dw.to(weight.dtype) if dw is not None else None), None
+        compute_dw = ctx.needs_input_grad[2]
+        dx, dz, dw = gated_rmsnorm_bwd(dy.contiguous(), x, z, weight, rstd, compute_dw)
+        return dx, dz, (dw.to(weight.dtype) if compute_dw else None), None
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -129,7 +143,7 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     if z.shape != x.shape or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"gated_rmsnorm: x {tuple(x.shape)}, z {tuple(z.shape)} and weight {tuple(weight.shape)} "
                          f"disagree (want x, z [..., D], weight [D])")
-    if impl == "ref" or (impl == "auto" and (not x.is_cuda or torch.compiler.is_compiling())):
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
         return gated_rmsnorm_ref(x, z, weight, eps)
     d = x.shape[-1]
     y = GatedRMSNormFunction.apply(x.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous(), weight, eps)  # [R, D]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.causal_conv1d import causal_conv1d, conv_bwd, conv_fwd, doc_starts
+from kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd
 from kernels.lora_linear import lora_linear, lora_linear_bwd, lora_linear_fwd
 from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from kernels.rope import rope, rope_apply
@@ -50,6 +52,41 @@ def test_rope_swiglu_lora_ops_pass_opcheck():
     dy = _randn(9, 10, seed=11)
     for need in ((True, True, True), (False, True, True), (True, False, False)):
         torch.library.opcheck(lora_linear_bwd, (dy, x, w, a, b, uu, None, 2.0, 0.0, *need), test_utils=OPCHECK_TESTS)
+
+
+def test_qwen35_ops_pass_opcheck():
+    x, w = _randn(11, 6, seed=0), _randn(6, 4, seed=1)
+    starts = doc_starts(torch.tensor([0, 4, 11], dtype=torch.int32, device=DEV), 11)
+    torch.library.opcheck(conv_fwd, (x, w, starts), test_utils=OPCHECK_TESTS)
+    for dw in (True, False):
+        torch.library.opcheck(conv_bwd, (_randn(11, 6, seed=2), x, w, starts, dw), test_utils=OPCHECK_TESTS)
+    xs, z, g = _randn(7, 16, seed=3), _randn(7, 16, seed=4), 1 + 0.1 * _randn(16, seed=5)
+    torch.library.opcheck(gated_rmsnorm_fwd, (xs, z, g, 1e-6), test_utils=OPCHECK_TESTS)
+    _, rstd = gated_rmsnorm_fwd(xs, z, g, 1e-6)
+    for dw in (True, False):
+        torch.library.opcheck(gated_rmsnorm_bwd, (_randn(7, 16, seed=6), xs, z, g, rstd, dw), test_utils=OPCHECK_TESTS)
+
+
+def test_compiled_qwen35_kernels_give_the_eager_gradients():
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32, device=DEV)
+
+    def f(x, w, z, g):
+        y = causal_conv1d(x, w, cu, impl="triton")  # [13, 16]
+        return gated_rmsnorm(y, z, g, 1e-6, impl="triton").pow(2).sum()
+
+    leaves = [_randn(13, 16, seed=0), _randn(16, 4, seed=1) * 0.5, _randn(13, 16, seed=2), 1 + 0.1 * _randn(16, seed=3)]
+
+    def run(fn):
+        args = [t.clone().requires_grad_() for t in leaves]
+        fn(*args).backward()
+        return [a.grad for a in args]
+
+    torch._dynamo.reset()
+    eager = run(f)
+    compiled = run(torch.compile(f, backend="aot_eager", fullgraph=True))
+    for i, (gc, ge) in enumerate(zip(compiled, eager)):
+        assert ge.abs().sum() > 0
+        assert_close(gc, ge, atol=1e-5, rtol=1e-5, what=f"grad of input {i}")
 
 
 def _block(x, res, w_norm, q, k, cos, sin, gate, up, w_base, lora_a, lora_b):
