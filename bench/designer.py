@@ -272,6 +272,24 @@ def _hf_model(args: Args) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+def _reload_modeling(name: str) -> None:
+    """Re-import a transformers modeling module and point its (lazy) package's cached names at the fresh classes.
+
+    Patches live on the module (swapped classes, functions) and on its classes (replaced methods): re-executing
+    the module makes fresh, unpatched classes, but transformers' package caches each class it has handed out
+    (Auto classes look names up there), so those entries must follow.
+    """
+    import importlib
+    import sys
+
+    module = importlib.reload(importlib.import_module(name))
+    package = sys.modules.get(name.rsplit(".", 1)[0])
+    if package is not None:
+        for attr, value in list(vars(package).items()):
+            if getattr(value, "__module__", None) == name and hasattr(module, attr):
+                setattr(package, attr, getattr(module, attr))
+
+
 def _modeling_module(args: Args) -> str:
     return ("transformers.models.qwen3.modeling_qwen3" if args.to_hf_config()["model_type"] == "qwen3"
             else "transformers.models.qwen3_5.modeling_qwen3_5")
@@ -282,8 +300,6 @@ def with_liger(args: Args) -> Iterator[None]:
     """Liger's kernels patched into transformers' classes for the duration (build AND run inside), then undone
     by re-importing the modeling module. Liger patches process-wide and has no undo: without this, every
     transformers peer built after a Liger peer silently ran with Liger's kernels."""
-    import importlib
-
     import liger_kernel.transformers as lk
 
     name = _modeling_module(args)
@@ -295,14 +311,13 @@ def with_liger(args: Args) -> Iterator[None]:
         apply()
         yield
     finally:
-        importlib.reload(importlib.import_module(name))
+        _reload_modeling(name)
 
 
 @contextlib.contextmanager
 def without_fla() -> Iterator[None]:
     """transformers' Qwen3.5 as a machine without fla-core runs it (its torch fallback for the delta rule and the
     conv): fla made unimportable and the modeling module re-imported, for the duration (build AND run inside)."""
-    import importlib
     import sys
 
     name = "transformers.models.qwen3_5.modeling_qwen3_5"
@@ -311,12 +326,12 @@ def without_fla() -> Iterator[None]:
         del sys.modules[k]
     sys.modules["fla"] = None  # type: ignore[assignment]  # `import fla` now raises ImportError
     try:
-        importlib.reload(importlib.import_module(name))
+        _reload_modeling(name)
         yield
     finally:
         del sys.modules["fla"]
         sys.modules.update(hidden)
-        importlib.reload(importlib.import_module(name))
+        _reload_modeling(name)
 
 
 def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, exact: bool) -> Run:

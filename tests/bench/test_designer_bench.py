@@ -144,15 +144,23 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
     class FakeLigerNorm(modeling.Qwen3RMSNorm):
         pass
 
-    def apply_liger_kernel_to_qwen3():
-        modeling.Qwen3RMSNorm = FakeLigerNorm  # what Liger does: swap the module's class
+    def fused_forward(self, *args, **kwargs):  # stands in for Liger's fused linear-cross-entropy forward
+        raise AssertionError("a patched forward ran")
+
+    def apply_liger_kernel_to_qwen3():  # what Liger does: swap the module's classes, replace a class's method
+        modeling.Qwen3RMSNorm = FakeLigerNorm
+        modeling.Qwen3ForCausalLM.forward = fused_forward
 
     fake = types.ModuleType("liger_kernel.transformers")
     fake.apply_liger_kernel_to_qwen3 = apply_liger_kernel_to_qwen3
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
     args = ModelArgs.from_size("tiny", vocab_size=64)
+    _hf_model(args)  # transformers' package caches the class it hands out: the undo must reach that cache
     with peer_context("hf-liger", args):
-        assert type(_hf_model(args).model.norm).__name__ == "FakeLigerNorm"
+        patched = _hf_model(args)
+        assert type(patched.model.norm).__name__ == "FakeLigerNorm" and type(patched).forward is fused_forward
     with peer_context("hf", args):
-        assert type(_hf_model(args).model.norm).__name__ == "Qwen3RMSNorm"
+        plain = _hf_model(args)
+        assert type(plain.model.norm).__name__ == "Qwen3RMSNorm"
+        assert type(plain).forward is not fused_forward
