@@ -49,7 +49,7 @@ from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
 from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
-                           write_report)
+                           train_step, write_report)
 from data.chat import EncodedDoc
 from data.packing import Batch, make_batch, pack_documents
 from designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
@@ -396,15 +396,7 @@ def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, wa
 
     def use(run: Run) -> dict[str, Any]:
         opt = adamw(run.params, cfg.lr, fused=run.fused_adamw and cuda)
-
-        def step(i: int) -> torch.Tensor:
-            with cpu_offload(enabled=offload):
-                loss = run.loss(batches[i % len(batches)])
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
+        step = train_step(run.loss, batches, opt, lambda: cpu_offload(enabled=offload))
         return timed_steps(step, warmup + steps, cuda)
 
     r = guarded(build, use, cuda)
@@ -471,16 +463,7 @@ def profile_step(run_build: Callable[[], Run], batches: list[Batch], cfg: BenchC
     torch._dynamo.reset()
     run: Run = run_build()
     opt = adamw(run.params, cfg.lr, fused=run.fused_adamw)
-
-    def step(i: int) -> torch.Tensor:
-        with cpu_offload(enabled=cfg.offload):
-            loss = run.loss(batches[i % len(batches)])
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return profile_table(step, 3, path)
+    return profile_table(train_step(run.loss, batches, opt, lambda: cpu_offload(enabled=cfg.offload)), 3, path)
 
 
 def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batches: list[int], steps: int,

@@ -11,7 +11,7 @@ import gc
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch._dynamo
@@ -43,6 +43,23 @@ def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
         torch.cuda.synchronize()
         times = [s.elapsed_time(e) / 1e3 for s, e in times]
     return {"step_s": times, "losses": [float(x) for x in losses]}
+
+
+def train_step(loss: Callable[[Any], torch.Tensor], batches: Sequence[Any], opt: torch.optim.Optimizer,
+               context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+               ) -> Callable[[int], torch.Tensor]:
+    """The benches' step(i): loss of batches[i mod len] and its backward (inside `context`, e.g. CPU activation
+    offload), optimizer step, zero_grad; returns the loss (not synchronised)."""
+
+    def step(i: int) -> torch.Tensor:
+        with context():
+            value = loss(batches[i % len(batches)])
+            value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return value
+
+    return step
 
 
 def profile_table(step: Callable[[int], torch.Tensor], warmup: int, path: Path, rows: int = 45,

@@ -50,7 +50,7 @@ from torch import nn
 
 from bench.env import clocks, environment, matmul_tflops
 from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
-                           write_report)
+                           train_step, write_report)
 from imagegen.ema import EMA, ema_update_ref
 from imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
@@ -227,15 +227,7 @@ def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, st
 
     def use(run: Run) -> dict[str, Any]:
         opt = adamw(run.params, lr, fused=run.fused_adamw and cuda)
-
-        def step(i: int) -> torch.Tensor:
-            loss = run.loss(batches[i % len(batches)])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return timed_steps(step, warmup + steps, cuda)
+        return timed_steps(train_step(run.loss, batches, opt), warmup + steps, cuda)
 
     r = guarded(build, use, cuda)
     if r["oom"]:
@@ -256,15 +248,7 @@ def profile_run(build: Callable[[], Run], batches: list[ImageBatch], lr: float, 
     the sweep's compiled blocks are reused (the same module structure and shapes)."""
     run = build()
     opt = adamw(run.params, lr, fused=run.fused_adamw)
-
-    def step(i: int) -> torch.Tensor:
-        loss = run.loss(batches[i % len(batches)])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return profile_table(step, 3, path)
+    return profile_table(train_step(run.loss, batches, opt), 3, path)
 
 
 def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
