@@ -54,7 +54,9 @@ from data.chat import EncodedDoc
 from data.packing import Batch, make_batch, pack_documents
 from designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
 from designer.hf import Args, args_from_size, build_model, hf_param_shapes
+from designer.qwen35 import Qwen35Args
 from kernels.cross_entropy import linear_cross_entropy
+from kernels.gated_delta_rule import fla_guard_lifted, has_fla
 from pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
 
 # hf-amp: PEFT's fp32 adapters under bf16 autocast, as transformers' Trainer runs LoRA with bf16=True
@@ -377,10 +379,18 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
 
 def peer_context(name: str, args: Args) -> contextlib.AbstractContextManager:
     """What a peer runs inside: "hf-liger*" with Liger's kernels, "hf-nofla" without fla-core (Qwen3.5's slow
-    path), "hf" as transformers is installed. Each undoes itself, so peers never leak into one another."""
+    path), "hf" as transformers is installed. Each undoes itself, so peers never leak into one another.
+
+    A Qwen3.5 peer that runs fla-core on a Hopper GPU with Triton < 3.7.1 gets the same lift of fla's #640 guard
+    that Atelier's fast path applies to itself (kernels/gated_delta_rule.py), so both run the same fla kernels."""
+    stack = contextlib.ExitStack()
     if "liger" in name:
-        return with_liger(args)
-    return without_fla() if name == "hf-nofla" else contextlib.nullcontext()
+        stack.enter_context(with_liger(args))
+    if name == "hf-nofla":
+        stack.enter_context(without_fla())
+    elif isinstance(args, Qwen35Args) and torch.cuda.is_available() and has_fla():
+        stack.enter_context(fla_guard_lifted(args.gdn_key_head_dim, torch.device("cuda")))
+    return stack
 
 
 def peer_kernels(run: Run) -> str:

@@ -17,6 +17,15 @@ with γ_i = Σ_{j≤i} g_j inside the chunk and Γ_ij = e^{γ_i − γ_j}:
 Chunks never straddle documents (a document's last chunk is short), so the reset is exact.
 Backward: autograd through the reference; fla's own backward on the fast path. Accumulation: fp32.
 
+The fast path calls fla's chunk forward and backward functions from Atelier's own custom ops (opaque to
+torch.compile, like every launcher in kernels/), with grouped value heads natively (no repeat of q and k).
+fla-core refuses the gated backward on Hopper with 3.4 ≤ Triton < 3.7.1 (fla issue #640: Triton miscompiles
+`tl.trans` of an MMA accumulator in chunk_bwd_kernel_dqkwg at key tiles of 64). With a key head dim in
+(64, 128] the kernel tiles keys by 128 on Hopper, where the miscompile does not occur (the issue's own tile
+sweep); the GPU test checks every gradient against the fp32 reference at Qwen3.5-9B's shapes. So for those
+head dims Atelier lifts fla's guard for the duration of its own backward call only, and for any other key
+head dim it stops with an error naming the fix (Triton ≥ 3.7.1, tilelang, or impl='ref').
+
 Implementations (argument `impl`, from the model config — never an environment variable):
   "fla"  fla-core's chunk_gated_delta_rule with cu_seqlens (CUDA, bf16/fp16; `pip install fla-core`, the
          package's `gpu` extra). Imported lazily; asking for it without fla installed raises.
@@ -26,6 +35,7 @@ Implementations (argument `impl`, from the model config — never an environment
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -74,15 +84,124 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if not (q.is_cuda and fast_dtype):
         raise RuntimeError(f"gated_delta_rule: impl='fla' needs CUDA bf16/fp16 tensors (fla has no fp32 chunk "
                            f"kernel), got {q.device} {q.dtype}")
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        hopper_guard(q.device, q.shape[-1])  # fla's backward would refuse: say so before any work
+    dt = q.dtype
+    o = FlaGatedDeltaRule.apply(q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(),
+                                g.float().contiguous(), beta.to(dt).contiguous(), cu_seqlens.long())
+    return o.to(v.dtype)
 
-    rep = v.shape[1] // q.shape[1]
-    if rep > 1:  # fla's chunk kernel takes one head count: give every value head its key head
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)  # [N, Hv, Dk]
-    o, _ = chunk_gated_delta_rule(q[None], k[None], v[None].to(q.dtype), g[None].float(), beta[None].to(q.dtype),
-                                  scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
-                                  cu_seqlens=cu_seqlens.long())  # [1, N, Hv, Dv]
-    return o[0].to(v.dtype)
+
+# --- the fla fast path ----------------------------------------------------------------------------
+def triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+def hopper_guard_action(capability: tuple[int, int], triton: tuple[int, ...], dk: int) -> str:
+    """What to do about fla's Hopper guard (fla issue #640): "none" (no guard applies), "lift" (key tiles of
+    128, where the miscompile does not occur) or "refuse" (key tiles of 64 or less, or split key tiles)."""
+    if capability[0] != 9 or not (3, 4, 0) <= triton < (3, 7, 1):
+        return "none"
+    return "lift" if 64 < dk <= 128 else "refuse"
+
+
+def hopper_guard(device: torch.device, dk: int) -> str:
+    """hopper_guard_action for this device and the installed Triton; "refuse" raises with the fix."""
+    action = hopper_guard_action(torch.cuda.get_device_capability(device), triton_version(), dk)
+    if action == "refuse":
+        raise RuntimeError(
+            f"gated_delta_rule: fla-core's gated backward is wrong on Hopper with Triton "
+            f"{'.'.join(map(str, triton_version()))} (fla issue #640) for key head dim {dk} (only (64, 128] is "
+            "safe there): install triton>=3.7.1 or tilelang (`pip install tilelang`), or pass impl='ref'")
+    return action
+
+
+@contextlib.contextmanager
+def fla_guard_lifted(dk: int, device: torch.device):
+    """Within the block, fla's #640 guard lets a key head dim in (64, 128] through (see the module docstring)."""
+    if hopper_guard(device, dk) != "lift":
+        yield
+        return
+    import fla.ops.common.chunk_o as chunk_o
+
+    before = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = before
+
+
+# torch.library custom ops: opaque to torch.compile (fla's functions are compiler-disabled besides).
+# fla's layout is [1, N, heads, dim] with cu_seqlens (int64); g is the raw fp32 log decay.
+@torch.library.custom_op("atelier::gated_delta_rule_fla_fwd", mutates_args=())
+def fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor]:
+    """q, k [N, Hk, Dk], v [N, Hv, Dv], g fp32 [N, Hv], beta [N, Hv] → (o [N, Hv, Dv], then what the backward
+    needs: q̂, 1/|q|, k̂, 1/|k| (L2-normalised, fla's l2norm), the chunk-cumulated gates, fla's A)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    qn, q_rstd = l2norm_fwd(q[None])
+    kn, k_rstd = l2norm_fwd(k[None])
+    g_cum, o, a, _, _, _ = chunk_gated_delta_rule_fwd(
+        q=qn, k=kn, v=v[None], g=g[None], beta=beta[None], scale=q.shape[-1] ** -0.5, initial_state=None,
+        output_final_state=False, cu_seqlens=cu_seqlens, chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK),
+        chunk_size=CHUNK)
+    return o[0].to(q.dtype), qn[0], q_rstd[0], kn[0], k_rstd[0], g_cum[0], a[0]
+
+
+@fla_fwd.register_fake
+def _(q, k, v, g, beta, cu_seqlens):
+    n, hv = v.shape[:2]
+    return (torch.empty_like(v, dtype=q.dtype), torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32),
+            torch.empty_like(k), k.new_empty(k.shape[:2], dtype=torch.float32),
+            g.new_empty(n, hv, dtype=torch.float32), k.new_empty(n, hv, CHUNK))
+
+
+@torch.library.custom_op("atelier::gated_delta_rule_fla_bwd", mutates_args=())
+def fla_bwd(do: torch.Tensor, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor, k_rstd: torch.Tensor,
+            v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+            cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """do [N, Hv, Dv] and the forward's saved tensors → (dq, dk, dv, dg fp32, dbeta)."""
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    with fla_guard_lifted(qn.shape[-1], qn.device):
+        dq, dk, dv, db, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+            q=qn[None], k=kn[None], v=v[None], g=g_cum[None], beta=beta[None], A=a[None],
+            scale=qn.shape[-1] ** -0.5, initial_state=None, do=do[None], dht=None, cu_seqlens=cu_seqlens,
+            chunk_indices=prepare_chunk_indices(cu_seqlens, CHUNK), chunk_size=CHUNK)
+    dq = l2norm_bwd(qn[None], q_rstd[None], dq)
+    dk = l2norm_bwd(kn[None], k_rstd[None], dk)
+    return dq[0].to(qn.dtype), dk[0].to(kn.dtype), dv[0].to(v.dtype), dg[0].float(), db[0].to(beta.dtype)
+
+
+@fla_bwd.register_fake
+def _(do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens):
+    return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
+            torch.empty_like(beta))
+
+
+class FlaGatedDeltaRule(torch.autograd.Function):
+    """fla-core's chunked gated delta rule over packed documents (shapes as gated_delta_rule; q, k, v, beta in
+    one 16-bit dtype, g fp32, cu_seqlens int64)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens):  # noqa: D102
+        o, qn, q_rstd, kn, k_rstd, g_cum, a = fla_fwd(q, k, v, g, beta, cu_seqlens)
+        ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        dq, dk, dv, dg, db = fla_bwd(do.contiguous(), *ctx.saved_tensors)
+        return dq, dk, dv, dg, db, None
 
 
 # --- reference ------------------------------------------------------------------------------------

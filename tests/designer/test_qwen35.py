@@ -331,8 +331,10 @@ def test_two_processes_equal_one(q35_world, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_path_matches_the_reference_in_bf16():
-    """Whole model on CUDA in bf16: fla's delta rule and varlen attention ("auto") against the fp32 delta-rule
-    reference and per-document SDPA (the conv and norms run their Triton kernels in both)."""
+    """Whole model on CUDA: fla's delta rule and varlen attention ("auto") under bf16 autocast, measured against
+    the fp32 model (fp32 delta-rule reference, per-document SDPA). Its error must be bf16-sized: within a few
+    times that of the reference path under the same autocast (which keeps the delta rule itself in fp32). A
+    wrong kernel, or state leaking across the packed documents, is off by O(1)."""
     from kernels.gated_delta_rule import has_fla
 
     if not has_fla():
@@ -342,11 +344,23 @@ def test_fast_path_matches_the_reference_in_bf16():
     docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (300, 1, 64, 65, 80)]
     ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1, 2], [3, 4]], seq_len=365)
     ids, pos, cu = ids.cuda(), pos.cuda(), cu.cuda()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        fast = model(ids, pos, cu, max_len)
-        model.args = dataclasses.replace(model.args, delta_rule_impl="ref", attention_impl="sdpa")
-        ref = model(ids, pos, cu, max_len)
-    assert rel_err(fast.float(), ref.float()) < 3e-2
+    fast_args = model.args
+    ref_args = dataclasses.replace(model.args, delta_rule_impl="ref", attention_impl="sdpa")
+
+    def rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
+        a, e = a.double(), e.double()
+        return float((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt())
+
+    with torch.no_grad():
+        model.args = ref_args
+        truth = model(ids, pos, cu, max_len).float()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = model(ids, pos, cu, max_len).float()
+            model.args = fast_args
+            fast = model(ids, pos, cu, max_len).float()
+    fast_err, ref_err = rms_ratio(fast, truth), rms_ratio(ref, truth)
+    print(f"Qwen3.5 tiny, bf16 vs fp32 logits, RMS ratio: fast path {fast_err:.2e}, reference path {ref_err:.2e}")
+    assert fast_err < 3 * ref_err + 1e-2
 
 
 # --- generation (no cache: the packed forward re-run each step) --------------------------------------

@@ -139,3 +139,32 @@ def test_auto_on_cuda_bf16_uses_fla_or_says_what_to_install(monkeypatch):
     monkeypatch.setattr(gdr, "has_fla", lambda: False)
     with pytest.raises(RuntimeError, match="pip install fla-core"):
         gated_delta_rule(q, k, v, g, beta, cu)
+
+
+# --- fla's Hopper guard (fla issue #640) -------------------------------------------------------------
+def test_hopper_guard_lifts_only_for_key_tiles_of_128():
+    act = gdr.hopper_guard_action
+    assert act((9, 0), (3, 6, 0), 128) == "lift"  # the H200 here: Qwen3.5's key head dim
+    assert act((9, 0), (3, 6, 0), 100) == "lift"  # tiled by 128 too (the issue's own case)
+    assert act((9, 0), (3, 6, 0), 64) == "refuse"  # the miscompiled tile
+    assert act((9, 0), (3, 4, 0), 16) == "refuse"
+    assert act((9, 0), (3, 6, 0), 256) == "refuse"  # two key tiles: not what was checked
+    assert act((9, 0), (3, 7, 1), 64) == "none"  # fixed in Triton 3.7.1
+    assert act((9, 0), (3, 3, 1), 64) == "none"  # before the regression
+    assert act((8, 0), (3, 6, 0), 64) == "none"  # not Hopper
+    assert act((10, 0), (3, 6, 0), 64) == "none"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
+def test_training_where_fla_would_be_wrong_stops_with_the_fix():
+    """Key head dim 64 on Hopper with Triton < 3.7.1: fla's backward is miscompiled there, so training stops
+    before any work and names the fix; inference (no grad) still runs."""
+    if gdr.hopper_guard_action(torch.cuda.get_device_capability(), gdr.triton_version(), 64) != "refuse":
+        pytest.skip("fla's backward is sound on this GPU and Triton")
+    q, k, v, g, beta = (t.to("cuda", torch.bfloat16) for t in _inputs([70, 9], 2, 4, 64, 64))
+    cu = _cu([70, 9], "cuda")
+    gated_delta_rule(q, k, v, g.float(), beta, cu)  # no grad needed: runs
+    with pytest.raises(RuntimeError, match=r"#640.*triton>=3.7.1 or tilelang.*impl='ref'"):
+        gated_delta_rule(q.requires_grad_(), k, v, g.float(), beta, cu)
