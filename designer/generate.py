@@ -1,13 +1,16 @@
-"""Batched sampling for captions (greedy when temperature == 0): a KV cache for Qwen3; for Qwen3.5, whose Gated
-DeltaNet layers would need a conv and recurrent-state cache, the packed forward re-run each step.
+"""Batched sampling for captions (greedy when temperature == 0), from a cache: K/V for attention layers and, for
+Qwen3.5's Gated DeltaNet layers, the conv inputs of the last K−1 tokens and the delta rule's recurrent state.
 
 Shape legend: B prompts in a batch, P longest prompt, T tokens fed this step (P at prefill, 1 after),
 S = P + max_new_tokens cache slots, H / Hkv heads, Dh head dim, V vocab.
 
 Prompts are LEFT-padded to P: prompt b occupies cache slots [pad_b, P). Its positions restart at 0 on
 its first real token, and a key slot is visible to a query when it is a real token at or before it,
-so each prompt decodes exactly as it would alone. The block code is the model's own
-(Qwen3.hidden_states with cache-aware attends), so generation cannot drift from training.
+so each prompt decodes exactly as it would alone; a Gated DeltaNet layer skips the pads (its state stays
+zero until the prompt's first token). The block code is the model's own (Qwen3.hidden_states with cache-aware
+attends; Qwen35.decode_hidden_states, whose delta rule runs its recurrent form token by token), so generation
+cannot drift from training. `_generate_batch_recompute` (no cache, the packed forward re-run each step) is
+the slow reference the tests hold both against.
 """
 from __future__ import annotations
 
@@ -18,21 +21,29 @@ import torch
 import torch.nn.functional as F
 
 from designer.model import CausalLM, Qwen3
+from designer.qwen35 import FULL, LinearAttentionState, Qwen35
 
 
 class KVCache:
-    """Per-layer K/V [B, Hkv, S, Dh] and the key-visibility mask of left-padded prompts."""
+    """Per-layer K/V [B, Hkv, S, Dh] and the key-visibility mask of left-padded prompts.
 
-    def __init__(self, model: Qwen3, pads: torch.Tensor, prompt_len: int, max_new: int) -> None:
+    `layers` are the indices of the model's attention layers (all of Qwen3's; Qwen3.5's full-attention ones):
+    attends[i] is layer i's cache-aware attention, None for a layer without attention."""
+
+    def __init__(self, model: CausalLM, pads: torch.Tensor, prompt_len: int, max_new: int,
+                 layers: Sequence[int] | None = None) -> None:
         a = model.args
+        layers = list(range(a.num_layers)) if layers is None else list(layers)
         b, s = pads.shape[0], prompt_len + max_new
         w = model.lm_head_weight
-        self.k = torch.zeros(a.num_layers, b, a.num_kv_heads, s, a.head_dim, dtype=w.dtype, device=w.device)
+        self.k = torch.zeros(len(layers), b, a.num_kv_heads, s, a.head_dim, dtype=w.dtype, device=w.device)
         self.v = torch.zeros_like(self.k)
         self.valid = torch.arange(s, device=w.device)[None, :] >= pads[:, None]  # [B,S] slot holds a real token
         self.length = 0  # slots filled so far
         self.gqa = a.num_heads != a.num_kv_heads
-        self.attends = [functools.partial(self.attend, layer) for layer in range(a.num_layers)]
+        self.attends: list = [None] * a.num_layers
+        for slot, layer in enumerate(layers):
+            self.attends[layer] = functools.partial(self.attend, slot)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,H,Dh], k/v [B,T,Hkv,Dh] for slots [length, length+T) → o [B,T,H,Dh]."""
@@ -120,8 +131,8 @@ def generate(
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            # Qwen3 decodes from a KV cache; a model with recurrent layers (Qwen3.5) re-runs its packed forward
-            batch = _generate_batch if isinstance(model, Qwen3) else _generate_batch_recompute
+            batch = (_generate_batch if isinstance(model, Qwen3) else
+                     _generate_batch_hybrid if isinstance(model, Qwen35) else _generate_batch_recompute)
             for i, out in zip(chunk, batch(model, [ids[i] for i in chunk], max_new_tokens, temperature, top_p, gen,
                                            eos_t)):
                 results[i] = out
@@ -133,36 +144,75 @@ def generate(
 def _generate_batch(model: Qwen3, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
                     gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
     device = model.lm_head_weight.device
+    pads, tokens, positions = _left_padded(ids, device)
+    cache = KVCache(model, pads, tokens.shape[1], max_new)
+
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        hidden = model.hidden_states(tok, pos, cache.attends)
+        cache.length += tok.shape[1]
+        return hidden
+
+    return _decode_loop(step, len(ids), (tokens, positions), max_new, temperature, top_p, gen, eos, model.logits)
+
+
+def _left_padded(ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts → pads [B], tokens [B,P] left-padded with id 0 (masked out), positions [B,P] restarting at each
+    prompt's first real token."""
     b, p = len(ids), max(len(x) for x in ids)
     pads = torch.tensor([p - len(x) for x in ids], device=device)  # [B]
-    tokens = torch.zeros(b, p, dtype=torch.long, device=device)  # [B,P] left-padded with id 0 (masked out)
+    tokens = torch.zeros(b, p, dtype=torch.long, device=device)
     for r, x in enumerate(ids):
         tokens[r, p - len(x):] = torch.tensor(x, device=device)
     positions = (torch.arange(p, device=device)[None, :] - pads[:, None]).clamp(min=0)  # [B,P]
-    cache = KVCache(model, pads, p, max_new)
+    return pads, tokens, positions
+
+
+def _decode_loop(step, b: int, prefill: tuple[torch.Tensor, torch.Tensor], max_new: int, temperature: float,
+                 top_p: float, gen: torch.Generator, eos: torch.Tensor, lm_logits) -> list[list[int]]:
+    """The sampling loop: `step(tokens, positions)` → hidden [B,T,D] advances the cache by T tokens."""
+    tokens, positions = prefill
+    device = tokens.device
     out = torch.zeros(b, max_new, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), max_new, dtype=torch.long, device=device)
-    for step in range(max_new):
-        hidden = model.hidden_states(tokens, positions, cache.attends)  # [B,T,D]
-        cache.length += tokens.shape[1]
-        nxt = _sample(model.logits(hidden[:, -1]).float(), temperature, top_p, gen)  # [B]
+    for i in range(max_new):
+        hidden = step(tokens, positions)  # [B,T,D]
+        nxt = _sample(lm_logits(hidden[:, -1]).float(), temperature, top_p, gen)  # [B]
         hit = torch.isin(nxt, eos) & ~done
-        lengths = torch.where(hit, step, lengths)
+        lengths = torch.where(hit, i, lengths)
         done |= hit
-        out[:, step] = nxt
+        out[:, i] = nxt
         if bool(done.all()):
             break
         tokens, positions = nxt[:, None], positions[:, -1:] + 1  # [B,1]
     return [out[r, : int(lengths[r])].tolist() for r in range(b)]
 
 
+def _generate_batch_hybrid(model: Qwen35, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
+                           gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
+    """Qwen3.5: K/V for the full-attention layers, conv and recurrent state for the Gated DeltaNet layers."""
+    device = model.lm_head_weight.device
+    pads, tokens, positions = _left_padded(ids, device)
+    layers = model.model.layers
+    cache = KVCache(model, pads, tokens.shape[1], max_new, [i for i, blk in enumerate(layers) if blk.layer_type == FULL])
+    states = [None if blk.layer_type == FULL else LinearAttentionState.zeros(blk.linear_attn, len(ids), device)
+              for blk in layers]
+
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        valid = cache.valid[:, cache.length: cache.length + tok.shape[1]]  # [B,T]
+        hidden = model.decode_hidden_states(tok, pos, cache.attends, states, valid)
+        cache.length += tok.shape[1]
+        return hidden
+
+    return _decode_loop(step, len(ids), (tokens, positions), max_new, temperature, top_p, gen, eos, model.logits)
+
+
 def _generate_batch_recompute(model: CausalLM, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
                               gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
     """No cache: each step runs the packed forward over every unfinished sequence (prompt + tokens so far), one
     document each in a single row, and samples from each document's last position. O(L²) in the sequence
-    length, exact by construction (it is the training forward); for models whose Gated DeltaNet layers would
-    need a conv and recurrent-state cache (Qwen3.5), which is not built."""
+    length, exact by construction (it is the training forward): the reference the cached paths are tested
+    against, and the path of a CausalLM without a cache of its own."""
     device = model.lm_head_weight.device
     stop = set(eos.tolist())
     seqs, outs = [list(x) for x in ids], [[] for _ in ids]

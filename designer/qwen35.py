@@ -22,6 +22,10 @@ attention, the causal conv (taps never cross a document start) and the delta rul
 at zero per document) — so a packed row equals its documents run one by one (PITFALLS.md "Packing that
 leaks"). HF layout I/O lives in designer/hf.py (dispatching on config.json's model_type).
 
+Decoding (designer/generate.py) runs the same blocks through `decode_hidden_states`: full attention from a
+K/V cache, each Gated DeltaNet layer from a LinearAttentionState (the last K−1 conv inputs and S) advanced by
+the recurrence above one token at a time.
+
 Qwen3.5 uses M-RoPE (separate t/h/w position sections) for images; for text the three position streams
 are equal, so it is plain RoPE on the first R dims (mrope_section / mrope_interleaved only round-trip).
 """
@@ -285,15 +289,74 @@ class GatedDeltaNet(nn.Module):
         w = self.conv1d.weight
         qkv = self.in_proj_qkv(x).view(n, -1)  # [N,C]: packed documents, one after another
         qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), cu_seqlens, self.kernels)  # [N,C], silu applied
+        q, k, v = self.split_heads(qkv)
+        beta, g = self.gates(x)
+        o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta.view(n, self.hv), cu_seqlens, impl)  # [N,Hv,Dv]
+        return self.gated_output(o, x)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N,C] conv outputs → q, k [N,Hk,Dk], v [N,Hv,Dv]."""
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        q, k, v = q.view(n, self.hk, self.dk), k.view(n, self.hk, self.dk), v.view(n, self.hv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x)).view(n, self.hv)  # [N,Hv]
-        # log-decay in fp32 (HF: an fp16 A would overflow to -inf)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B,T,Hv]
-        o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta, cu_seqlens, impl)  # [N,Hv,Dv]
-        z = self.in_proj_z(x).view(n, self.hv, self.dv)  # [N,Hv,Dv]
-        o = self.norm(o, z)  # [N,Hv,Dv]
-        return self.out_proj(o.view(b, t, self.hv * self.dv))  # [B,T,D]
+        return q.view(n, self.hk, self.dk), k.view(n, self.hk, self.dk), v.view(n, self.hv, self.dv)
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,T,D] → β = sigmoid(in_proj_b(x)) [B,T,Hv] and the log-decay g [B,T,Hv] in fp32 (HF: an fp16 A
+        would overflow to -inf)."""
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return beta, g
+
+    def gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The delta rule's o [N,Hv,Dv] → out_proj(norm(o) · silu(in_proj_z(x))) [B,T,D]."""
+        b, t, _ = x.shape
+        z = self.in_proj_z(x).view(b * t, self.hv, self.dv)  # [N,Hv,Dv]
+        return self.out_proj(self.norm(o, z).view(b, t, self.hv * self.dv))
+
+    def decode(self, x: torch.Tensor, state: LinearAttentionState, valid: torch.Tensor) -> torch.Tensor:
+        """Decoding: x [B,T,D] (row b is sequence b; T is a prompt's left-padded length at prefill, 1 after) →
+        [B,T,D], advancing `state` token by token with the recurrent form of the delta rule (module docstring),
+        in fp32. valid [B,T] marks real tokens: a pad leaves the state untouched (its output is never read)."""
+        b, t, _ = x.shape
+        qkv_all = self.in_proj_qkv(x)  # [B,T,C]
+        beta_all, g_all = self.gates(x)  # [B,T,Hv]
+        w = self.conv1d.weight[:, 0, :].float().t()  # [K,C]
+        rep = self.hv // self.hk
+        outs = []
+        for i in range(t):
+            keep = valid[:, i]  # [B]
+            window = torch.cat([state.conv, qkv_all[:, i, None].float()], dim=1)  # [B,K,C]: the conv's taps
+            q, k, v = self.split_heads(F.silu((window * w).sum(1)))  # [B,Hk,Dk] ×2, [B,Hv,Dv]
+            q = _l2norm(q).repeat_interleave(rep, dim=1) * self.dk ** -0.5  # [B,Hv,Dk]
+            k = _l2norm(k).repeat_interleave(rep, dim=1)
+            decayed = state.recurrent * g_all[:, i].exp()[..., None, None]  # e^g S  [B,Hv,Dk,Dv]
+            delta = (v - torch.einsum("bhkv,bhk->bhv", decayed, k)) * beta_all[:, i].float()[..., None]
+            s_new = decayed + k[..., :, None] * delta[..., None, :]  # + β k (v − (e^g S)ᵀ k)ᵀ
+            outs.append(torch.einsum("bhkv,bhk->bhv", s_new, q))  # o = Sᵀ q  [B,Hv,Dv]
+            state.recurrent = torch.where(keep[:, None, None, None], s_new, state.recurrent)
+            state.conv = torch.where(keep[:, None, None], window[:, 1:], state.conv)
+        o = torch.stack(outs, dim=1).to(x.dtype).view(b * t, self.hv, self.dv)  # [N,Hv,Dv]
+        return self.gated_output(o, x)
+
+
+@dataclass
+class LinearAttentionState:
+    """One Gated DeltaNet layer's decoding state for B sequences (designer/generate.py builds one per layer)."""
+
+    conv: torch.Tensor  # [B, K−1, C] fp32: the conv inputs of the latest K−1 tokens (zeros before the start)
+    recurrent: torch.Tensor  # [B, Hv, Dk, Dv] fp32: the delta rule's state S
+
+    @classmethod
+    def zeros(cls, layer: GatedDeltaNet, batch: int, device: torch.device) -> LinearAttentionState:
+        k, c = layer.conv1d.weight.shape[2], layer.conv1d.weight.shape[0]
+        return cls(torch.zeros(batch, k - 1, c, device=device),
+                   torch.zeros(batch, layer.hv, layer.dk, layer.dv, device=device))
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / √(Σx² + eps) in fp32 over the last dim (the delta rule's q/k normalisation, kernels/gated_delta_rule)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class Block(nn.Module):
@@ -315,6 +378,16 @@ class Block(nn.Module):
             x = x + self.self_attn(h, cos, sin, attend)
         else:
             x = x + self.linear_attn(h, cu_seqlens, delta_rule_impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+               state: LinearAttentionState | None, valid: torch.Tensor) -> torch.Tensor:
+        """forward for decoding: full attention through a cache-aware `attend`, Gated DeltaNet through `state`."""
+        h = self.input_layernorm(x)
+        if self.layer_type == FULL:
+            x = x + self.self_attn(h, cos, sin, attend)
+        else:
+            x = x + self.linear_attn.decode(h, state, valid)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -360,6 +433,20 @@ class Qwen35(CausalLM):
         x = self.model.embed_tokens(input_ids)  # [B,T,D]
         for block in self.model.layers:
             x = block(x, cos, sin, attend, cu_seqlens, a.delta_rule_impl)
+        return self.model.norm(x)
+
+    def decode_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attends: Sequence[Attend | None],
+                             states: Sequence[LinearAttentionState | None], valid: torch.Tensor) -> torch.Tensor:
+        """Decoding (designer/generate.py): input_ids, position_ids, valid [B,T] → final-normed hidden [B,T,D].
+        Layer i attends through attends[i] (full attention) or advances states[i] (Gated DeltaNet)."""
+        a = self.args
+        if len(attends) != a.num_layers or len(states) != a.num_layers:
+            raise ValueError(f"Qwen35.decode_hidden_states: {len(attends)} attends and {len(states)} states for "
+                             f"{a.num_layers} layers")
+        cos, sin = rope_cos_sin(position_ids, a.rotary_dim, a.rope_theta)  # [B,T,R] fp32
+        x = self.model.embed_tokens(input_ids)  # [B,T,D]
+        for block, attend, state in zip(self.model.layers, attends, states):
+            x = block.decode(x, cos, sin, attend, state, valid)
         return self.model.norm(x)
 
     # --- FLOPs (matmul_flops: CausalLM, every nn.Linear and the LM head) ---------------------------

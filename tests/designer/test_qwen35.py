@@ -364,6 +364,52 @@ def test_fast_path_matches_the_reference_in_bf16():
 
 
 # --- generation (no cache: the packed forward re-run each step) --------------------------------------
+def test_decoding_cache_equals_the_training_forward():
+    """Left-padded prompts of 1, 2 (fewer than the conv's K−1 = 3 earlier taps), 7 and 70 (past one 64-token chunk)
+    tokens prefilled together, then 4 tokens a step: every real position's hidden state equals the packed
+    training forward of that sequence alone (chunked delta rule, conv with per-document reset), in fp32."""
+    from designer.generate import KVCache, _left_padded
+    from designer.qwen35 import LinearAttentionState
+
+    model = random_qwen35(11).eval()
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(3, V, (n + 4,), generator=g).tolist() for n in (1, 2, 7, 70)]
+    prompts = [x[:-4] for x in seqs]
+    pads, tokens, positions = _left_padded(prompts, torch.device("cpu"))
+    layers = model.model.layers
+    cache = KVCache(model, pads, tokens.shape[1], 4, [i for i, b in enumerate(layers) if b.layer_type == FULL])
+    states = [None if b.layer_type == FULL else LinearAttentionState.zeros(b.linear_attn, len(seqs), torch.device("cpu"))
+              for b in layers]
+    got = [[] for _ in seqs]
+    with torch.no_grad():
+        for step in range(5):
+            t = tokens.shape[1]
+            valid = cache.valid[:, cache.length: cache.length + t]
+            hidden = model.decode_hidden_states(tokens, positions, cache.attends, states, valid)  # [B,T,D]
+            cache.length += t
+            for r in range(len(seqs)):
+                got[r].append(hidden[r][valid[r]])
+            nxt = torch.tensor([x[len(p) + step] if step < 4 else 0 for x, p in zip(seqs, prompts)])
+            tokens, positions = nxt[:, None], positions[:, -1:] + 1
+        for r, x in enumerate(seqs):
+            n = len(x)
+            want = model(torch.tensor([x]), torch.arange(n)[None], torch.tensor([0, n], dtype=torch.int32), n)[0]
+            mine = torch.cat(got[r])[:n]
+            assert mine.shape == want.shape
+            assert rel_err(mine, want) < 1e-5, f"prompt {r}: {rel_err(mine, want):.2e}"
+
+
+def test_padding_never_reaches_the_linear_attention_state():
+    """A prompt decoded beside a much longer one (so behind many pads) gives the tokens it gives alone."""
+    from designer.generate import generate
+
+    model = random_qwen35(13)
+    short, long = [7, 9], list(range(3, 60))
+    alone = generate(model, None, [short], max_new_tokens=5, eos_token_id=[])[0]
+    beside = generate(model, None, [long, short], max_new_tokens=5, eos_token_id=[], batch_size=2)[1]
+    assert beside == alone
+
+
 def test_batched_generation_equals_one_by_one_greedy():
     """Prompts of different lengths decoded together equal each decoded alone by re-running the whole forward."""
     from designer.generate import generate, generate_greedy_ref
