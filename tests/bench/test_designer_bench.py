@@ -51,6 +51,8 @@ def test_tiny_run_writes_every_field(tiny_report):
         assert key in a, key
     assert a["tokens_per_s"] > 0 and a["micro_batch"] in (1, 2)
     assert a["mfu_6n"] > a["mfu_4n"] > 0  # LoRA: the 6N convention counts the frozen weights' gradients too
+    # BENCHMARKS.md's letter counts the LM head on every token, Atelier's count only where a loss is taken
+    assert a["mfu_4n_head_all"] > a["mfu_4n"] and r["peers"]["hf"]["mfu_4n_head_all"] > r["peers"]["hf"]["mfu_4n"]
     assert r["peers"]["hf"]["tokens_per_s"] > 0 and "mfu_4n" in r["peers"]["hf"] and "peak_gb" in r["peers"]["hf"]
     if importlib.util.find_spec("liger_kernel") is None:
         assert "import failed" in r["peers"]["hf-liger"]["skipped"]
@@ -164,3 +166,23 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
         plain = _hf_model(args)
         assert type(plain.model.norm).__name__ == "Qwen3RMSNorm"
         assert type(plain).forward is not fused_forward
+
+
+def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_report):
+    """bench/recount.py on a report stripped of the field gives back what the bench computed, and refuses
+    batches that do not reproduce the report's own MFU."""
+    import copy
+
+    from bench.recount import recount
+
+    stripped = copy.deepcopy(tiny_report)
+    runs = [stripped["atelier"], *stripped["sweep"].values(), *stripped["peers"].values(),
+            *(r for p in stripped["peer_runs"].values() for r in p.values() if isinstance(r, dict))]
+    for r in runs:
+        r.pop("mfu_4n_head_all", None)
+    got = recount(stripped, None, warmup=1, steps=2)
+    assert got["atelier"]["mfu_4n_head_all"] == pytest.approx(tiny_report["atelier"]["mfu_4n_head_all"], rel=1e-12)
+    assert got["peers"]["hf"]["mfu_4n_head_all"] == pytest.approx(tiny_report["peers"]["hf"]["mfu_4n_head_all"],
+                                                                  rel=1e-12)
+    with pytest.raises(ValueError, match="do not give the report's mfu_4n"):
+        recount(copy.deepcopy(tiny_report), None, warmup=0, steps=3)  # other steps timed: other FLOPs per step
