@@ -22,9 +22,10 @@ torch.compile, like every launcher in kernels/), with grouped value heads native
 fla-core refuses the gated backward on Hopper with 3.4 ≤ Triton < 3.7.1 (fla issue #640: Triton miscompiles
 `tl.trans` of an MMA accumulator in chunk_bwd_kernel_dqkwg at key tiles of 64). With a key head dim in
 (64, 128] the kernel tiles keys by 128 on Hopper, where the miscompile does not occur (the issue's own tile
-sweep); the GPU test checks every gradient against the fp32 reference at Qwen3.5-9B's shapes. So for those
-head dims Atelier lifts fla's guard for the duration of its own backward call only, and for any other key
-head dim it stops with an error naming the fix (Triton ≥ 3.7.1, tilelang, or impl='ref').
+sweep); the GPU test checks every gradient against the fp32 reference at Qwen3.5-9B's shapes in bf16. So for
+bf16 with those head dims Atelier lifts fla's guard for the duration of its own backward call only, and
+otherwise stops with an error naming the fix (Triton ≥ 3.7.1, tilelang, or impl='ref'). Where fla's
+tilelang backend is installed and on, it takes that kernel and no guard applies.
 
 Implementations (argument `impl`, from the model config — never an environment variable):
   "fla"  fla-core's chunk_gated_delta_rule with cu_seqlens (CUDA, bf16/fp16; `pip install fla-core`, the
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import threading
 
 import torch
 
@@ -85,7 +88,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise RuntimeError(f"gated_delta_rule: impl='fla' needs CUDA bf16/fp16 tensors (fla has no fp32 chunk "
                            f"kernel), got {q.device} {q.dtype}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
-        hopper_guard(q.device, q.shape[-1])  # fla's backward would refuse: say so before any work
+        hopper_guard(q.device, q.shape[-1], q.dtype)  # fla's backward would refuse: say so before any work
     dt = q.dtype
     o = FlaGatedDeltaRule.apply(q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(),
                                 g.float().contiguous(), beta.to(dt).contiguous(), cu_seqlens.long())
@@ -99,39 +102,70 @@ def triton_version() -> tuple[int, ...]:
     return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
 
 
-def hopper_guard_action(capability: tuple[int, int], triton: tuple[int, ...], dk: int) -> str:
-    """What to do about fla's Hopper guard (fla issue #640): "none" (no guard applies), "lift" (key tiles of
-    128, where the miscompile does not occur) or "refuse" (key tiles of 64 or less, or split key tiles)."""
-    if capability[0] != 9 or not (3, 4, 0) <= triton < (3, 7, 1):
+def hopper_guard_action(capability: tuple[int, int], triton: tuple[int, ...], dk: int, dtype: torch.dtype,
+                        tilelang: bool = False) -> str:
+    """What to do about fla's Hopper guard (fla issue #640): "none" (no guard applies: not Hopper, a Triton
+    outside [3.4, 3.7.1), or fla's tilelang backend takes the kernel), "lift" (bf16 with key tiles of 128, the
+    checked case) or "refuse" (key tiles of 64 or less, split key tiles, or fp16, which was not checked)."""
+    if capability[0] != 9 or not (3, 4, 0) <= triton < (3, 7, 1) or tilelang:
         return "none"
-    return "lift" if 64 < dk <= 128 else "refuse"
+    return "lift" if 64 < dk <= 128 and dtype == torch.bfloat16 else "refuse"
 
 
-def hopper_guard(device: torch.device, dk: int) -> str:
-    """hopper_guard_action for this device and the installed Triton; "refuse" raises with the fix."""
-    action = hopper_guard_action(torch.cuda.get_device_capability(device), triton_version(), dk)
+def fla_tilelang_enabled() -> bool:
+    """Whether fla dispatches the gated backward's dq/dk/dw/dg kernel to its tilelang backend (then fla's
+    Triton guard never runs): tilelang and nvcc present, the backend switched on, dispatch not disabled."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return False
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    except ImportError:
+        return False
+    return CommonTileLangBackend.is_available() and CommonTileLangBackend().is_enabled()
+
+
+def hopper_guard(device: torch.device, dk: int, dtype: torch.dtype) -> str:
+    """hopper_guard_action for this device, dtype and the installed Triton; "refuse" raises with the fix."""
+    capability, triton = torch.cuda.get_device_capability(device), triton_version()
+    action = hopper_guard_action(capability, triton, dk, dtype, capability[0] == 9 and fla_tilelang_enabled())
     if action == "refuse":
         raise RuntimeError(
             f"gated_delta_rule: fla-core's gated backward is wrong on Hopper with Triton "
-            f"{'.'.join(map(str, triton_version()))} (fla issue #640) for key head dim {dk} (only (64, 128] is "
-            "safe there): install triton>=3.7.1 or tilelang (`pip install tilelang`), or pass impl='ref'")
+            f"{'.'.join(map(str, triton))} (fla issue #640); Atelier lets through only bf16 with key head dims in "
+            f"(64, 128], got {dtype} with {dk}: install triton>=3.7.1 or tilelang (`pip install tilelang`), or "
+            f"pass impl='ref'")
     return action
 
 
+_LIFT_LOCK = threading.Lock()
+_lift_depth = 0  # backward calls inside fla_guard_lifted right now (several threads may run backwards)
+_lift_saved = False  # fla's flag as it was before the first of them
+
+
 @contextlib.contextmanager
-def fla_guard_lifted(dk: int, device: torch.device):
-    """Within the block, fla's #640 guard lets a key head dim in (64, 128] through (see the module docstring)."""
-    if hopper_guard(device, dk) != "lift":
+def fla_guard_lifted(dk: int, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Within the block, fla's #640 guard lets bf16 with a key head dim in (64, 128] through (module docstring).
+
+    fla's guard reads a module flag; overlapping blocks (backwards on several threads) share one lift, counted,
+    and the flag is restored when the last one leaves, so it can never stay lifted."""
+    global _lift_depth, _lift_saved
+    if hopper_guard(device, dk, dtype) != "lift":
         yield
         return
     import fla.ops.common.chunk_o as chunk_o
 
-    before = chunk_o.TRITON_ABOVE_3_7_1
-    chunk_o.TRITON_ABOVE_3_7_1 = True
+    with _LIFT_LOCK:
+        if _lift_depth == 0:
+            _lift_saved = chunk_o.TRITON_ABOVE_3_7_1
+            chunk_o.TRITON_ABOVE_3_7_1 = True
+        _lift_depth += 1
     try:
         yield
     finally:
-        chunk_o.TRITON_ABOVE_3_7_1 = before
+        with _LIFT_LOCK:
+            _lift_depth -= 1
+            if _lift_depth == 0:
+                chunk_o.TRITON_ABOVE_3_7_1 = _lift_saved
 
 
 # torch.library custom ops: opaque to torch.compile (fla's functions are compiler-disabled besides).
@@ -172,7 +206,7 @@ def fla_bwd(do: torch.Tensor, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     from fla.ops.utils.index import prepare_chunk_indices
 
-    with fla_guard_lifted(qn.shape[-1], qn.device):
+    with fla_guard_lifted(qn.shape[-1], qn.device, qn.dtype):
         dq, dk, dv, db, dg, _, _, _ = chunk_gated_delta_rule_bwd(
             q=qn[None], k=kn[None], v=v[None], g=g_cum[None], beta=beta[None], A=a[None],
             scale=qn.shape[-1] ** -0.5, initial_state=None, do=do[None], dht=None, cu_seqlens=cu_seqlens,

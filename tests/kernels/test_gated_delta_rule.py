@@ -108,7 +108,13 @@ def _rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
 @pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
 def test_fla_matches_the_reference_at_qwen35_9b_shapes():
     """Qwen3.5-9B: Hk 16, Hv 32, Dk = Dv = 128; four packed rows of 2048 with uneven documents, bf16."""
-    lens = [700, 1348, 2048, 1, 63, 64, 65, 1855, 37, 2011]
+    for name, ratio in _fla_vs_reference([700, 1348, 2048, 1, 63, 64, 65, 1855, 37, 2011]).items():
+        print(f"fla vs reference, 9B shapes, {name}: RMS ratio {ratio:.2e}")
+
+
+def _fla_vs_reference(lens: list[int]) -> dict[str, float]:
+    """RMS ratios of fla's output and every gradient against the fp32 reference (asserted under fla's own
+    tolerances: the gate gradients sum bf16 products over whole chunks, twice the others' error)."""
     leaves = [t.to(torch.bfloat16) for t in _inputs(lens, 16, 32, 128, 128, device="cuda")]
     leaves[3] = leaves[3].float()  # the model's log-decay is fp32
     dy = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -120,12 +126,35 @@ def test_fla_matches_the_reference_at_qwen35_9b_shapes():
         return [y, *torch.autograd.grad((y.float() * dy.float()).sum(), xs)]
 
     fast, ref = go("fla"), go("ref")
-    # the gate gradients sum bf16 products over whole chunks (fla's own tests allow them twice the others' error)
     limits = {"o": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
+    ratios = {}
     for (name, limit), a, e in zip(limits.items(), fast, ref):
         assert torch.isfinite(a).all(), name
-        print(f"fla vs reference, 9B shapes, {name}: RMS ratio {_rms_ratio(a, e):.2e}")
-        assert _rms_ratio(a, e) < limit, f"{name}: RMS ratio {_rms_ratio(a, e):.2e}"
+        ratios[name] = _rms_ratio(a, e)
+        assert ratios[name] < limit, f"{name}: RMS ratio {ratios[name]:.2e}"
+    return ratios
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
+def test_fla_backward_is_right_under_every_autotune_config(monkeypatch):
+    """The kernel fla's #640 guard is about (chunk_bwd_kernel_dqkwg) is autotuned: a run may pick any of its
+    configs, so where Atelier lifts the guard each one is checked, one at a time."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    tuner = chunk_o.chunk_bwd_kernel_dqkwg
+    while not (hasattr(tuner, "configs") and hasattr(tuner, "cache")):  # heuristics wrap the autotuner
+        tuner = tuner.fn
+    configs = list(tuner.configs)
+    try:
+        for config in configs:
+            monkeypatch.setattr(tuner, "configs", [config])
+            tuner.cache.clear()
+            ratios = _fla_vs_reference([300, 1, 64, 65, 500, 97])
+            print(f"chunk_bwd_kernel_dqkwg {config}: worst RMS ratio {max(ratios.values()):.2e}")
+    finally:
+        tuner.cache.clear()
 
 
 @pytest.mark.gpu
@@ -143,16 +172,44 @@ def test_auto_on_cuda_bf16_uses_fla_or_says_what_to_install(monkeypatch):
 
 # --- fla's Hopper guard (fla issue #640) -------------------------------------------------------------
 def test_hopper_guard_lifts_only_for_key_tiles_of_128():
-    act = gdr.hopper_guard_action
-    assert act((9, 0), (3, 6, 0), 128) == "lift"  # the H200 here: Qwen3.5's key head dim
-    assert act((9, 0), (3, 6, 0), 100) == "lift"  # tiled by 128 too (the issue's own case)
-    assert act((9, 0), (3, 6, 0), 64) == "refuse"  # the miscompiled tile
-    assert act((9, 0), (3, 4, 0), 16) == "refuse"
-    assert act((9, 0), (3, 6, 0), 256) == "refuse"  # two key tiles: not what was checked
-    assert act((9, 0), (3, 7, 1), 64) == "none"  # fixed in Triton 3.7.1
-    assert act((9, 0), (3, 3, 1), 64) == "none"  # before the regression
-    assert act((8, 0), (3, 6, 0), 64) == "none"  # not Hopper
-    assert act((10, 0), (3, 6, 0), 64) == "none"
+    act, bf16 = gdr.hopper_guard_action, torch.bfloat16
+    assert act((9, 0), (3, 6, 0), 128, bf16) == "lift"  # the H200 here: Qwen3.5's key head dim
+    assert act((9, 0), (3, 6, 0), 100, bf16) == "lift"  # tiled by 128 too (the issue's own case)
+    assert act((9, 0), (3, 6, 0), 128, torch.float16) == "refuse"  # fp16 was not checked
+    assert act((9, 0), (3, 6, 0), 64, bf16) == "refuse"  # the miscompiled tile
+    assert act((9, 0), (3, 4, 0), 16, bf16) == "refuse"
+    assert act((9, 0), (3, 6, 0), 256, bf16) == "refuse"  # two key tiles: not what was checked
+    assert act((9, 0), (3, 6, 0), 64, bf16, tilelang=True) == "none"  # fla's tilelang backend takes the kernel
+    assert act((9, 0), (3, 7, 1), 64, bf16) == "none"  # fixed in Triton 3.7.1
+    assert act((9, 0), (3, 3, 1), 64, bf16) == "none"  # before the regression
+    assert act((8, 0), (3, 6, 0), 64, bf16) == "none"  # not Hopper
+    assert act((10, 0), (3, 6, 0), 64, bf16) == "none"
+
+
+def test_the_lift_is_restored_after_errors_and_overlapping_backwards(monkeypatch):
+    """fla's flag is set while any lifted block runs and restored when the last one leaves, error or not."""
+    import sys
+    import types
+
+    chunk_o = types.SimpleNamespace(TRITON_ABOVE_3_7_1=False)
+    for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                      ("fla.ops.common", types.ModuleType("fla.ops.common")), ("fla.ops.common.chunk_o", chunk_o)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["fla.ops.common"].chunk_o = chunk_o
+    monkeypatch.setattr(gdr, "hopper_guard", lambda device, dk, dtype: "lift")
+    cpu = torch.device("cpu")
+    with pytest.raises(ZeroDivisionError):
+        with gdr.fla_guard_lifted(128, cpu):
+            assert chunk_o.TRITON_ABOVE_3_7_1
+            1 / 0
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False
+    outer, inner = gdr.fla_guard_lifted(128, cpu), gdr.fla_guard_lifted(128, cpu)
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # the first to enter leaves first: the other still needs the lift
+    assert chunk_o.TRITON_ABOVE_3_7_1
+    inner.__exit__(None, None, None)
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False
 
 
 @pytest.mark.gpu
@@ -161,10 +218,28 @@ def test_hopper_guard_lifts_only_for_key_tiles_of_128():
 def test_training_where_fla_would_be_wrong_stops_with_the_fix():
     """Key head dim 64 on Hopper with Triton < 3.7.1: fla's backward is miscompiled there, so training stops
     before any work and names the fix; inference (no grad) still runs."""
-    if gdr.hopper_guard_action(torch.cuda.get_device_capability(), gdr.triton_version(), 64) != "refuse":
+    if gdr.hopper_guard_action(torch.cuda.get_device_capability(), gdr.triton_version(), 64, torch.bfloat16,
+                               gdr.fla_tilelang_enabled()) != "refuse":
         pytest.skip("fla's backward is sound on this GPU and Triton")
     q, k, v, g, beta = (t.to("cuda", torch.bfloat16) for t in _inputs([70, 9], 2, 4, 64, 64))
     cu = _cu([70, 9], "cuda")
     gated_delta_rule(q, k, v, g.float(), beta, cu)  # no grad needed: runs
     with pytest.raises(RuntimeError, match=r"#640.*triton>=3.7.1 or tilelang.*impl='ref'"):
         gated_delta_rule(q.requires_grad_(), k, v, g.float(), beta, cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
+def test_fla_custom_ops_pass_opcheck():
+    """The fla ops' fake implementations (what torch.compile traces) match the real outputs."""
+    lens = [70, 9, 130]
+    q, k, v, g, beta = (t.to("cuda") for t in _inputs(lens, 2, 4, 128, 64))
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    cu = _cu(lens, "cuda").long()
+    fwd_args = (q, k, v, g.float(), beta, cu)
+    torch.library.opcheck(gdr.fla_fwd, fwd_args)
+    _, qn, q_rstd, kn, k_rstd, g_cum, a = gdr.fla_fwd(*fwd_args)
+    do = torch.randn_like(v)
+    with gdr.fla_guard_lifted(128, q.device, q.dtype):
+        torch.library.opcheck(gdr.fla_bwd, (do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu))
