@@ -327,6 +327,32 @@ def test_two_processes_equal_one(q35_world, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
 
 
+def test_compiled_blocks_train_like_eager():
+    """`[train.distributed] compile = true` on Qwen3.5: per-block torch.compile (graph breaks where the CPU
+    reference kernels read cu_seqlens on the host) gives the eager LoRA gradients, both layer kinds."""
+    import copy
+
+    from pipeline.policies import compile_blocks
+
+    model = random_qwen35(3)
+    apply_lora(model, LoraArgs(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(4))
+    compiled = compile_blocks(copy.deepcopy(model))
+    g = torch.Generator().manual_seed(10)
+    docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 1, 20, 25)]
+    ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1], [2, 3]], seq_len=45)
+    grads = []
+    for m in (model, compiled):
+        m(ids, pos, cu, max_len).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any("linear_attn" in n for n in grads[0])
+    for n, want in grads[0].items():
+        assert rel_err(grads[1][n], want) < 1e-4, n
+
+
 # --- the fast path on the GPU ---------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
