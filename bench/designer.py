@@ -448,7 +448,7 @@ def step_flops(cfg: BenchConfig, args: Args, batches: list[Batch]) -> tuple[list
 
 def mfu_of(flops: list[int], step_s: list[float], warmup: int) -> float:
     """Median over the timed steps of flops / time, against PEAK_TFLOPS."""
-    return statistics.median(f / s for f, s in zip(flops[warmup:], step_s[warmup:])) / 1e12 / PEAK_TFLOPS
+    return statistics.median(f / s for f, s in zip(flops[warmup:], step_s[warmup:], strict=True)) / 1e12 / PEAK_TFLOPS
 
 
 # ------------------------------------------------------------------------------------------------ the bench
@@ -496,6 +496,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
     dtype = torch.float32 if exact else torch.bfloat16
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
+                              "run": {"warmup": warmup, "steps": steps, "seed": seed, "tokenizer": tokenizer},
                               "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
     sd = random_state_dict(args, dtype, device, seed)
     lora_sd = lora_init(args, LoraArgs(rank=16, alpha=32.0), device, seed + 1) if cfg.lora else {}
@@ -662,7 +663,8 @@ def write(report: dict[str, Any], out: Path) -> Path:
                         lambda path: ablation_chart(report, path))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/recount.py reads a report's command back through it)."""
     p = argparse.ArgumentParser(prog="python3 -m bench.designer", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
@@ -679,6 +681,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="per-block torch.compile for Atelier; both: each micro-batch both ways, the faster kept")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
     bad = [x for x in peers if x not in PEERS]

@@ -3,9 +3,10 @@
     python3 -m bench.recount bench/results/designer-<config>-<date>.json [--tokenizer DIR]
 
 The report keeps every run's per-step times; the batches are rebuilt exactly as the bench built them (same
-config, seed, micro-batch, tokenizer: `--tokenizer` overrides the path in the report's command), so the step
-FLOPs are recomputed on the CPU. The recomputed MFU of the report's own count must equal its stored `mfu_4n`
-(proof that these are the same batches) before `mfu_4n_head_all` is written, in place.
+config, seed, micro-batch, tokenizer: `--tokenizer` says where the report's tokenizer is on this machine), so
+the step FLOPs are recomputed on the CPU. The recomputed MFU of the report's own count must equal its stored
+`mfu_4n` (for packed rows, proof that these are the same batches) before `mfu_4n_head_all` is written, in
+place, and the markdown's result table is rewritten beside it (notes under it stay).
 """
 
 from __future__ import annotations
@@ -19,34 +20,42 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.designer import BenchConfig, make_batches, mfu_of, step_flops
+from bench.designer import BenchConfig, make_batches, markdown, mfu_of, parser, step_flops
 from designer.hf import args_from_size
 
 
-def _flag(command: str, name: str, default: str | None) -> str | None:
-    words = shlex.split(command)
-    return words[words.index(name) + 1] if name in words else default
+def run_settings(report: dict[str, Any]) -> dict[str, Any]:
+    """warmup, steps, seed and tokenizer of the run: recorded in the report ("run") since the bench wrote them;
+    before that, the report's command read back through the bench's own parser (argparse: the last of a
+    repeated flag wins) and bench()'s seed, 0."""
+    if "run" in report:
+        return dict(report["run"])
+    a, _ = parser().parse_known_args(shlex.split(report["command"])[1:])
+    return {"warmup": a.warmup, "steps": a.steps, "seed": 0, "tokenizer": a.tokenizer}
 
 
-def recount(report: dict[str, Any], tokenizer: str | None, warmup: int | None = None,
+def recount(report: dict[str, Any], tokenizer: str | None = None, warmup: int | None = None,
             steps: int | None = None) -> dict[str, Any]:
-    """report with `mfu_4n_head_all` beside every `mfu_4n` of a run that has step times (warmup, steps and
-    tokenizer from the report's command unless given)."""
-    cmd = report["command"]
-    warmup = int(_flag(cmd, "--warmup", "3")) if warmup is None else warmup
-    steps = int(_flag(cmd, "--steps", "10")) if steps is None else steps
-    tokenizer = tokenizer or _flag(cmd, "--tokenizer", None)
+    """report with `mfu_4n_head_all` beside every `mfu_4n` of a run that has step times (the run's settings
+    from run_settings unless given; `tokenizer`: where the tokenizer is on this machine)."""
+    run = run_settings(report)
+    warmup = run["warmup"] if warmup is None else warmup
+    steps = run["steps"] if steps is None else steps
+    tokenizer = tokenizer or run["tokenizer"]
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items() if k in fields})
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
     runs = {mb: [report["sweep"].get(mb)] + [r.get(mb) for r in report["peer_runs"].values()]
             for mb in report["sweep"]}
     for mb, rs in runs.items():
-        batches = make_batches(cfg, int(mb), warmup + steps, tokenizer, int(mb))  # the bench's seed + mb, seed 0
+        batches = make_batches(cfg, int(mb), warmup + steps, tokenizer, run["seed"] + int(mb))  # as bench() does
         useful, _, head_all = step_flops(cfg, args, batches)
         for r in rs:
             if not r or r.get("oom") or "step_s" not in r:
                 continue
+            if len(r["step_s"]) != warmup + steps:
+                raise ValueError(f"micro-batch {mb}: {len(r['step_s'])} step times, but warmup {warmup} + steps "
+                                 f"{steps} were read from the report")
             if not math.isclose(mfu_of(useful, r["step_s"], warmup), r["mfu_4n"], rel_tol=1e-9):
                 raise ValueError(f"micro-batch {mb}: the rebuilt batches do not give the report's mfu_4n "
                                  f"({mfu_of(useful, r['step_s'], warmup)} vs {r['mfu_4n']}): wrong tokenizer?")
@@ -61,6 +70,21 @@ def recount(report: dict[str, Any], tokenizer: str | None, warmup: int | None = 
     return report
 
 
+def replace_table(old_md: str, new_md: str) -> str:
+    """old_md with its result table (the lines from "| run |" to the first non-table line) taken from new_md:
+    notes written under a report by hand stay."""
+    def span(lines: list[str]) -> tuple[int, int]:
+        i = next(k for k, line in enumerate(lines) if line.startswith("| run |"))
+        j = i
+        while j < len(lines) and lines[j].startswith("|"):
+            j += 1
+        return i, j
+
+    old, new = old_md.splitlines(), new_md.splitlines()
+    (oi, oj), (ni, nj) = span(old), span(new)
+    return "\n".join(old[:oi] + new[ni:nj] + old[oj:]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.recount", description=__doc__.split("\n")[0])
     p.add_argument("report", type=Path)
@@ -68,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     report = recount(json.loads(a.report.read_text()), a.tokenizer)
     a.report.write_text(json.dumps(report, indent=1))
+    md = a.report.with_suffix(".md")
+    md.write_text(replace_table(md.read_text(), markdown(report)) if md.exists() else markdown(report))
     for name, r in [("atelier", report.get("atelier", {}))] + list(report["peers"].items()):
         if "mfu_4n_head_all" in r:
             print(f"{name}: MFU 4N {r['mfu_4n']:.1%}, head on every token {r['mfu_4n_head_all']:.1%}")

@@ -9,8 +9,8 @@ its first real token, and a key slot is visible to a query when it is a real tok
 so each prompt decodes exactly as it would alone; a Gated DeltaNet layer skips the pads (its state stays
 zero until the prompt's first token). The block code is the model's own (Qwen3.hidden_states with cache-aware
 attends; Qwen35.decode_hidden_states, whose delta rule runs its recurrent form token by token), so generation
-cannot drift from training. `_generate_batch_recompute` (no cache, the packed forward re-run each step) is
-the slow reference the tests hold both against.
+cannot drift from training. `generate_greedy_ref` (no cache: the packed training forward re-run for every
+token) is the slow reference the tests hold both against.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def generate(
     Prompts are run in batches of `batch_size`, longest first (less padding); results keep prompt order.
     Sampling draws from one torch.Generator seeded with `seed`, so a call is reproducible.
     """
+    if not isinstance(model, (Qwen3, Qwen35)):
+        raise TypeError(f"generate: no decoding cache for {type(model).__name__} (Qwen3 and Qwen3.5 have one)")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -131,8 +133,7 @@ def generate(
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            batch = (_generate_batch if isinstance(model, Qwen3) else
-                     _generate_batch_hybrid if isinstance(model, Qwen35) else _generate_batch_recompute)
+            batch = _generate_batch if isinstance(model, Qwen3) else _generate_batch_hybrid
             for i, out in zip(chunk, batch(model, [ids[i] for i in chunk], max_new_tokens, temperature, top_p, gen,
                                            eos_t)):
                 results[i] = out
@@ -207,38 +208,8 @@ def _generate_batch_hybrid(model: Qwen35, ids: list[list[int]], max_new: int, te
     return _decode_loop(step, len(ids), (tokens, positions), max_new, temperature, top_p, gen, eos, model.logits)
 
 
-def _generate_batch_recompute(model: CausalLM, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
-                              gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
-    """No cache: each step runs the packed forward over every unfinished sequence (prompt + tokens so far), one
-    document each in a single row, and samples from each document's last position. O(L²) in the sequence
-    length, exact by construction (it is the training forward): the reference the cached paths are tested
-    against, and the path of a CausalLM without a cache of its own."""
-    device = model.lm_head_weight.device
-    stop = set(eos.tolist())
-    seqs, outs = [list(x) for x in ids], [[] for _ in ids]
-    live = list(range(len(ids)))
-    for _ in range(max_new):
-        lens = [len(seqs[i]) for i in live]
-        tokens = torch.tensor([t for i in live for t in seqs[i]], device=device)[None]  # [1,N]
-        positions = torch.cat([torch.arange(n) for n in lens]).to(device)[None]  # [1,N], restarting per document
-        ends = torch.tensor(lens).cumsum(0)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(device=device, dtype=torch.int32)  # [S+1]
-        hidden = model(tokens, positions, cu, max(lens))  # [1,N,D]
-        nxt = _sample(model.logits(hidden[0, (ends - 1).to(device)]).float(), temperature, top_p, gen).tolist()  # [S]
-        still = []
-        for i, tok in zip(live, nxt):
-            if tok not in stop:
-                outs[i].append(tok)
-                seqs[i].append(tok)
-                still.append(i)
-        live = still
-        if not live:
-            break
-    return outs
-
-
 @torch.no_grad()
-def generate_greedy_ref(model: Qwen3, prompt: Sequence[int], max_new_tokens: int,
+def generate_greedy_ref(model: CausalLM, prompt: Sequence[int], max_new_tokens: int,
                         eos_token_id: int | Sequence[int] | None = None) -> list[int]:
     """Greedy decoding with no cache: re-run the packed forward over the whole sequence for every token."""
     eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))

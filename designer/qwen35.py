@@ -349,8 +349,8 @@ class LinearAttentionState:
     @classmethod
     def zeros(cls, layer: GatedDeltaNet, batch: int, device: torch.device) -> LinearAttentionState:
         k, c = layer.conv1d.weight.shape[2], layer.conv1d.weight.shape[0]
-        return cls(torch.zeros(batch, k - 1, c, device=device),
-                   torch.zeros(batch, layer.hv, layer.dk, layer.dv, device=device))
+        return cls(torch.zeros(batch, k - 1, c, device=device, dtype=torch.float32),
+                   torch.zeros(batch, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32))
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -169,20 +169,34 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
 
 
 def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_report):
-    """bench/recount.py on a report stripped of the field gives back what the bench computed, and refuses
-    batches that do not reproduce the report's own MFU."""
+    """bench/recount.py on a report stripped of the field gives back what the bench computed, reading the run's
+    settings from the report (or, for older reports, from its command, the last of a repeated flag winning),
+    and refuses batches or step counts that do not reproduce the report's own MFU."""
     import copy
 
-    from bench.recount import recount
+    from bench.recount import recount, replace_table
 
-    stripped = copy.deepcopy(tiny_report)
-    runs = [stripped["atelier"], *stripped["sweep"].values(), *stripped["peers"].values(),
-            *(r for p in stripped["peer_runs"].values() for r in p.values() if isinstance(r, dict))]
-    for r in runs:
-        r.pop("mfu_4n_head_all", None)
-    got = recount(stripped, None, warmup=1, steps=2)
+    def stripped() -> dict:
+        r = copy.deepcopy(tiny_report)
+        runs = [r["atelier"], *r["sweep"].values(), *r["peers"].values(),
+                *(x for p in r["peer_runs"].values() for x in p.values() if isinstance(x, dict))]
+        for x in runs:
+            x.pop("mfu_4n_head_all", None)
+        return r
+
+    assert tiny_report["run"] == {"warmup": 1, "steps": 2, "seed": 0, "tokenizer": None}
+    got = recount(stripped())
     assert got["atelier"]["mfu_4n_head_all"] == pytest.approx(tiny_report["atelier"]["mfu_4n_head_all"], rel=1e-12)
     assert got["peers"]["hf"]["mfu_4n_head_all"] == pytest.approx(tiny_report["peers"]["hf"]["mfu_4n_head_all"],
                                                                   rel=1e-12)
+    old = stripped()
+    del old["run"]
+    old["command"] = "bench/designer.py --config qwen3-8b-lora --tiny --steps 5 --warmup 1 --steps 2"
+    assert recount(old)["atelier"]["mfu_4n_head_all"] == pytest.approx(got["atelier"]["mfu_4n_head_all"], rel=1e-12)
     with pytest.raises(ValueError, match="do not give the report's mfu_4n"):
-        recount(copy.deepcopy(tiny_report), None, warmup=0, steps=3)  # other steps timed: other FLOPs per step
+        recount(stripped(), warmup=0, steps=3)  # other steps timed: other FLOPs per step
+    with pytest.raises(ValueError, match="step times"):
+        recount(stripped(), warmup=1, steps=3)
+    table = "| run | a |\n|---|---|\n| x | 1 |\n"
+    assert replace_table("# t\n\n" + table + "\nNote: kept\n", "| run | b |\n|---|---|\n") == \
+        "# t\n\n| run | b |\n|---|---|\n\nNote: kept\n"

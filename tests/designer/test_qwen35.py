@@ -373,10 +373,6 @@ def test_fast_path_matches_the_reference_in_bf16():
     fast_args = model.args
     ref_args = dataclasses.replace(model.args, delta_rule_impl="ref", attention_impl="sdpa")
 
-    def rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
-        a, e = a.double(), e.double()
-        return float((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt())
-
     with torch.no_grad():
         model.args = ref_args
         truth = model(ids, pos, cu, max_len).float()
@@ -384,45 +380,85 @@ def test_fast_path_matches_the_reference_in_bf16():
             ref = model(ids, pos, cu, max_len).float()
             model.args = fast_args
             fast = model(ids, pos, cu, max_len).float()
-    fast_err, ref_err = rms_ratio(fast, truth), rms_ratio(ref, truth)
+    fast_err, ref_err = _rms_ratio(fast, truth), _rms_ratio(ref, truth)
     print(f"Qwen3.5 tiny, bf16 vs fp32 logits, RMS ratio: fast path {fast_err:.2e}, reference path {ref_err:.2e}")
     assert fast_err < 3 * ref_err + 1e-2
 
 
 # --- generation (no cache: the packed forward re-run each step) --------------------------------------
-def test_decoding_cache_equals_the_training_forward():
-    """Left-padded prompts of 1, 2 (fewer than the conv's K−1 = 3 earlier taps), 7 and 70 (past one 64-token chunk)
-    tokens prefilled together, then 4 tokens a step: every real position's hidden state equals the packed
-    training forward of that sequence alone (chunked delta rule, conv with per-document reset), in fp32."""
+def _decoded_hidden(model: Qwen35, seqs: list[list[int]], new: int) -> list[torch.Tensor]:
+    """Each sequence's hidden states [len, D] through the decoding cache: its prompt (all but the last `new`
+    tokens) prefilled with the others, left-padded, then its last tokens fed one a step."""
     from designer.generate import KVCache, _left_padded
     from designer.qwen35 import LinearAttentionState
 
-    model = random_qwen35(11).eval()
-    g = torch.Generator().manual_seed(12)
-    seqs = [torch.randint(3, V, (n + 4,), generator=g).tolist() for n in (1, 2, 7, 70)]
-    prompts = [x[:-4] for x in seqs]
-    pads, tokens, positions = _left_padded(prompts, torch.device("cpu"))
+    device = model.lm_head_weight.device
+    prompts = [x[:-new] for x in seqs]
+    pads, tokens, positions = _left_padded(prompts, device)
     layers = model.model.layers
-    cache = KVCache(model, pads, tokens.shape[1], 4, [i for i, b in enumerate(layers) if b.layer_type == FULL])
-    states = [None if b.layer_type == FULL else LinearAttentionState.zeros(b.linear_attn, len(seqs), torch.device("cpu"))
+    cache = KVCache(model, pads, tokens.shape[1], new, [i for i, b in enumerate(layers) if b.layer_type == FULL])
+    states = [None if b.layer_type == FULL else LinearAttentionState.zeros(b.linear_attn, len(seqs), device)
               for b in layers]
     got = [[] for _ in seqs]
     with torch.no_grad():
-        for step in range(5):
+        for step in range(new + 1):
             t = tokens.shape[1]
             valid = cache.valid[:, cache.length: cache.length + t]
             hidden = model.decode_hidden_states(tokens, positions, cache.attends, states, valid)  # [B,T,D]
             cache.length += t
             for r in range(len(seqs)):
                 got[r].append(hidden[r][valid[r]])
-            nxt = torch.tensor([x[len(p) + step] if step < 4 else 0 for x, p in zip(seqs, prompts)])
+            nxt = torch.tensor([x[len(p) + step] if step < new else 0 for x, p in zip(seqs, prompts)], device=device)
             tokens, positions = nxt[:, None], positions[:, -1:] + 1
-        for r, x in enumerate(seqs):
-            n = len(x)
-            want = model(torch.tensor([x]), torch.arange(n)[None], torch.tensor([0, n], dtype=torch.int32), n)[0]
-            mine = torch.cat(got[r])[:n]
-            assert mine.shape == want.shape
-            assert rel_err(mine, want) < 1e-5, f"prompt {r}: {rel_err(mine, want):.2e}"
+    return [torch.cat(g)[: len(x)] for g, x in zip(got, seqs)]
+
+
+def _forward_hidden(model: Qwen35, x: list[int]) -> torch.Tensor:
+    """The packed training forward of one sequence: hidden [len, D]."""
+    device, n = model.lm_head_weight.device, len(x)
+    with torch.no_grad():
+        return model(torch.tensor([x], device=device), torch.arange(n, device=device)[None],
+                     torch.tensor([0, n], dtype=torch.int32, device=device), n)[0]
+
+
+def test_decoding_cache_equals_the_training_forward():
+    """Left-padded prompts of 1, 2 (fewer than the conv's K−1 = 3 earlier taps), 7 and 70 (past one 64-token chunk)
+    tokens prefilled together, then 4 tokens a step: every real position's hidden state equals the packed
+    training forward of that sequence alone (chunked delta rule, conv with per-document reset), in fp32."""
+    model = random_qwen35(11).eval()
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(3, V, (n + 4,), generator=g).tolist() for n in (1, 2, 7, 70)]
+    for r, (mine, x) in enumerate(zip(_decoded_hidden(model, seqs, 4), seqs)):
+        want = _forward_hidden(model, x)
+        assert mine.shape == want.shape
+        assert rel_err(mine, want) < 1e-5, f"prompt {r}: {rel_err(mine, want):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decoding_a_bf16_model_on_the_gpu_is_as_close_to_fp32_as_its_training_forward():
+    """On the GPU the model is bf16 and trains through fla's chunk kernel, while decoding runs the fp32
+    recurrence: measured against the fp32 model, decoding's error must be bf16-sized like the forward's."""
+    from kernels.gated_delta_rule import has_fla
+
+    if not has_fla():
+        pytest.skip("needs fla-core (pip install fla-core)")
+    g = torch.Generator().manual_seed(14)
+    seqs = [torch.randint(3, V, (n + 5,), generator=g).tolist() for n in (3, 40, 130)]
+    fp32 = random_qwen35(15).cuda().eval()
+    fp32.args = dataclasses.replace(fp32.args, delta_rule_impl="ref", attention_impl="sdpa")
+    truth = [_forward_hidden(fp32, x) for x in seqs]
+    bf16 = random_qwen35(15).cuda().to(torch.bfloat16).eval()
+    for r, (dec, x, t) in enumerate(zip(_decoded_hidden(bf16, seqs, 5), seqs, truth)):
+        fwd = _forward_hidden(bf16, x)
+        dec_err, fwd_err = _rms_ratio(dec, t), _rms_ratio(fwd, t)
+        print(f"sequence {r}: bf16 decoding vs fp32 RMS ratio {dec_err:.2e}, bf16 forward {fwd_err:.2e}")
+        assert dec_err < 3 * fwd_err + 1e-2
+
+
+def _rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
+    a, e = a.double(), e.double()
+    return float((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt())
 
 
 def test_padding_never_reaches_the_linear_attention_state():
