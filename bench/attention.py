@@ -205,38 +205,46 @@ def bench_shape(name: str, shape: dict, device: torch.device, dtype: torch.dtype
         base = {w: (g.float() - t).abs().max().item() for w, g, t in zip(("o", "dq", "dk", "dv"), eager, truth)}
         del eager
     flops = attention_flops(rows, shape["heads"], shape["head_dim"])
-    result: dict[str, Any] = {"shape": shape, "documents": sum(len(r) for r in rows), "flops": flops, "paths": {},
+    result: dict[str, Any] = {"shape": shape, "documents": sum(len(r) for r in rows), "flops": flops,
                               "eager_max_abs_err": base}
-    for p in paths:
-        try:
-            fn = path_fn(p, rows, shape, cu)
-            got = grads(fn, q, k, v, do)
-        except (RuntimeError, ImportError, torch.OutOfMemoryError) as e:
-            result["paths"][p] = {"skipped": str(e).splitlines()[0][:300]}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        errs = {w: (g.float() - t).abs().max().item() for w, g, t in zip(("o", "dq", "dk", "dv"), got, truth)}
-        ts = timed(fn, q, k, v, do, repeats)
-        med = statistics.median(ts)
-        result["paths"][p] = {"ms": med * 1e3, "ms_min": min(ts) * 1e3, "tflops": flops / med / 1e12,
-                              "max_abs_err": errs}
-        print(f"{name} {p}: {med * 1e3:.2f} ms, {flops / med / 1e12:.0f} TFLOP/s, err {errs}", flush=True)
-        del fn, got
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    for r in result["paths"].values():
-        if "max_abs_err" in r and base is not None:
-            r["exact"] = all(r["max_abs_err"][w] <= 2 * base[w] + 1e-5 for w in base)
-        elif "max_abs_err" in r:  # no eager baseline at this length: the errors are reported, not judged
-            r["exact"] = None
-    ok = {p: r for p, r in result["paths"].items() if r.get("exact")}
-    result["fastest_exact"] = min(ok, key=lambda p: ok[p]["ms"]) if ok else None
+    result.update(judge_paths(name, paths, lambda p: path_fn(p, rows, shape, cu), (q, k, v, do), (q, k, v, do),
+                              truth, base, flops, repeats))
     return result
 
 
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"## packed causal attention, forward + backward — {report['gpu'].get('name') or 'cpu'}, {report['dtype']}",
+def judge_paths(name: str, paths: list[str], make: Callable[[str], Callable], judged: tuple, timed_on: tuple,
+                truth: list[torch.Tensor], base: dict[str, float] | None, flops: float,
+                repeats: int) -> dict[str, Any]:
+    """Every path: its errors on `judged` (q, k, v, do) against `truth`, its time on `timed_on`; "exact" when each
+    error is at most 2× eager's (`base`) + 1e-5, None without a baseline. A path that cannot run here (missing
+    kernel, out of memory) is recorded as skipped with the reason. → {"paths", "fastest_exact"}."""
+    out: dict[str, Any] = {}
+    cuda = truth[0].is_cuda
+    for p in paths:
+        try:
+            fn = make(p)
+            got = grads(fn, *judged)
+            errs = {w: (x.float() - t).abs().max().item() for w, x, t in zip(("o", "dq", "dk", "dv"), got, truth)}
+            ts = timed(fn, *timed_on, repeats)
+        except (RuntimeError, ImportError, torch.OutOfMemoryError) as e:
+            out[p] = {"skipped": str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}
+            if cuda:
+                torch.cuda.empty_cache()
+            continue
+        med = statistics.median(ts)
+        exact = None if base is None else all(errs[w] <= 2 * base[w] + 1e-5 for w in base)
+        out[p] = {"ms": med * 1e3, "ms_min": min(ts) * 1e3, "tflops": flops / med / 1e12, "max_abs_err": errs,
+                  "exact": exact}
+        print(f"{name} {p}: {med * 1e3:.2f} ms, {flops / med / 1e12:.0f} TFLOP/s, err {errs}", flush=True)
+        del fn, got
+        if cuda:
+            torch.cuda.empty_cache()
+    ok = {p: r for p, r in out.items() if r.get("exact")}
+    return {"paths": out, "fastest_exact": min(ok, key=lambda p: ok[p]["ms"]) if ok else None}
+
+
+def markdown(report: dict[str, Any], title: str = "packed causal attention") -> str:
+    lines = [f"## {title}, forward + backward — {report['gpu'].get('name') or 'cpu'}, {report['dtype']}",
              "", "| shape | path | ms | TFLOP/s | max abs err (o, dq, dk, dv) | exact |", "|---|---|---|---|---|---|"]
     for name, r in report["shapes"].items():
         for p, x in r["paths"].items():
@@ -250,36 +258,46 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.attention", description=__doc__.split("\n")[0])
+def cli(argv: list[str] | None, prog: str, doc: str, shapes: dict, tiny_shapes: dict, paths: tuple[str, ...],
+        stem: str, title: str, bench_one: Callable[..., dict[str, Any]]) -> int:
+    """The attention benches' command line: pick shapes and paths, run `bench_one(name, shape, device, dtype,
+    paths, repeats, tiny)` for each shape, write DIR/<stem>-<date>.{json,md}."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--shapes", default=",".join(shapes))
+    p.add_argument("--paths", default=",".join(paths))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU in fp32 (tests)")
     a = p.parse_args(argv)
-    shapes = [x for x in a.shapes.split(",") if x]
-    paths = [x for x in a.paths.split(",") if x]
-    bad = [x for x in shapes if x not in SHAPES] + [x for x in paths if x not in PATHS]
+    chosen = [x for x in a.shapes.split(",") if x]
+    chosen_paths = [x for x in a.paths.split(",") if x]
+    bad = [x for x in chosen if x not in shapes] + [x for x in chosen_paths if x not in paths]
     if bad:
-        p.error(f"unknown shapes/paths {bad}; shapes {list(SHAPES)}, paths {list(PATHS)}")
+        p.error(f"unknown shapes/paths {bad}; shapes {list(shapes)}, paths {list(paths)}")
     device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if device.type != "cuda" and not a.tiny:
         p.error("real shapes need a CUDA GPU; use --tiny on a CPU")
     dtype = torch.float32 if a.tiny else torch.bfloat16
-    table = TINY if a.tiny else SHAPES
+    table = tiny_shapes if a.tiny else shapes
     report: dict[str, Any] = {**environment(), "dtype": str(dtype).removeprefix("torch."),
                               "clocks": {"before": clocks()}, "shapes": {}}
-    for name in shapes:
-        report["shapes"][name] = bench_shape(name, table[name], device, dtype, paths, a.repeats)
+    for name in chosen:
+        report["shapes"][name] = bench_one(name, table[name], device, dtype, chosen_paths, a.repeats, a.tiny)
     report["clocks"]["after"] = clocks()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"attention-{time.strftime('%Y-%m-%d')}"
+    stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    (out / f"{stem}.md").write_text(markdown(report, title))
+    print(markdown(report, title))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, "python3 -m bench.attention", __doc__, SHAPES, TINY, PATHS, "attention",
+               "packed causal attention",
+               lambda name, shape, device, dtype, paths, repeats, tiny: bench_shape(name, shape, device, dtype,
+                                                                                    paths, repeats))
 
 
 if __name__ == "__main__":

@@ -21,19 +21,13 @@ median of `repeats` after 3 warm-up calls (compile in the warm-up). FLOPs: 4·B�
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.attention import grads, timed
-from bench.env import clocks, environment
+from bench.attention import cli, grads, judge_paths
 
 SHAPES = {"sd3-1024": dict(batch=8, tokens=4096 + 333, heads=24, head_dim=64),
           "sd3-512": dict(batch=32, tokens=1024 + 333, heads=24, head_dim=64)}
@@ -83,75 +77,18 @@ def bench_shape(name: str, shape: dict, device: torch.device, dtype: torch.dtype
     eager = grads(eager_attention, *first)
     base = {w: (e.float() - t).abs().max().item() for w, e, t in zip(("o", "dq", "dk", "dv"), eager, truth)}
     flops = attention_flops(shape)
-    result: dict[str, Any] = {"shape": shape, "flops": flops, "eager_max_abs_err": base, "paths": {}}
-    for p in paths:
-        try:
-            fn = path_fn(p, compile_flex)
-            got = grads(fn, *first)
-            errs = {w: (x.float() - t).abs().max().item() for w, x, t in zip(("o", "dq", "dk", "dv"), got, truth)}
-            ts = timed(fn, q, k, v, do, repeats)
-        except (RuntimeError, ImportError, torch.OutOfMemoryError) as e:
-            result["paths"][p] = {"skipped": str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        med = statistics.median(ts)
-        result["paths"][p] = {"ms": med * 1e3, "ms_min": min(ts) * 1e3, "tflops": flops / med / 1e12,
-                              "max_abs_err": errs, "exact": all(errs[w] <= 2 * base[w] + 1e-5 for w in base)}
-        print(f"{name} {p}: {med * 1e3:.2f} ms, {flops / med / 1e12:.0f} TFLOP/s, err {errs}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    ok = {p: r for p, r in result["paths"].items() if r.get("exact")}
-    result["fastest_exact"] = min(ok, key=lambda p: ok[p]["ms"]) if ok else None
+    result: dict[str, Any] = {"shape": shape, "flops": flops, "eager_max_abs_err": base}
+    result.update(judge_paths(name, paths, lambda p: path_fn(p, compile_flex), tuple(first), (q, k, v, do),
+                              truth, base, flops, repeats))
     return result
 
 
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"## joint attention (non-causal), forward + backward — {report['gpu'].get('name') or 'cpu'}, "
-             f"{report['dtype']}", "", "| shape | path | ms | TFLOP/s | max abs err (o, dq, dk, dv) | exact |",
-             "|---|---|---|---|---|---|"]
-    for name, r in report["shapes"].items():
-        for p, x in r["paths"].items():
-            if "skipped" in x:
-                lines.append(f"| {name} | {p} | skipped: {x['skipped'][:80]} | | | |")
-                continue
-            e = x["max_abs_err"]
-            lines.append(f"| {name} | {p} | {x['ms']:.2f} | {x['tflops']:.0f} | "
-                         f"{e['o']:.1e}, {e['dq']:.1e}, {e['dk']:.1e}, {e['dv']:.1e} | {x['exact']} |")
-        lines.append(f"| {name} | **fastest exact** | {r['fastest_exact']} | | | |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.joint_attention", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--paths", default=",".join(PATHS))
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU in fp32, flex uncompiled (tests)")
-    a = p.parse_args(argv)
-    shapes = [x for x in a.shapes.split(",") if x]
-    paths = [x for x in a.paths.split(",") if x]
-    bad = [x for x in shapes if x not in SHAPES] + [x for x in paths if x not in PATHS]
-    if bad:
-        p.error(f"unknown shapes/paths {bad}; shapes {list(SHAPES)}, paths {list(PATHS)}")
-    device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
-    if device.type != "cuda" and not a.tiny:
-        p.error("real shapes need a CUDA GPU; use --tiny on a CPU")
-    dtype = torch.float32 if a.tiny else torch.bfloat16
-    table = TINY if a.tiny else SHAPES
-    report: dict[str, Any] = {**environment(), "dtype": str(dtype).removeprefix("torch."),
-                              "clocks": {"before": clocks()}, "shapes": {}}
-    for name in shapes:
-        report["shapes"][name] = bench_shape(name, table[name], device, dtype, paths, a.repeats, not a.tiny)
-    report["clocks"]["after"] = clocks()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"joint-attention-{time.strftime('%Y-%m-%d')}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
-    return 0
+    """Flex runs uncompiled with --tiny (CPU tests)."""
+    return cli(argv, "python3 -m bench.joint_attention", __doc__, SHAPES, TINY, PATHS, "joint-attention",
+               "joint attention (non-causal)",
+               lambda name, shape, device, dtype, paths, repeats, tiny: bench_shape(name, shape, device, dtype,
+                                                                                    paths, repeats, not tiny))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention,
 from designer.model import init_param as qwen3_init_param
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from kernels.causal_conv1d import causal_conv1d
-from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, gated_delta_rule
+from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, gated_delta_rule, l2norm
 from kernels.gated_rmsnorm import gated_rmsnorm
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import rope, rope_cos_sin
@@ -327,8 +327,8 @@ class GatedDeltaNet(nn.Module):
             keep = valid[:, i]  # [B]
             window = torch.cat([state.conv, qkv_all[:, i, None].float()], dim=1)  # [B,K,C]: the conv's taps
             q, k, v = self.split_heads(F.silu((window * w).sum(1)))  # [B,Hk,Dk] ×2, [B,Hv,Dv]
-            q = _l2norm(q).repeat_interleave(rep, dim=1) * self.dk ** -0.5  # [B,Hv,Dk]
-            k = _l2norm(k).repeat_interleave(rep, dim=1)
+            q = l2norm(q.float()).repeat_interleave(rep, dim=1) * self.dk ** -0.5  # [B,Hv,Dk]
+            k = l2norm(k.float()).repeat_interleave(rep, dim=1)
             decayed = state.recurrent * g_all[:, i].exp()[..., None, None]  # e^g S  [B,Hv,Dk,Dv]
             delta = (v - torch.einsum("bhkv,bhk->bhv", decayed, k)) * beta_all[:, i].float()[..., None]
             s_new = decayed + k[..., :, None] * delta[..., None, :]  # + β k (v − (e^g S)ᵀ k)ᵀ
@@ -351,12 +351,6 @@ class LinearAttentionState:
         k, c = layer.conv1d.weight.shape[2], layer.conv1d.weight.shape[0]
         return cls(torch.zeros(batch, k - 1, c, device=device, dtype=torch.float32),
                    torch.zeros(batch, layer.hv, layer.dk, layer.dv, device=device, dtype=torch.float32))
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / √(Σx² + eps) in fp32 over the last dim (the delta rule's q/k normalisation, kernels/gated_delta_rule)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class Block(nn.Module):

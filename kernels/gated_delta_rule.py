@@ -37,6 +37,7 @@ Implementations (argument `impl`, from the model config — never an environment
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import threading
@@ -96,6 +97,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 # --- the fla fast path ----------------------------------------------------------------------------
+@functools.cache
 def triton_version() -> tuple[int, ...]:
     import triton
 
@@ -275,8 +277,8 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         raise ValueError(f"gated_delta_rule_ref: cu_seqlens must rise from 0 to N={n}, got {bounds}")
     rep = hv // q.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # fp32 means fp32, under any autocast
-        qf = _l2norm(q.float()) * q.shape[-1] ** -0.5
-        kf = _l2norm(k.float())
+        qf = l2norm(q.float()) * q.shape[-1] ** -0.5
+        kf = l2norm(k.float())
         qf, kf = qf.repeat_interleave(rep, dim=1), kf.repeat_interleave(rep, dim=1)  # [N, Hv, Dk]
         steps, docs, idx, valid = _chunks(cu_seqlens, chunk)
 
@@ -327,6 +329,6 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -60.0, float("-inf"), x).exp()
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / √(Σx² + eps) over the last dim (fla's and Hugging Face's l2norm)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -14,6 +14,7 @@ from designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, s
 from designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
 from pipeline.cli import main
 from tests.designer.test_model import FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, rel_err, run_rows
+from tests.kernels.test_gated_delta_rule import _rms_ratio
 
 V = 97
 
@@ -454,11 +455,6 @@ def test_decoding_a_bf16_model_on_the_gpu_is_as_close_to_fp32_as_its_training_fo
         dec_err, fwd_err = _rms_ratio(dec, t), _rms_ratio(fwd, t)
         print(f"sequence {r}: bf16 decoding vs fp32 RMS ratio {dec_err:.2e}, bf16 forward {fwd_err:.2e}")
         assert dec_err < 3 * fwd_err + 1e-2
-
-
-def _rms_ratio(a: torch.Tensor, e: torch.Tensor) -> float:
-    a, e = a.double(), e.double()
-    return float((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt())
 
 
 def test_padding_never_reaches_the_linear_attention_state():
