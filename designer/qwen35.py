@@ -45,7 +45,7 @@ from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention,
 from designer.model import init_param as qwen3_init_param
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from kernels.causal_conv1d import causal_conv1d
-from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, gated_delta_rule, l2norm
+from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, chunk_index, gated_delta_rule, l2norm
 from kernels.gated_rmsnorm import gated_rmsnorm
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import rope, rope_cos_sin
@@ -260,6 +260,25 @@ class GatedRMSNorm(nn.Module):
         return gated_rmsnorm(x, z, self.weight, self.eps, self.impl)
 
 
+@dataclass(frozen=True)
+class PackedDocs:
+    """The packed documents as the Gated DeltaNet layers see them (the full-attention layers' twin is
+    PackedAttention). Built once per forward: the delta rule's chunk index costs a host sync to build
+    (kernels.gated_delta_rule.chunk_index), so every layer shares one instead of each building its own."""
+
+    cu_seqlens: torch.Tensor  # int32 [S+1] over the B·T tokens
+    delta_rule_impl: str
+    chunk_indices: torch.Tensor | None  # chunk_index(cu_seqlens) on CUDA (fla's); None on the CPU (the reference's)
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, delta_rule_impl: str) -> PackedDocs:
+        if not cu_seqlens.is_cuda or delta_rule_impl == "ref":
+            return cls(cu_seqlens, delta_rule_impl, None)
+        chunks = chunk_index(cu_seqlens)
+        torch._dynamo.maybe_mark_dynamic(chunks, 0)  # its length changes every batch: no recompile per batch
+        return cls(cu_seqlens, delta_rule_impl, chunks)
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention mixer: projections → short causal conv → gated delta rule → gated norm → out_proj."""
 
@@ -282,16 +301,17 @@ class GatedDeltaNet(nn.Module):
         self.kernels = args.kernels
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, impl: str) -> torch.Tensor:
-        """x [B,T,D] → [B,T,D]; `impl` is the delta rule's (read from the model's args at each forward)."""
+    def forward(self, x: torch.Tensor, docs: PackedDocs) -> torch.Tensor:
+        """x [B,T,D] → [B,T,D]."""
         b, t, _ = x.shape
         n = b * t
         w = self.conv1d.weight
         qkv = self.in_proj_qkv(x).view(n, -1)  # [N,C]: packed documents, one after another
-        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), cu_seqlens, self.kernels)  # [N,C], silu applied
+        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), docs.cu_seqlens, self.kernels)  # [N,C], silu'd
         q, k, v = self.split_heads(qkv)
         beta, g = self.gates(x)
-        o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta.view(n, self.hv), cu_seqlens, impl)  # [N,Hv,Dv]
+        o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta.view(n, self.hv), docs.cu_seqlens,
+                             docs.delta_rule_impl, docs.chunk_indices)  # [N,Hv,Dv]
         return self.gated_output(o, x)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -366,12 +386,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                cu_seqlens: torch.Tensor, delta_rule_impl: str) -> torch.Tensor:
+                docs: PackedDocs) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == FULL:
             x = x + self.self_attn(h, cos, sin, attend)
         else:
-            x = x + self.linear_attn(h, cu_seqlens, delta_rule_impl)
+            x = x + self.linear_attn(h, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
@@ -423,10 +443,11 @@ class Qwen35(CausalLM):
         check_packed_inputs("Qwen35.forward", input_ids, position_ids, cu_seqlens)
         a = self.args
         attend = PackedAttention(cu_seqlens, max_seqlen, a.attention_impl)
+        docs = PackedDocs.of(cu_seqlens, a.delta_rule_impl)
         cos, sin = rope_cos_sin(position_ids, a.rotary_dim, a.rope_theta)  # [B,T,R] fp32
         x = self.model.embed_tokens(input_ids)  # [B,T,D]
         for block in self.model.layers:
-            x = block(x, cos, sin, attend, cu_seqlens, a.delta_rule_impl)
+            x = block(x, cos, sin, attend, docs)
         return self.model.norm(x)
 
     def decode_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attends: Sequence[Attend | None],

@@ -12,8 +12,11 @@ Backward, with da[t] = dy[t] · σ(a[t]) · (1 + a[t] · (1 − σ(a[t]))):
   dx[s', c] = Σ_{j<K, t = s'+j in the same document} w[c, K−1−j] · da[t, c];
   dw[c, k]  = Σ_t da[t, c] · x[t − (K−1−k), c]   (same masking as the forward).
 Saved for backward: x, w and the per-token document start (int32 [N]); a is recomputed (K taps are cheap),
-so no [N, C] activation is stored besides x. Accumulation: fp32 in registers; dw partials fp32 [G, C, K]
-summed by torch (deterministic, no atomics).
+so no [N, C] activation is stored besides x. The backward runs in two passes: the first recomputes a once
+per token and writes da (fp32 [N, C], transient) and the dw partials; the second gathers dx from K shifted
+reads of da. (One pass would recompute a K times, once per output each input feeds: 4× the forward's work,
+which the Qwen3.5-9B profile showed as 5% of the step.) Accumulation: fp32 in registers; dw partials fp32
+[G, C, K] summed by torch (deterministic, no atomics).
 
 Implementations (argument `impl`, from the model config): "triton" (any device; CPU through
 TRITON_INTERPRET=1, which tests use), "ref" (causal_conv1d_ref, differentiated by autograd), "auto"
@@ -59,9 +62,10 @@ def _conv_fwd_kernel(x_ptr, w_ptr, start_ptr, y_ptr, N, C,
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, C,
-                     K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Program (p, cb) walks token blocks p, p + G, ... of channel block cb; its dw partial is row p of [G, C, KP].
+def _conv_bwd_da_kernel(x_ptr, w_ptr, start_ptr, dy_ptr, da_ptr, dw_part_ptr, N, C,
+                        K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Pass 1 of the backward: da (fp32) and dw. Program (p, cb) walks token blocks p, p + G, ... of channel
+    # block cb; its dw partial is row p of [G, C, KP].
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -70,32 +74,48 @@ def _conv_bwd_kernel(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, C,
                  other=0.0).to(tl.float32)  # [BLOCK_C, KP]
     dw_acc = tl.zeros((BLOCK_C, KP), dtype=tl.float32)
     for tb in range(pid, tl.cdiv(N, BLOCK_T), n_prog):
-        s = tb * BLOCK_T + tl.arange(0, BLOCK_T)  # the tokens whose dx this block writes
-        smask = s < N
-        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(K):
-            # output token t = s + j read x[s] through tap K−1−j, if t is still in s's document
-            t = s + j
-            tmask = t < N
-            start = tl.load(start_ptr + t, mask=tmask, other=0)
-            live = tmask & smask & (start <= s)
-            a, x3 = _taps(x_ptr, w2, t, tmask, start, C, cols, cmask, K, KP)
-            sig = tl.sigmoid(a)
-            offs = t[:, None].to(tl.int64) * C + cols[None, :]
-            dy = tl.load(dy_ptr + offs, mask=live[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            da = dy * sig * (1.0 + a * (1.0 - sig))  # [BLOCK_T, BLOCK_C]
-            w_tap = tl.sum(tl.where(kk[None, :] == K - 1 - j, w2, 0.0), axis=1)  # [BLOCK_C]
-            dx += da * w_tap[None, :]
-            if j == 0:  # t = s: every token of the block once, for dw
-                dw_acc += tl.trans(tl.sum(da[:, None, :] * x3, axis=0))
-        offs = s[:, None].to(tl.int64) * C + cols[None, :]
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < N
+        start = tl.load(start_ptr + t, mask=tmask, other=0)
+        a, x3 = _taps(x_ptr, w2, t, tmask, start, C, cols, cmask, K, KP)
+        sig = tl.sigmoid(a)
+        offs = t[:, None].to(tl.int64) * C + cols[None, :]
+        io_mask = tmask[:, None] & cmask[None, :]
+        dy = tl.load(dy_ptr + offs, mask=io_mask, other=0.0).to(tl.float32)
+        da = dy * sig * (1.0 + a * (1.0 - sig))  # [BLOCK_T, BLOCK_C]
+        tl.store(da_ptr + offs, da, mask=io_mask)
+        dw_acc += tl.trans(tl.sum(da[:, None, :] * x3, axis=0))  # x3 is zero where a tap left the document
     part = pid.to(tl.int64) * C * KP + cols[:, None] * KP + kk[None, :]
     tl.store(dw_part_ptr + part, dw_acc, mask=cmask[:, None] & (kk[None, :] < KP))
 
 
+@triton.jit
+def _conv_bwd_dx_kernel(da_ptr, w_ptr, start_ptr, dx_ptr, N, C,
+                        K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Pass 2: dx[s] = Σ_j w[K−1−j] · da[s + j] over the outputs s + j still in s's document.
+    s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    smask, cmask = s < N, cols < C
+    kk = tl.arange(0, KP)
+    w2 = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
+                 other=0.0).to(tl.float32)  # [BLOCK_C, KP]
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(K):
+        t = s + j
+        tmask = smask & (t < N)
+        start = tl.load(start_ptr + t, mask=tmask, other=0)
+        live = tmask & (start <= s)  # output t is in s's document
+        da = tl.load(da_ptr + t[:, None].to(tl.int64) * C + cols[None, :], mask=live[:, None] & cmask[None, :],
+                     other=0.0)
+        w_tap = tl.sum(tl.where(kk[None, :] == K - 1 - j, w2, 0.0), axis=1)  # [BLOCK_C]
+        dx += da * w_tap[None, :]
+    offs = s[:, None].to(tl.int64) * C + cols[None, :]
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
+
+
 # --- launchers ------------------------------------------------------------------------------------
 _BLOCK_T, _BLOCK_C = 16, 64
+_BWD_PROGRAMS_PER_SM = 8
 
 
 def doc_starts(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -105,11 +125,12 @@ def doc_starts(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _bwd_programs(device: torch.device, n: int, c_blocks: int) -> int:
-    """Token-block programs of the backward: ~4 per SM in all on CUDA (bounds the dw partials); 2 interpreted."""
+    """Token-block programs of the backward's first pass: _BWD_PROGRAMS_PER_SM per SM in all on CUDA (this also
+    bounds the dw partials to G rows); 2 interpreted."""
     if device.type != "cuda":
         return max(1, min(2, triton.cdiv(n, _BLOCK_T)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(n, _BLOCK_T), triton.cdiv(4 * sms, c_blocks)))
+    return max(1, min(triton.cdiv(n, _BLOCK_T), triton.cdiv(_BWD_PROGRAMS_PER_SM * sms, c_blocks)))
 
 
 # torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
@@ -139,10 +160,13 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts: to
     kp = triton.next_power_of_2(k)
     c_blocks = triton.cdiv(c, _BLOCK_C)
     g = _bwd_programs(x.device, n, c_blocks)
-    dx = torch.empty_like(x)
+    da = torch.empty(n, c, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(g, c, kp, dtype=torch.float32, device=x.device)
-    _conv_bwd_kernel[(g, c_blocks)](x, weight, starts, dy, dx, dw_part, n, c, K=k, KP=kp, BLOCK_T=_BLOCK_T,
-                                    BLOCK_C=_BLOCK_C, num_warps=4)
+    _conv_bwd_da_kernel[(g, c_blocks)](x, weight, starts, dy, da, dw_part, n, c, K=k, KP=kp, BLOCK_T=_BLOCK_T,
+                                       BLOCK_C=_BLOCK_C, num_warps=4)
+    dx = torch.empty_like(x)
+    _conv_bwd_dx_kernel[(triton.cdiv(n, _BLOCK_T), c_blocks)](da, weight, starts, dx, n, c, K=k, KP=kp,
+                                                              BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=4)
     return dx, (dw_part.sum(0)[:, :k].contiguous() if compute_dw else x.new_empty(0, dtype=torch.float32))
 
 

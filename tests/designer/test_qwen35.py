@@ -205,7 +205,7 @@ def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
     import designer.qwen35 as q35
     from tests.designer.test_model import check_flops_match_counter
 
-    monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl: v * beta[..., None])
+    monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl, chunks: v * beta[..., None])
     model = Qwen35(Qwen35Args.from_size("qwen3.5-tiny", 67, tie_embeddings=(mode == "full"),
                                         attention_impl="sdpa")).init_weights(0)
     if mode == "lora":
@@ -384,6 +384,46 @@ def test_fast_path_matches_the_reference_in_bf16():
     fast_err, ref_err = _rms_ratio(fast, truth), _rms_ratio(ref, truth)
     print(f"Qwen3.5 tiny, bf16 vs fp32 logits, RMS ratio: fast path {fast_err:.2e}, reference path {ref_err:.2e}")
     assert fast_err < 3 * ref_err + 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_layers_train_without_a_host_sync():
+    """PackedDocs builds the delta rule's chunk index once per forward (its one host sync); after that the
+    layers' forward and backward never wait on the GPU. (fla builds the index per call when not given one: a
+    sync per layer and pass, which kept the 9B step's GPU idle between layers.)"""
+    from designer.model import PackedAttention
+    from designer.qwen35 import PackedDocs
+    from kernels.gated_delta_rule import has_fla
+    from kernels.rope import rope_cos_sin
+
+    if not has_fla():
+        pytest.skip("needs fla-core (pip install fla-core)")
+    model = random_qwen35(9, gdn_key_head_dim=128, gdn_value_head_dim=64).cuda()  # fla trains key dims 65–128
+    g = torch.Generator().manual_seed(10)
+    docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (300, 1, 64, 65, 80)]
+    ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1, 2], [3, 4]], seq_len=365)
+    ids, pos, cu = ids.cuda(), pos.cuda(), cu.cuda()
+    a = model.args
+
+    def layers_step(strict: bool) -> None:
+        packed, attend = PackedDocs.of(cu, a.delta_rule_impl), PackedAttention(cu, max_len, a.attention_impl)
+        assert packed.chunk_indices is not None
+        cos, sin = rope_cos_sin(pos, a.rotary_dim, a.rope_theta)
+        x = model.model.embed_tokens(ids)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if strict else 0)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                for block in model.model.layers:
+                    x = block(x, cos, sin, attend, packed)
+            x.float().pow(2).mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    layers_step(strict=False)  # first calls autotune and compile, which sync freely
+    layers_step(strict=True)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "linear_attn" in n)
 
 
 # --- generation (no cache: the packed forward re-run each step) --------------------------------------

@@ -94,6 +94,18 @@ def test_bad_inputs():
         gated_delta_rule_ref(q, k, v, g, beta, _cu([5]))
     with pytest.raises(ValueError, match="impl"):
         gated_delta_rule(q, k, v, g, beta, _cu([6]), impl="triton")
+    with pytest.raises(ValueError, match=r"chunk_indices must be chunk_index\(cu_seqlens\), int64 \[NT, 2\]"):
+        gated_delta_rule(q, k, v, g, beta, _cu([6]), chunk_indices=gdr.chunk_index(_cu([6])).int())
+
+
+def test_chunk_index_lists_each_documents_chunks_in_order():
+    """(document, chunk within it) for every 64-token block: a document of 64 is one chunk, 65 two, 1 one,
+    an empty one (padding segment) none."""
+    lens = [64, 65, 1, 0, 130]
+    expect = [(d, c) for d, n in enumerate(lens) for c in range(-(-n // gdr.CHUNK))]
+    got = gdr.chunk_index(_cu(lens))
+    assert got.dtype == torch.long and got.tolist() == [list(e) for e in expect]
+    assert gdr.chunk_index(_cu([5, 3]), chunk=2).tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1]]
 
 
 # --- the fast path on the GPU (fla-core) ------------------------------------------------------------
@@ -237,9 +249,20 @@ def test_fla_custom_ops_pass_opcheck():
     q, k, v, g, beta = (t.to("cuda") for t in _inputs(lens, 2, 4, 128, 64))
     q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
     cu = _cu(lens, "cuda").long()
-    fwd_args = (q, k, v, g.float(), beta, cu)
+    chunks = gdr.chunk_index(cu)
+    fwd_args = (q, k, v, g.float(), beta, cu, chunks)
     torch.library.opcheck(gdr.fla_fwd, fwd_args)
     _, qn, q_rstd, kn, k_rstd, g_cum, a = gdr.fla_fwd(*fwd_args)
     do = torch.randn_like(v)
     with gdr.fla_guard_lifted(128, q.device, q.dtype):
-        torch.library.opcheck(gdr.fla_bwd, (do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu))
+        torch.library.opcheck(gdr.fla_bwd, (do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu, chunks))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not gdr.has_fla(), reason="needs fla-core (pip install fla-core)")
+def test_chunk_index_is_flas_own():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu = _cu([64, 65, 1, 0, 130, 7], "cuda").long()
+    assert torch.equal(gdr.chunk_index(cu), prepare_chunk_indices(cu, gdr.CHUNK).long())
