@@ -53,7 +53,7 @@ from bench.env import clocks, environment, matmul_tflops
 from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
                            train_step, write_report)
 from data.chat import EncodedDoc
-from data.packing import Batch, make_batch, pack_documents
+from data.packing import Batch, fixed_shape, make_batch, pack_documents
 from designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
 from designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from designer.qwen35 import Qwen35Args
@@ -162,16 +162,6 @@ def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str 
     if len(packed) < rows_needed:
         raise ValueError(f"make_batches: {len(packed)} packed rows < {rows_needed} needed")
     return [make_batch(packed, list(range(i * micro_batch, (i + 1) * micro_batch))) for i in range(count)]
-
-
-def fixed_shape(b: Batch, segments: int) -> Batch:
-    """cu_seqlens padded to `segments`+1 entries with empty segments, max_seqlen = T: one shape for compile."""
-    cu = b.cu_seqlens
-    pad = segments + 1 - cu.numel()
-    if pad < 0:
-        raise ValueError(f"fixed_shape: batch has {cu.numel() - 1} segments > {segments}")
-    cu = torch.cat([cu, cu[-1:].expand(pad)])
-    return dataclasses.replace(b, cu_seqlens=cu, max_seqlen=b.input_ids.shape[1])
 
 
 # ------------------------------------------------------------------------------------------------ weights

@@ -15,7 +15,9 @@ token, else -100; so the loss is CE(logits[t], labels[t]) with no shift in the m
 document boundary. Padding is its own last segment (labels -100), so every token belongs to exactly one
 segment and varlen attention never mixes padding into a document.
 
-Fixed-length rows mean one shape for every step (no recompiles, PITFALLS "Recompiles"). Every count a
+Fixed-length rows fix every tensor's shape but cu_seqlens' (its length is the segment count). For per-block
+compiled models compile_shape pads that too, to a multiple of SEGMENT_BUCKET empty segments, so a run
+compiles once per bucket it meets instead of once per segment count (PITFALLS "Recompiles"). Every count a
 trainer logs (tokens, loss tokens, document lengths) is a Python int computed on the host when a batch
 is built, so reading it never syncs with the device.
 """
@@ -23,6 +25,7 @@ is built, so reading it never syncs with the device.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence
@@ -32,6 +35,7 @@ import torch
 from data.chat import EncodedDoc
 
 IGNORE_INDEX = -100
+SEGMENT_BUCKET = 64  # compile_shape rounds a batch's segment count up to a multiple of this
 Overflow = Literal["split", "truncate", "drop"]
 
 
@@ -252,6 +256,29 @@ def make_batch(packed: PackResult, rows: Sequence[int]) -> Batch:
     segs = [b - a for a, b in zip(bounds, bounds[1:])]
     return Batch(input_ids, labels, position_ids, torch.tensor(bounds, dtype=torch.int32), max_seqlen=max(segs),
                  doc_lens=doc_lens, num_tokens=sum(doc_lens), num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real))
+
+
+def fixed_shape(batch: Batch, segments: int) -> Batch:
+    """cu_seqlens padded with empty segments to `segments`+1 entries, max_seqlen = T (an upper bound, as varlen
+    attention allows). The same tokens and the same loss; only the shapes compiled blocks see are fixed."""
+    cu = batch.cu_seqlens
+    pad = segments + 1 - cu.numel()
+    if pad < 0:
+        raise ValueError(f"fixed_shape: batch has {cu.numel() - 1} segments > {segments}")
+    cu = torch.cat([cu, cu[-1:].expand(pad)])
+    return dataclasses.replace(batch, cu_seqlens=cu, max_seqlen=batch.input_ids.shape[1])
+
+
+def compile_shape(batch: Batch, multiple: int = SEGMENT_BUCKET) -> Batch:
+    """The batch as per-block compiled models take it (PITFALLS.md "Recompiles"): the segment count rounded up
+    to a multiple of `multiple` (so a run compiles once per bucket it meets, not once per segment count) and
+    max_seqlen = T. Rows that are one document each keep their shape: it is already fixed, and attention takes
+    the causal per-row kernel for them."""
+    b, t = batch.input_ids.shape
+    segments = batch.cu_seqlens.numel() - 1
+    if segments == b and batch.max_seqlen == t:
+        return batch
+    return fixed_shape(batch, -(-segments // multiple) * multiple)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

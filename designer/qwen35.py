@@ -45,7 +45,7 @@ from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention,
 from designer.model import init_param as qwen3_init_param
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from kernels.causal_conv1d import causal_conv1d
-from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, chunk_index, gated_delta_rule, l2norm
+from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
 from kernels.gated_rmsnorm import gated_rmsnorm
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import rope, rope_cos_sin
@@ -268,15 +268,13 @@ class PackedDocs:
 
     cu_seqlens: torch.Tensor  # int32 [S+1] over the B·T tokens
     delta_rule_impl: str
-    chunk_indices: torch.Tensor | None  # chunk_index(cu_seqlens) on CUDA (fla's); None on the CPU (the reference's)
+    chunks: ChunkIndex | None  # chunk_index(cu_seqlens) on CUDA (fla's); None on the CPU (the reference's)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, delta_rule_impl: str) -> PackedDocs:
         if not cu_seqlens.is_cuda or delta_rule_impl == "ref":
             return cls(cu_seqlens, delta_rule_impl, None)
-        chunks = chunk_index(cu_seqlens)
-        torch._dynamo.maybe_mark_dynamic(chunks, 0)  # its length changes every batch: no recompile per batch
-        return cls(cu_seqlens, delta_rule_impl, chunks)
+        return cls(cu_seqlens, delta_rule_impl, chunk_index(cu_seqlens))
 
 
 class GatedDeltaNet(nn.Module):
@@ -311,7 +309,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.split_heads(qkv)
         beta, g = self.gates(x)
         o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta.view(n, self.hv), docs.cu_seqlens,
-                             docs.delta_rule_impl, docs.chunk_indices)  # [N,Hv,Dv]
+                             docs.delta_rule_impl, docs.chunks)  # [N,Hv,Dv]
         return self.gated_output(o, x)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from torch import nn
 
 from data.balance import BalancedPackedLoader
 from data.chat import encode_examples, load_examples
-from data.packing import Batch, pack_documents
+from data.packing import Batch, compile_shape, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
 from designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
@@ -167,6 +167,8 @@ class DesignerTask:
                                     drop_last=drop_last, balance=self.cfg.train.distributed.balance)
 
     def _to_device(self, batch: Batch) -> DeviceBatch:
+        if self.cfg.train.distributed.compile:
+            batch = compile_shape(batch)  # a bounded set of shapes for the compiled blocks
         loss_index = batch.labels.reshape(-1).ne(-100).nonzero().squeeze(1)  # on the host: no device sync
         return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True))
 

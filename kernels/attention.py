@@ -169,6 +169,9 @@ def causal_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 
 # --- reference ------------------------------------------------------------------------------------
+# Compiler-disabled: it loops over the documents on the host, and Dynamo tracing that loop would guard on
+# every document length, recompiling compiled blocks for each new batch (PITFALLS.md "Recompiles").
+@torch.compiler.disable
 def packed_causal_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:

@@ -41,6 +41,7 @@ import functools
 import importlib.util
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -72,29 +73,51 @@ def _check(q, k, v, g, beta, cu_seqlens) -> None:
 
 
 # --- public ---------------------------------------------------------------------------------------
-def chunk_index(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """int64 [NT, 2]: (document, chunk within it) of every `chunk`-token block the chunked kernels run, in order.
+@dataclass(frozen=True)
+class ChunkIndex:
+    """(document, chunk within it) of every `CHUNK`-token block the chunked kernels run, in order, as fla takes it.
 
-    Its length NT = Σ ceil(len/chunk) has to reach the host, so building it costs one host sync. Build it once
-    per forward and hand it to every layer's gated_delta_rule: fla builds it per call when not given, which on
-    the 9B profile was a sync per layer and pass, each one draining the GPU's queue."""
+    rows  int64 [N // CHUNK + S, 2] on the tokens' device: the index in its first `count` rows, zeros after. The
+          length is a bound that depends only on N and S, never on the document lengths, so blocks compiled for
+          one packed shape take every batch of that shape without a recompile.
+    count int64 [1] on the CPU: how many rows are the index. It lives on the host, so reading it costs no sync.
+    Building one costs a host sync (the chunk count), so build it once per forward (chunk_index) and hand it to
+    every layer: fla builds the index per call when not given one, which on the 9B profile was a sync per layer
+    and pass, each draining the GPU's queue."""
+
+    rows: torch.Tensor
+    count: torch.Tensor
+
+    def index(self) -> torch.Tensor:
+        """int64 [NT, 2]: the index itself (a view; no sync)."""
+        return self.rows[: int(self.count)]
+
+
+def chunk_index(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> ChunkIndex:
+    """The ChunkIndex of the packed documents cu_seqlens int32 [S+1] (empty documents have no chunks)."""
+    device = cu_seqlens.device
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     counts = (lens + chunk - 1).div(chunk, rounding_mode="floor")
-    doc = torch.repeat_interleave(torch.arange(counts.numel(), device=cu_seqlens.device), counts)  # the sync
+    nt, n = torch.cat([counts.sum().view(1), cu_seqlens[-1:].long()]).tolist()  # the one sync
+    doc = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=nt)
     first = torch.cumsum(counts, 0) - counts  # each document's first chunk
-    return torch.stack([doc, torch.arange(doc.numel(), device=cu_seqlens.device) - first[doc]], 1)
+    rows = torch.zeros(n // chunk + counts.numel(), 2, dtype=torch.long, device=device)  # Σ ceil(l/c) ≤ Σ (l/c + 1)
+    rows[:nt, 0] = doc
+    rows[:nt, 1] = torch.arange(nt, device=device) - first[doc]
+    return ChunkIndex(rows, torch.tensor([nt], dtype=torch.long))
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      cu_seqlens: torch.Tensor, impl: str = "auto",
-                     chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                     chunks: ChunkIndex | None = None) -> torch.Tensor:
     """The gated delta rule within each document of a packed batch. See the module docstring for shapes.
-    `chunk_indices`: chunk_index(cu_seqlens), when the caller shares one across layers (the reference ignores it)."""
+    `chunks`: chunk_index(cu_seqlens), when the caller shares one across layers (the reference ignores it)."""
     _check(q, k, v, g, beta, cu_seqlens)
-    if chunk_indices is not None and (chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2
-                                      or chunk_indices.dtype != torch.long or chunk_indices.device != q.device):
-        raise ValueError(f"gated_delta_rule: chunk_indices must be chunk_index(cu_seqlens), int64 [NT, 2] on "
-                         f"{q.device}; got {chunk_indices.dtype} {tuple(chunk_indices.shape)} on {chunk_indices.device}")
+    if chunks is not None and (chunks.rows.dim() != 2 or chunks.rows.shape[1] != 2 or chunks.rows.device != q.device
+                               or chunks.rows.shape[0] != q.shape[0] // CHUNK + cu_seqlens.numel() - 1):
+        raise ValueError(f"gated_delta_rule: chunks must be chunk_index(cu_seqlens) of these {q.shape[0]} tokens and "
+                         f"{cu_seqlens.numel() - 1} documents on {q.device}; got rows {tuple(chunks.rows.shape)} on "
+                         f"{chunks.rows.device}")
     if impl not in IMPLS:
         raise ValueError(f"gated_delta_rule: impl must be one of {IMPLS}, got {impl!r}")
     fast_dtype = q.dtype in (torch.float16, torch.bfloat16)
@@ -109,11 +132,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                            f"kernel), got {q.device} {q.dtype}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
         hopper_guard(q.device, q.shape[-1], q.dtype)  # fla's backward would refuse: say so before any work
-    if chunk_indices is None:
-        chunk_indices = chunk_index(cu_seqlens)
+    if chunks is None:
+        chunks = chunk_index(cu_seqlens)
     dt = q.dtype
     o = FlaGatedDeltaRule.apply(q.contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(),
-                                g.float().contiguous(), beta.to(dt).contiguous(), cu_seqlens.long(), chunk_indices)
+                                g.float().contiguous(), beta.to(dt).contiguous(), cu_seqlens.long(), chunks.rows,
+                                chunks.count)
     return o.to(v.dtype)
 
 
@@ -195,7 +219,7 @@ def fla_guard_lifted(dk: int, device: torch.device, dtype: torch.dtype = torch.b
 # fla's layout is [1, N, heads, dim] with cu_seqlens (int64); g is the raw fp32 log decay.
 @torch.library.custom_op("atelier::gated_delta_rule_fla_fwd", mutates_args=())
 def fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+            cu_seqlens: torch.Tensor, chunk_rows: torch.Tensor, chunk_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor, torch.Tensor]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g fp32 [N, Hv], beta [N, Hv] → (o [N, Hv, Dv], then what the backward
     needs: q̂, 1/|q|, k̂, 1/|k| (L2-normalised, fla's l2norm), the chunk-cumulated gates, fla's A)."""
@@ -206,12 +230,13 @@ def fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     kn, k_rstd = l2norm_fwd(k[None])
     g_cum, o, a, _, _, _ = chunk_gated_delta_rule_fwd(
         q=qn, k=kn, v=v[None], g=g[None], beta=beta[None], scale=q.shape[-1] ** -0.5, initial_state=None,
-        output_final_state=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK)
+        output_final_state=False, cu_seqlens=cu_seqlens, chunk_indices=ChunkIndex(chunk_rows, chunk_count).index(),
+        chunk_size=CHUNK)
     return o[0].to(q.dtype), qn[0], q_rstd[0], kn[0], k_rstd[0], g_cum[0], a[0]
 
 
 @fla_fwd.register_fake
-def _(q, k, v, g, beta, cu_seqlens, chunk_indices):
+def _(q, k, v, g, beta, cu_seqlens, chunk_rows, chunk_count):
     n, hv = v.shape[:2]
     return (torch.empty_like(v, dtype=q.dtype), torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32),
             torch.empty_like(k), k.new_empty(k.shape[:2], dtype=torch.float32),
@@ -221,7 +246,8 @@ def _(q, k, v, g, beta, cu_seqlens, chunk_indices):
 @torch.library.custom_op("atelier::gated_delta_rule_fla_bwd", mutates_args=())
 def fla_bwd(do: torch.Tensor, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor, k_rstd: torch.Tensor,
             v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, cu_seqlens: torch.Tensor,
-            chunk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            chunk_rows: torch.Tensor, chunk_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor]:
     """do [N, Hv, Dv] and the forward's saved tensors → (dq, dk, dv, dg fp32, dbeta)."""
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
@@ -230,32 +256,32 @@ def fla_bwd(do: torch.Tensor, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.
         dq, dk, dv, db, dg, _, _, _ = chunk_gated_delta_rule_bwd(
             q=qn[None], k=kn[None], v=v[None], g=g_cum[None], beta=beta[None], A=a[None],
             scale=qn.shape[-1] ** -0.5, initial_state=None, do=do[None], dht=None, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_size=CHUNK)
+            chunk_indices=ChunkIndex(chunk_rows, chunk_count).index(), chunk_size=CHUNK)
     dq = l2norm_bwd(qn[None], q_rstd[None], dq)
     dk = l2norm_bwd(kn[None], k_rstd[None], dk)
     return dq[0].to(qn.dtype), dk[0].to(kn.dtype), dv[0].to(v.dtype), dg[0].float(), db[0].to(beta.dtype)
 
 
 @fla_bwd.register_fake
-def _(do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens, chunk_indices):
+def _(do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens, chunk_rows, chunk_count):
     return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
             torch.empty_like(beta))
 
 
 class FlaGatedDeltaRule(torch.autograd.Function):
     """fla-core's chunked gated delta rule over packed documents (shapes as gated_delta_rule; q, k, v, beta in
-    one 16-bit dtype, g fp32, cu_seqlens int64, chunk_indices = chunk_index(cu_seqlens))."""
+    one 16-bit dtype, g fp32, cu_seqlens int64, then chunk_index(cu_seqlens)'s rows and count)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk_indices):  # noqa: D102
-        o, qn, q_rstd, kn, k_rstd, g_cum, a = fla_fwd(q, k, v, g, beta, cu_seqlens, chunk_indices)
-        ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens, chunk_indices)
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk_rows, chunk_count):  # noqa: D102
+        o, qn, q_rstd, kn, k_rstd, g_cum, a = fla_fwd(q, k, v, g, beta, cu_seqlens, chunk_rows, chunk_count)
+        ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu_seqlens, chunk_rows, chunk_count)
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: D102
         dq, dk, dv, dg, db = fla_bwd(do.contiguous(), *ctx.saved_tensors)
-        return dq, dk, dv, dg, db, None, None
+        return dq, dk, dv, dg, db, None, None, None
 
 
 # --- reference ------------------------------------------------------------------------------------
@@ -281,6 +307,7 @@ def _chunks(cu_seqlens: torch.Tensor, c: int) -> tuple[list[list[int]], list[lis
     return steps, docs, torch.where(valid, idx, bounds[-1]), valid
 
 
+@torch.compiler.disable  # its host loop over chunk positions would be traced into guards on the lengths
 def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Plain PyTorch chunked gated delta rule in fp32 (the math of the module docstring), cast back to v.dtype.

@@ -16,7 +16,6 @@ from bench.designer import (
     bench,
     build_atelier,
     build_peer,
-    fixed_shape,
     lora_init,
     main,
     make_batches,
@@ -24,6 +23,7 @@ from bench.designer import (
     tiny_config,
     to_device,
 )
+from data.packing import fixed_shape
 from designer.lora import LoraArgs
 from designer.model import ModelArgs
 

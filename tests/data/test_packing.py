@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from data.chat import EncodedDoc
-from data.packing import (IGNORE_INDEX, Batch, PackedLoader, best_fit_decreasing, best_fit_decreasing_ref, first_fit,
-                          make_batch, overflow_pieces, pack_documents, pack_documents_ref)
+from data.packing import (IGNORE_INDEX, Batch, PackedLoader, best_fit_decreasing, best_fit_decreasing_ref, compile_shape,
+                          first_fit, fixed_shape, make_batch, overflow_pieces, pack_documents, pack_documents_ref)
 
 PAD = 0
 
@@ -115,6 +115,29 @@ def test_batch_boundaries_and_host_counts():
     assert b.num_loss_tokens > 0
     moved = b.to("cpu")
     assert isinstance(moved, Batch) and torch.equal(moved.labels, b.labels) and moved.doc_lens == b.doc_lens
+
+
+def test_compile_shape_buckets_the_segment_count_and_keeps_the_tokens():
+    docs, T = random_docs(5, 60, 12), 32
+    packed = pack_documents(docs, T, "split", pad_id=PAD)
+    b = make_batch(packed, [3, 0, 5])
+    s = b.cu_seqlens.numel() - 1
+    assert s > 3  # really packed
+    for multiple in (1, 4, 64):
+        c = compile_shape(b, multiple)
+        padded = -(-s // multiple) * multiple
+        assert c.cu_seqlens.numel() == padded + 1 and c.max_seqlen == T
+        assert torch.equal(c.cu_seqlens[: s + 1], b.cu_seqlens) and (c.cu_seqlens[s:] == 3 * T).all()  # empty ones
+        assert torch.equal(c.input_ids, b.input_ids) and torch.equal(c.labels, b.labels) and c.doc_lens == b.doc_lens
+    # shapes repeat: every batch of this run lands in one of a few buckets
+    shapes = {compile_shape(make_batch(packed, [r, r + 1, r + 2])).cu_seqlens.numel() for r in range(8)}
+    assert shapes == {65}
+    # one document per row: already one shape, and attention's per-row causal kernel needs it as it is
+    rows = Batch(b.input_ids, b.labels, b.position_ids, torch.arange(0, 3 * T + 1, T, dtype=torch.int32), T,
+                 [T] * 3, 3 * T, b.num_loss_tokens)
+    assert compile_shape(rows) is rows
+    with pytest.raises(ValueError, match="segments > 2"):
+        fixed_shape(b, 2)
 
 
 def _rows_of(loader: PackedLoader, n: int) -> list[list[int]]:

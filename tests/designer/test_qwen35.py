@@ -354,6 +354,53 @@ def test_compiled_blocks_train_like_eager():
         assert rel_err(grads[1][n], want) < 1e-4, n
 
 
+def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
+    """PITFALLS.md "Recompiles": batches of one packed shape but different documents (segment counts, chunk
+    counts) reach compiled blocks through data.packing.compile_shape, and nothing compiles after the first
+    batch. The delta rule's chunk index rides along as on CUDA (the CPU reference ignores it): its row count is
+    fixed by the tokens and segments, so it adds no guard either. Without compile_shape, every new segment
+    count compiles again."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import designer.qwen35 as q35
+    from data.packing import Batch, compile_shape
+    from kernels.gated_delta_rule import chunk_index
+    from pipeline.policies import compile_blocks
+
+    monkeypatch.setattr(q35.PackedDocs, "of", classmethod(lambda cls, cu, impl: cls(cu, impl, chunk_index(cu))))
+    model = random_qwen35(3)
+    apply_lora(model, LoraArgs(rank=4, alpha=8.0))
+    compile_blocks(model)
+    g = torch.Generator().manual_seed(10)
+
+    def batch(lens_per_row: list[list[int]]) -> Batch:
+        docs = [torch.randint(0, V, (n,), generator=g).tolist() for row in lens_per_row for n in row]
+        rows, i = [], 0
+        for row in lens_per_row:
+            rows.append(list(range(i, i + len(row))))
+            i += len(row)
+        ids, pos, cu, max_len, lens = packed_inputs(docs, rows, seq_len=70)
+        return Batch(ids, ids, pos, cu, max_len, lens, ids.numel(), ids.numel())
+
+    batches = [batch([[40, 1, 20], [25, 45]]), batch([[70], [3, 3, 3, 61]]), batch([[9] * 7, [66, 4]])]
+
+    def graphs_after(prepare) -> list[int]:
+        torch._dynamo.reset()
+        counters.clear()
+        seen = []
+        for b in batches:
+            b = prepare(b)
+            model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen).pow(2).mean().backward()
+            seen.append(counters["stats"]["unique_graphs"])
+        return seen
+
+    bucketed = graphs_after(compile_shape)
+    assert bucketed[0] > 0 and bucketed[1:] == [bucketed[0]] * 2, bucketed
+    raw = graphs_after(lambda b: b)
+    assert raw[2] > raw[0], raw  # the test can tell: unbucketed shapes do recompile
+
+
 # --- the fast path on the GPU ---------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -408,7 +455,7 @@ def test_the_layers_train_without_a_host_sync():
 
     def layers_step(strict: bool) -> None:
         packed, attend = PackedDocs.of(cu, a.delta_rule_impl), PackedAttention(cu, max_len, a.attention_impl)
-        assert packed.chunk_indices is not None
+        assert packed.chunks is not None
         cos, sin = rope_cos_sin(pos, a.rotary_dim, a.rope_theta)
         x = model.model.embed_tokens(ids)
         torch.cuda.synchronize()

@@ -164,3 +164,28 @@ def test_boolean_activation_checkpointing_is_a_named_error(world, tmp_path, caps
     assert main(train_args(world, tmp_path / "r", "--set", "train.distributed.activation_checkpointing=true")) != 0
     err = capsys.readouterr().err
     assert "activation_checkpointing" in err and "selective" in err
+
+
+def test_compiled_training_matches_plain_and_compiles_only_at_the_start(world, tmp_path):
+    """`[train.distributed] compile = true`: the eager losses, and every batch after the first reuses what was
+    compiled although each packs different documents (data.packing.compile_shape buckets the segment count;
+    PITFALLS.md "Recompiles"): a 6-step run compiles no more graphs than a 1-step run."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    common = ["--set", "lora.rank=4", "--set", "train.save_every=0", "--set", "train.eval_every=0",
+              "--set", "model.dtype=float32"]
+    compiled = ["--set", "train.distributed.compile=true"]
+    assert main(train_args(world, tmp_path / "plain", *common, "--set", "train.max_steps=6")) == 0
+    graphs = {}
+    for steps in (1, 6):
+        torch._dynamo.reset()
+        counters.clear()
+        out = tmp_path / f"compiled-{steps}"
+        assert main(train_args(world, out, *common, *compiled, "--set", f"train.max_steps={steps}")) == 0
+        graphs[steps] = counters["stats"]["unique_graphs"]
+    assert graphs[1] > 0 and graphs[6] == graphs[1], graphs
+    plain, comp = train_losses(tmp_path / "plain"), train_losses(tmp_path / "compiled-6")
+    assert [s for s, _ in plain] == [s for s, _ in comp] == list(range(1, 7))
+    for (_, l1), (_, l2) in zip(plain, comp):
+        assert abs(l1 - l2) <= 1e-4 * max(1.0, abs(l1)), (plain, comp)

@@ -94,18 +94,22 @@ def test_bad_inputs():
         gated_delta_rule_ref(q, k, v, g, beta, _cu([5]))
     with pytest.raises(ValueError, match="impl"):
         gated_delta_rule(q, k, v, g, beta, _cu([6]), impl="triton")
-    with pytest.raises(ValueError, match=r"chunk_indices must be chunk_index\(cu_seqlens\), int64 \[NT, 2\]"):
-        gated_delta_rule(q, k, v, g, beta, _cu([6]), chunk_indices=gdr.chunk_index(_cu([6])).int())
+    with pytest.raises(ValueError, match=r"chunks must be chunk_index\(cu_seqlens\) of these 6 tokens and 1 doc"):
+        gated_delta_rule(q, k, v, g, beta, _cu([6]), chunks=gdr.chunk_index(_cu([3, 3])))
 
 
 def test_chunk_index_lists_each_documents_chunks_in_order():
     """(document, chunk within it) for every 64-token block: a document of 64 is one chunk, 65 two, 1 one,
-    an empty one (padding segment) none."""
+    an empty one (padding segment) none; the rows past the index pad it to a length set by N and S alone."""
     lens = [64, 65, 1, 0, 130]
-    expect = [(d, c) for d, n in enumerate(lens) for c in range(-(-n // gdr.CHUNK))]
+    expect = [[d, c] for d, n in enumerate(lens) for c in range(-(-n // gdr.CHUNK))]
     got = gdr.chunk_index(_cu(lens))
-    assert got.dtype == torch.long and got.tolist() == [list(e) for e in expect]
-    assert gdr.chunk_index(_cu([5, 3]), chunk=2).tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1]]
+    assert got.rows.dtype == torch.long and got.index().tolist() == expect
+    assert got.count.device.type == "cpu" and int(got.count) == len(expect)
+    assert got.rows.shape == (sum(lens) // gdr.CHUNK + len(lens), 2) and not got.rows[len(expect):].any()
+    other = gdr.chunk_index(_cu([1] * 4 + [256]))  # same N and S, different documents: same row count
+    assert other.rows.shape == got.rows.shape and int(other.count) == 8
+    assert gdr.chunk_index(_cu([5, 3]), chunk=2).index().tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1]]
 
 
 # --- the fast path on the GPU (fla-core) ------------------------------------------------------------
@@ -250,12 +254,13 @@ def test_fla_custom_ops_pass_opcheck():
     q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
     cu = _cu(lens, "cuda").long()
     chunks = gdr.chunk_index(cu)
-    fwd_args = (q, k, v, g.float(), beta, cu, chunks)
+    fwd_args = (q, k, v, g.float(), beta, cu, chunks.rows, chunks.count)
     torch.library.opcheck(gdr.fla_fwd, fwd_args)
     _, qn, q_rstd, kn, k_rstd, g_cum, a = gdr.fla_fwd(*fwd_args)
     do = torch.randn_like(v)
     with gdr.fla_guard_lifted(128, q.device, q.dtype):
-        torch.library.opcheck(gdr.fla_bwd, (do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu, chunks))
+        torch.library.opcheck(gdr.fla_bwd, (do, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, cu, chunks.rows,
+                                             chunks.count))
 
 
 @pytest.mark.gpu
@@ -265,4 +270,4 @@ def test_chunk_index_is_flas_own():
     from fla.ops.utils.index import prepare_chunk_indices
 
     cu = _cu([64, 65, 1, 0, 130, 7], "cuda").long()
-    assert torch.equal(gdr.chunk_index(cu), prepare_chunk_indices(cu, gdr.CHUNK).long())
+    assert torch.equal(gdr.chunk_index(cu).index(), prepare_chunk_indices(cu, gdr.CHUNK).long())
