@@ -1,5 +1,5 @@
 """The Gated DeltaNet short conv (kernels/causal_conv1d.py) at Qwen3.5-9B's shapes: forward and backward time,
-and the backward's first-pass program count by sweep.
+and the backward's first pass by sweep (programs per SM; dw reduced per token block or once at the end).
 
     python3 -m bench.causal_conv1d [--programs 4,8,16,32,64] [--repeats 20] [--out DIR] [--tiny]
 
@@ -9,7 +9,7 @@ profile (bench/results/designer-qwen3.5-9b-lora-2026-12-03-profile.txt) timed at
 before the backward became two passes. Each backward is checked against causal_conv1d_ref's fp32 gradients
 (max error over max magnitude: dx carries bf16 rounding, dw is accumulated in fp32). Timing: CUDA events,
 the mean of `repeats` calls after one warm-up. --tiny: a small fp32 shape on the CPU (Triton's interpreter),
-for the tests.
+for the tests; there the program count is fixed (kernels.causal_conv1d._bwd_programs), so only exactness varies.
 """
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ import kernels.causal_conv1d as cc
 from bench.env import environment
 from bench.harness import parse_ints
 
-SHAPE = dict(tokens=16384, channels=8192, taps=4, max_doc=600)
-TINY = dict(tokens=40, channels=12, taps=4, max_doc=9)
+SHAPE = dict(tokens=16384, channels=8192, taps=4, min_doc=20, max_doc=600)
+TINY = dict(tokens=40, channels=12, taps=4, min_doc=1, max_doc=9)
 
 
 def packed_inputs(shape: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """x, w, dy and cu_seqlens of one packed micro-batch: documents of 20..max_doc−1 tokens (≥ 1 on --tiny)."""
+    """x, w, dy and cu_seqlens of one packed micro-batch: documents of min_doc..max_doc−1 tokens, the last one
+    filling the remaining tokens."""
     g = torch.Generator().manual_seed(seed)
     n, c, k = shape["tokens"], shape["channels"], shape["taps"]
-    lens = torch.randint(min(20, shape["max_doc"] - 1), shape["max_doc"], (n,), generator=g)
+    lens = torch.randint(shape["min_doc"], shape["max_doc"], (n,), generator=g)
     lens = lens[lens.cumsum(0) < n]
     lens = torch.cat([lens, torch.tensor([n - int(lens.sum())])])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
@@ -70,18 +71,20 @@ def bench(shape: dict[str, int], programs: list[int], repeats: int, device: torc
     report: dict[str, Any] = {"shape": shape, "documents": cu.numel() - 1, "dtype": str(x.dtype),
                               "forward_ms": mean_ms(lambda: cc.conv_fwd(x, w, starts), repeats, cuda),
                               "backward": {}}
-    default = cc._BWD_PROGRAMS_PER_SM
+    default = cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW
     try:
-        for p in programs:
-            cc._BWD_PROGRAMS_PER_SM = p
-            dx, dw = cc.conv_bwd(dy, x, w, starts, True)
-            report["backward"][str(p)] = {
-                "ms": mean_ms(lambda: cc.conv_bwd(dy, x, w, starts, True), repeats, cuda),
-                "dx_err": float((dx.float() - xr.grad).abs().max() / xr.grad.abs().max()),
-                "dw_err": float((dw - wr.grad).abs().max() / wr.grad.abs().max())}
+        for defer in (False, True):
+            for p in programs:
+                cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW = p, defer
+                dx, dw = cc.conv_bwd(dy, x, w, starts, True)
+                report["backward"][f"{p}{' deferred dw' if defer else ''}"] = {
+                    "programs_per_sm": p, "defer_dw": defer,
+                    "ms": mean_ms(lambda: cc.conv_bwd(dy, x, w, starts, True), repeats, cuda),
+                    "dx_err": float((dx.float() - xr.grad).abs().max() / xr.grad.abs().max()),
+                    "dw_err": float((dw - wr.grad).abs().max() / wr.grad.abs().max())}
     finally:
-        cc._BWD_PROGRAMS_PER_SM = default
-    report["default_programs_per_sm"] = default
+        cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW = default
+    report["default"] = {"programs_per_sm": default[0], "defer_dw": default[1]}
     return report
 
 

@@ -87,6 +87,7 @@ class ChunkIndex:
 
     rows: torch.Tensor
     count: torch.Tensor
+    chunk: int = CHUNK
 
     def index(self) -> torch.Tensor:
         """int64 [NT, 2]: the index itself (a view; no sync)."""
@@ -104,7 +105,7 @@ def chunk_index(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> ChunkIndex:
     rows = torch.zeros(n // chunk + counts.numel(), 2, dtype=torch.long, device=device)  # Σ ceil(l/c) ≤ Σ (l/c + 1)
     rows[:nt, 0] = doc
     rows[:nt, 1] = torch.arange(nt, device=device) - first[doc]
-    return ChunkIndex(rows, torch.tensor([nt], dtype=torch.long))
+    return ChunkIndex(rows, torch.tensor([nt], dtype=torch.long), chunk)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -114,10 +115,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     `chunks`: chunk_index(cu_seqlens), when the caller shares one across layers (the reference ignores it)."""
     _check(q, k, v, g, beta, cu_seqlens)
     if chunks is not None and (chunks.rows.dim() != 2 or chunks.rows.shape[1] != 2 or chunks.rows.device != q.device
-                               or chunks.rows.shape[0] != q.shape[0] // CHUNK + cu_seqlens.numel() - 1):
+                               or chunks.rows.shape[0] != q.shape[0] // CHUNK + cu_seqlens.numel() - 1
+                               or chunks.chunk != CHUNK):
         raise ValueError(f"gated_delta_rule: chunks must be chunk_index(cu_seqlens) of these {q.shape[0]} tokens and "
-                         f"{cu_seqlens.numel() - 1} documents on {q.device}; got rows {tuple(chunks.rows.shape)} on "
-                         f"{chunks.rows.device}")
+                         f"{cu_seqlens.numel() - 1} documents on {q.device}, in chunks of {CHUNK}; got rows "
+                         f"{tuple(chunks.rows.shape)} on {chunks.rows.device}, chunks of {chunks.chunk}")
     if impl not in IMPLS:
         raise ValueError(f"gated_delta_rule: impl must be one of {IMPLS}, got {impl!r}")
     fast_dtype = q.dtype in (torch.float16, torch.bfloat16)

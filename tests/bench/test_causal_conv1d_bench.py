@@ -17,11 +17,11 @@ def test_packed_inputs_fill_the_tokens_with_documents():
 
 
 def test_tiny_sweep_is_exact_and_restores_the_default(tmp_path):
-    default = cc._BWD_PROGRAMS_PER_SM
+    default = cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW
     assert main(["--tiny", "--programs", "1,3", "--repeats", "1", "--out", str(tmp_path)]) == 0
-    assert cc._BWD_PROGRAMS_PER_SM == default
+    assert (cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW) == default
     report = json.loads(next(tmp_path.glob("causal-conv1d-*.json")).read_text())
-    assert set(report["backward"]) == {"1", "3"} and report["forward_ms"] > 0
+    assert set(report["backward"]) == {"1", "3", "1 deferred dw", "3 deferred dw"} and report["forward_ms"] > 0
     for r in report["backward"].values():
         assert r["dx_err"] < 1e-5 and r["dw_err"] < 1e-5
 

@@ -354,6 +354,24 @@ def test_compiled_blocks_train_like_eager():
         assert rel_err(grads[1][n], want) < 1e-4, n
 
 
+def _differently_packed_batches(device: str = "cpu") -> list:
+    """Three micro-batches of 2 rows × 70 tokens, each packed from different documents (segment and chunk counts)."""
+    from data.packing import Batch
+
+    g = torch.Generator().manual_seed(10)
+
+    def batch(lens_per_row: list[list[int]]) -> Batch:
+        docs = [torch.randint(0, V, (n,), generator=g).tolist() for row in lens_per_row for n in row]
+        rows, i = [], 0
+        for row in lens_per_row:
+            rows.append(list(range(i, i + len(row))))
+            i += len(row)
+        ids, pos, cu, max_len, lens = packed_inputs(docs, rows, seq_len=70)
+        return Batch(ids, ids, pos, cu, max_len, lens, ids.numel(), ids.numel()).to(device)
+
+    return [batch([[40, 1, 20], [25, 45]]), batch([[70], [3, 3, 3, 61]]), batch([[9] * 7, [66, 4]])]
+
+
 def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
     """PITFALLS.md "Recompiles": batches of one packed shape but different documents (segment counts, chunk
     counts) reach compiled blocks through data.packing.compile_shape, and nothing compiles after the first
@@ -364,7 +382,7 @@ def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
     from torch._dynamo.utils import counters
 
     import designer.qwen35 as q35
-    from data.packing import Batch, compile_shape
+    from data.packing import compile_shape
     from kernels.gated_delta_rule import chunk_index
     from pipeline.policies import compile_blocks
 
@@ -372,18 +390,7 @@ def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
     model = random_qwen35(3)
     apply_lora(model, LoraArgs(rank=4, alpha=8.0))
     compile_blocks(model)
-    g = torch.Generator().manual_seed(10)
-
-    def batch(lens_per_row: list[list[int]]) -> Batch:
-        docs = [torch.randint(0, V, (n,), generator=g).tolist() for row in lens_per_row for n in row]
-        rows, i = [], 0
-        for row in lens_per_row:
-            rows.append(list(range(i, i + len(row))))
-            i += len(row)
-        ids, pos, cu, max_len, lens = packed_inputs(docs, rows, seq_len=70)
-        return Batch(ids, ids, pos, cu, max_len, lens, ids.numel(), ids.numel())
-
-    batches = [batch([[40, 1, 20], [25, 45]]), batch([[70], [3, 3, 3, 61]]), batch([[9] * 7, [66, 4]])]
+    batches = _differently_packed_batches()
 
     def graphs_after(prepare) -> list[int]:
         torch._dynamo.reset()
@@ -471,6 +478,50 @@ def test_the_layers_train_without_a_host_sync():
     layers_step(strict=False)  # first calls autotune and compile, which sync freely
     layers_step(strict=True)
     assert all(p.grad is not None for n, p in model.named_parameters() if "linear_attn" in n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_fla_blocks_match_eager_and_compile_once():
+    """The fast path inside compiled blocks (fla's custom ops with the chunk index's host-side count as an input,
+    saved for the backward): the eager gradients under bf16 autocast, and nothing compiles after the first of three
+    differently packed batches (data.packing.compile_shape)."""
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from data.packing import compile_shape
+    from kernels.gated_delta_rule import has_fla
+    from pipeline.policies import compile_blocks
+
+    if not has_fla():
+        pytest.skip("needs fla-core (pip install fla-core)")
+    model = random_qwen35(9, gdn_key_head_dim=128, gdn_value_head_dim=64)  # fla trains key dims 65–128
+    apply_lora(model, LoraArgs(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(4))
+    model = model.cuda()
+    compiled = compile_blocks(copy.deepcopy(model))
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for b in _differently_packed_batches("cuda"):
+        b = compile_shape(b)
+        grads = []
+        for m in (model, compiled):
+            m.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = m(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+            out.float().pow(2).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert any("linear_attn" in n for n in grads[0])
+        for n, want in grads[0].items():
+            assert _rms_ratio(grads[1][n], want) < 2e-2, n
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
 
 
 # --- generation (no cache: the packed forward re-run each step) --------------------------------------

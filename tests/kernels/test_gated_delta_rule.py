@@ -96,6 +96,8 @@ def test_bad_inputs():
         gated_delta_rule(q, k, v, g, beta, _cu([6]), impl="triton")
     with pytest.raises(ValueError, match=r"chunks must be chunk_index\(cu_seqlens\) of these 6 tokens and 1 doc"):
         gated_delta_rule(q, k, v, g, beta, _cu([6]), chunks=gdr.chunk_index(_cu([3, 3])))
+    with pytest.raises(ValueError, match="in chunks of 64; got .* chunks of 2"):
+        gated_delta_rule(q, k, v, g, beta, _cu([6]), chunks=gdr.chunk_index(_cu([6]), chunk=2))
 
 
 def test_chunk_index_lists_each_documents_chunks_in_order():
