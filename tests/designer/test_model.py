@@ -1,7 +1,6 @@
 """Designer model: parity with transformers' Qwen3ForCausalLM, packing exactness, HF I/O, FLOPs."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
