@@ -36,6 +36,14 @@ IMPLS = ("auto", "triton", "ref")
 
 # --- Triton kernels -------------------------------------------------------------------------------
 @triton.jit
+def _weights(w_ptr, cols, cmask, K: tl.constexpr, KP: tl.constexpr):
+    """The taps of channels `cols`, fp32 [BLOCK_C, KP] (zero past K)."""
+    kk = tl.arange(0, KP)
+    return tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _taps(x_ptr, w2, t, tmask, start, C, cols, cmask, K: tl.constexpr, KP: tl.constexpr):
     """(pre-activation a [BLOCK_T, BLOCK_C] fp32, the taps' x [BLOCK_T, KP, BLOCK_C]) of tokens t < N."""
     kk = tl.arange(0, KP)
@@ -52,9 +60,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, start_ptr, y_ptr, N, C,
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask, cmask = t < N, cols < C
-    kk = tl.arange(0, KP)
-    w2 = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
-                 other=0.0).to(tl.float32)  # [BLOCK_C, KP]
+    w2 = _weights(w_ptr, cols, cmask, K, KP)
     start = tl.load(start_ptr + t, mask=tmask, other=0)
     a, _ = _taps(x_ptr, w2, t, tmask, start, C, cols, cmask, K, KP)
     y = a * tl.sigmoid(a)
@@ -73,8 +79,7 @@ def _conv_bwd_da_kernel(x_ptr, w_ptr, start_ptr, dy_ptr, da_ptr, dw_part_ptr, N,
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     kk = tl.arange(0, KP)
-    w2 = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
-                 other=0.0).to(tl.float32)  # [BLOCK_C, KP]
+    w2 = _weights(w_ptr, cols, cmask, K, KP)
     dw_acc = tl.zeros((BLOCK_C, KP), dtype=tl.float32)
     dw_rows = tl.zeros((BLOCK_T, KP, BLOCK_C), dtype=tl.float32)
     for tb in range(pid, tl.cdiv(N, BLOCK_T), n_prog):
@@ -108,8 +113,7 @@ def _conv_bwd_dx_kernel(da_ptr, w_ptr, start_ptr, dx_ptr, N, C,
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     smask, cmask = s < N, cols < C
     kk = tl.arange(0, KP)
-    w2 = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
-                 other=0.0).to(tl.float32)  # [BLOCK_C, KP]
+    w2 = _weights(w_ptr, cols, cmask, K, KP)
     dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(K):
         t = s + j

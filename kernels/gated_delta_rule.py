@@ -221,8 +221,8 @@ def fla_guard_lifted(dk: int, device: torch.device, dtype: torch.dtype = torch.b
 # fla's layout is [1, N, heads, dim] with cu_seqlens (int64); g is the raw fp32 log decay.
 @torch.library.custom_op("atelier::gated_delta_rule_fla_fwd", mutates_args=())
 def fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            cu_seqlens: torch.Tensor, chunk_rows: torch.Tensor, chunk_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor, torch.Tensor]:
+            cu_seqlens: torch.Tensor, chunk_rows: torch.Tensor, chunk_count: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g fp32 [N, Hv], beta [N, Hv] → (o [N, Hv, Dv], then what the backward
     needs: q̂, 1/|q|, k̂, 1/|k| (L2-normalised, fla's l2norm), the chunk-cumulated gates, fla's A)."""
     from fla.modules.norm.l2norm import l2norm_fwd
