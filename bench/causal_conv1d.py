@@ -1,5 +1,6 @@
 """The Gated DeltaNet short conv (kernels/causal_conv1d.py) at Qwen3.5-9B's shapes: forward and backward time,
-and the backward's first pass by sweep (programs per SM; dw reduced per token block or once at the end).
+the backward with a frozen weight (dx only: what a LoRA run calls), and the trained-weight backward's first pass
+by sweep (programs per SM; dw reduced per token block or once at the end).
 
     python3 -m bench.causal_conv1d [--programs 4,8,16,32,64] [--repeats 20] [--out DIR] [--tiny]
 
@@ -71,6 +72,10 @@ def bench(shape: dict[str, int], programs: list[int], repeats: int, device: torc
     report: dict[str, Any] = {"shape": shape, "documents": cu.numel() - 1, "dtype": str(x.dtype),
                               "forward_ms": mean_ms(lambda: cc.conv_fwd(x, w, starts), repeats, cuda),
                               "backward": {}}
+    # A LoRA run freezes the conv weight: the backward computes dx only (one token block per program).
+    dx, _ = cc.conv_bwd(dy, x, w, starts, False)
+    report["backward_frozen_weight"] = {"ms": mean_ms(lambda: cc.conv_bwd(dy, x, w, starts, False), repeats, cuda),
+                                        "dx_err": float((dx.float() - xr.grad).abs().max() / xr.grad.abs().max())}
     default = cc._BWD_PROGRAMS_PER_SM, cc._BWD_DEFER_DW
     try:
         for defer in (False, True):
@@ -90,6 +95,8 @@ def bench(shape: dict[str, int], programs: list[int], repeats: int, device: torc
 
 def lines(report: dict[str, Any]) -> list[str]:
     out = [f"fwd {report['forward_ms']:.3f} ms"]
+    f = report["backward_frozen_weight"]
+    out.append(f"bwd frozen weight (dx only, LoRA): {f['ms']:.3f} ms  dx rel {f['dx_err']:.1e}")
     for p, r in report["backward"].items():
         out.append(f"bwd programs/SM {p}: {r['ms']:.3f} ms  dx rel {r['dx_err']:.1e} dw rel {r['dw_err']:.1e}")
     return out

@@ -454,6 +454,20 @@ def loss_diff(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
 
 
+def peer_floor(peer_runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Mean |Δloss| between each pair of peers at the largest micro-batch both ran (none when fewer than two ran)."""
+    ran = {p: {m: r for m, r in runs.items() if not r["oom"]} for p, runs in peer_runs.items() if "skipped" not in runs}
+    out = {}
+    for i, a in enumerate(sorted(ran)):
+        for b in sorted(ran)[i + 1:]:
+            same = set(ran[a]) & set(ran[b])
+            if same:
+                m = max(same, key=int)
+                out[f"{a} vs {b}"] = {"micro_batch": int(m),
+                                      "diff": loss_diff(ran[a][m]["timed_losses"], ran[b][m]["timed_losses"])}
+    return out
+
+
 def ablation_switches(cfg: BenchConfig, main: Variant, exact: bool) -> dict[str, Variant]:
     """Each Atelier optimisation switched off (or, for compile, flipped) in turn, relative to `main`.
 
@@ -582,6 +596,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
             m = max(same, key=int)
             report["loss_mean_abs_diff_by_peer"][p] = {
                 "micro_batch": int(m), "diff": loss_diff(sweep[m]["timed_losses"], ok[m]["timed_losses"])}
+    # The floor parity is measured against: two peers' implementations of the same model on the same batches
+    # (e.g. transformers with and without fla-core) differ by bf16 rounding alone.
+    report["loss_mean_abs_diff_between_peers"] = peer_floor(peer_runs)
     wanted = PARITY_PEER[main.lora_dtype] if cfg.lora else ("hf", "hf-liger")
     parity_peer = next((p for p in wanted if p in report["loss_mean_abs_diff_by_peer"]), wanted[0])
     parity = report["loss_mean_abs_diff_by_peer"].get(parity_peer)
@@ -633,6 +650,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{fmt(r['peak_gb'], '.1f')} |")
     lines += ["", f"loss mean abs diff vs {report.get('loss_parity_peer', 'hf')} (same adapter dtype): "
                   f"{fmt(report['loss_mean_abs_diff'], '.2e')}"]
+    for pair, d in report.get("loss_mean_abs_diff_between_peers", {}).items():
+        lines.append(f"loss mean abs diff between peers, {pair} (the bf16 floor): {d['diff']:.2e}")
     if "loss_mean_abs_diff_fp32_lora_vs_hf" in report:
         lines.append(f"loss mean abs diff, fp32 adapters on both sides (Atelier vs hf): "
                      f"{report['loss_mean_abs_diff_fp32_lora_vs_hf']:.2e}")

@@ -140,9 +140,12 @@ def doc_starts(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     return torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=n).to(torch.int32)
 
 
-def _bwd_programs(device: torch.device, n: int, c_blocks: int) -> int:
-    """Token-block programs of the backward's first pass: _BWD_PROGRAMS_PER_SM per SM in all on CUDA (this also
-    bounds the dw partials to G rows); 2 interpreted."""
+def _bwd_programs(device: torch.device, n: int, c_blocks: int, compute_dw: bool) -> int:
+    """Token-block programs of the backward's first pass. Without dw (a frozen weight), one per token block, as
+    in the forward: nothing is carried across blocks, and a loop in each program would only serialise loads.
+    With dw, _BWD_PROGRAMS_PER_SM per SM in all on CUDA (this bounds the dw partials to G rows); 2 interpreted."""
+    if not compute_dw:
+        return triton.cdiv(n, _BLOCK_T)
     if device.type != "cuda":
         return max(1, min(2, triton.cdiv(n, _BLOCK_T)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -175,7 +178,7 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts: to
     k = weight.shape[1]
     kp = triton.next_power_of_2(k)
     c_blocks = triton.cdiv(c, _BLOCK_C)
-    g = _bwd_programs(x.device, n, c_blocks)
+    g = _bwd_programs(x.device, n, c_blocks, compute_dw)
     da = torch.empty(n, c, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(g if compute_dw else 1, c if compute_dw else 1, kp, dtype=torch.float32, device=x.device)
     _conv_bwd_da_kernel[(g, c_blocks)](x, weight, starts, dy, da, dw_part, n, c, K=k, KP=kp, BLOCK_T=_BLOCK_T,

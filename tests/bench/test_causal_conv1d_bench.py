@@ -24,6 +24,7 @@ def test_tiny_sweep_is_exact_and_restores_the_default(tmp_path):
     assert set(report["backward"]) == {"1", "3", "1 deferred dw", "3 deferred dw"} and report["forward_ms"] > 0
     for r in report["backward"].values():
         assert r["dx_err"] < 1e-5 and r["dw_err"] < 1e-5
+    assert report["backward_frozen_weight"]["dx_err"] < 1e-5 and report["backward_frozen_weight"]["ms"] > 0
 
 
 def test_bad_arguments_are_named():

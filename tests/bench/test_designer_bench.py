@@ -19,6 +19,7 @@ from bench.designer import (
     lora_init,
     main,
     make_batches,
+    peer_floor,
     random_state_dict,
     tiny_config,
     to_device,
@@ -129,6 +130,10 @@ def test_tiny_qwen35_rows_of_one_document_match_transformers_and_packed_rows_do_
                   device=CPU, exact=True)
         diffs[name] = r["loss_mean_abs_diff"]
         assert r["peers"]["hf-nofla"]["tokens_per_s"] > 0
+        # the floor: the two transformers paths against each other on the same batches (both leak alike)
+        floor = r["loss_mean_abs_diff_between_peers"]
+        assert set(floor) == {"hf vs hf-nofla"} and floor["hf vs hf-nofla"]["micro_batch"] == 2
+        assert floor["hf vs hf-nofla"]["diff"] < 1e-4
     assert diffs["qwen3.5-9b-lora-1doc"] < 1e-4
     assert diffs["qwen3.5-9b-lora"] > 1e-3
 
@@ -200,3 +205,13 @@ def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_repo
     table = "| run | a |\n|---|---|\n| x | 1 |\n"
     assert replace_table("# t\n\n" + table + "\nNote: kept\n", "| run | b |\n|---|---|\n") == \
         "# t\n\n| run | b |\n|---|---|\n\nNote: kept\n"
+
+
+def test_peer_floor_pairs_peers_at_the_largest_micro_batch_both_ran():
+    def run(losses, oom=False):
+        return {"oom": oom, "timed_losses": losses}
+    runs = {"b": {"2": run([1.0, 2.0]), "4": run([1.0, 1.0])},
+            "a": {"2": run([1.5, 2.5]), "4": run([0.0, 0.0], oom=True)},
+            "c": {"skipped": "import failed"}, "d": {"8": run([3.0, 3.0])}}
+    assert peer_floor(runs) == {"a vs b": {"micro_batch": 2, "diff": 0.5}}
+    assert peer_floor({"a": runs["a"]}) == {}

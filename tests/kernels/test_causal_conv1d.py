@@ -84,13 +84,19 @@ def test_a_preceding_document_changes_nothing(impl):
 
 
 def test_causal_conv1d_frozen_weight_gets_no_grad_and_bad_input():
-    x = torch.randn(7, 6, device=DEV, requires_grad=True)
+    lens = [3, 4, 17, 16]  # 40 tokens: three token blocks, so the dx-only grid has several programs
+    x = torch.randn(40, 6, device=DEV, requires_grad=True)
     w = torch.randn(6, 4, device=DEV)
-    dy = torch.randn(7, 6, device=DEV)
-    (causal_conv1d(x, w, _cu([3, 4], DEV), impl="triton") * dy).sum().backward()
+    dy = torch.randn(40, 6, device=DEV)
+    (causal_conv1d(x, w, _cu(lens, DEV), impl="triton") * dy).sum().backward()
     assert w.grad is None  # a frozen weight (LoRA): the kernel skips dw, and dx is still exact
-    want, = torch.autograd.grad((causal_conv1d(x, w, _cu([3, 4], DEV), impl="ref") * dy).sum(), x)
+    want, = torch.autograd.grad((causal_conv1d(x, w, _cu(lens, DEV), impl="ref") * dy).sum(), x)
     assert_close(x.grad, want, atol=2e-5, rtol=2e-5, what="dx, frozen weight")
+    # the same dx bits as the backward that also computes dw (a different first-pass grid, same arithmetic)
+    starts = cc.doc_starts(_cu(lens, DEV), 40)
+    dx_frozen, _ = cc.conv_bwd(dy, x.detach(), w, starts, False)
+    dx_trained, _ = cc.conv_bwd(dy, x.detach(), w, starts, True)
+    assert torch.equal(dx_frozen, dx_trained)
     with pytest.raises(ValueError, match="impl"):
         causal_conv1d(x, w, _cu([7]), impl="cuda")
     with pytest.raises(ValueError, match="weight"):
@@ -107,3 +113,10 @@ def test_causal_conv1d_triton_bf16_qwen35_9b_shape():
     names, got, exp, base = _run(lens, 8192, 4, torch.bfloat16, impl="triton", device="cuda")
     for name, a, e, b in zip(names, got, exp, base):
         assert_error_within(a, e, b, what=f"{name} 9B", atol=1e-3)
+    # a frozen weight (every LoRA run) takes the dx-only grid: the same dx bits
+    cu = _cu(lens, "cuda")
+    x = torch.randn(sum(lens), 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8192, 4, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    starts = cc.doc_starts(cu, x.shape[0])
+    assert torch.equal(cc.conv_bwd(dy, x, w, starts, False)[0], cc.conv_bwd(dy, x, w, starts, True)[0])
