@@ -130,8 +130,8 @@ def _conv_bwd_dx_kernel(da_ptr, w_ptr, start_ptr, dx_ptr, N, C,
 
 # --- launchers ------------------------------------------------------------------------------------
 _BLOCK_T, _BLOCK_C = 16, 64
-_BWD_PROGRAMS_PER_SM = 8
-_BWD_DEFER_DW = False  # measured 1.85 ms at the 9B shape without; bench/causal_conv1d.py sweeps both
+_BWD_PROGRAMS_PER_SM = 32
+_BWD_DEFER_DW = True  # 0.82 ms at the 9B shape with dw, vs 1.79 without (bench/results/causal-conv1d-2026-12-03.json)
 
 
 def doc_starts(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
