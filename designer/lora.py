@@ -78,6 +78,17 @@ class LoraArgs:
         return [TARGETS[t].split(".")[1] for t in self.targets]
 
 
+@dataclass(frozen=True)
+class SharedInputOperands:
+    """What kernels.lora_linear.lora_linear_group needs of one LoRA layer."""
+
+    weight: torch.Tensor  # [O, I], frozen
+    lora_a: torch.Tensor  # [r, I]
+    lora_b: torch.Tensor  # [O, r]
+    scale: float
+    impl: str
+
+
 class LoRALinear(nn.Module):
     """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
 
@@ -112,6 +123,15 @@ class LoRALinear(nn.Module):
         p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
         return lora_linear(x, self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight,
                            self.scale, p, self.impl)
+
+    def shared_input_operands(self) -> SharedInputOperands | None:
+        """This layer's part in a shared-input group (designer.model.shared_input_linears), or None when it must
+        run alone: a bias, or dropout in effect (each layer draws its own mask)."""
+        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
+        if self.base_layer.bias is not None or p > 0:
+            return None
+        return SharedInputOperands(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scale,
+                                   self.impl)
 
     def merged_weight(self) -> torch.Tensor:
         """W + s·B·A in fp32, cast to the base weight's dtype."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
+from kernels.lora_linear import lora_linear_group
 from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope, rope_cos_sin, rope_type
 from kernels.swiglu import swiglu
@@ -190,6 +191,22 @@ class PackedAttention:
         return o.view(b, t, h, dh)
 
 
+def shared_input_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """[m(x) for m in linears]: the projections that read one x (q/k/v, gate/up, Qwen3.5's in_proj_*).
+
+    When every one is a LoRA layer that can share (designer.lora.LoRALinear.shared_input_operands: no bias, no
+    dropout in effect) with one kernel choice and one adapter dtype, they run as one
+    kernels.lora_linear.lora_linear_group: x·Aᵀ once for all adapters, dx accumulated inside the matmuls instead
+    of M−1 separate adds. Anything else (plain nn.Linear: full fine-tuning, the reference path) runs layer by layer.
+    """
+    operands = [getattr(m, "shared_input_operands", lambda: None)() for m in linears]
+    if len(linears) > 1 and all(o is not None for o in operands):
+        if len({(o.impl, o.lora_a.dtype, o.lora_a.requires_grad, o.lora_b.requires_grad) for o in operands}) == 1:
+            return lora_linear_group(x, [o.weight for o in operands], [o.lora_a for o in operands],
+                                     [o.lora_b for o in operands], [o.scale for o in operands], operands[0].impl)
+    return [m(x) for m in linears]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -206,9 +223,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # [B,T,H,Dh]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))  # [B,T,Hkv,Dh]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B,T,Hkv,Dh]
+        q, k, v = shared_input_linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))  # [B,T,H,Dh]
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))  # [B,T,Hkv,Dh]
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)  # [B,T,Hkv,Dh]
         q, k = rope(q, k, cos, sin, self.kernels)
         o = attend(q, k, v)  # [B,T,H,Dh]
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))  # [B,T,D]
@@ -223,7 +241,8 @@ class MLP(nn.Module):
         self.kernels = args.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.kernels))
+        gate, up = shared_input_linears(x, self.gate_proj, self.up_proj)
+        return self.down_proj(swiglu(gate, up, self.kernels))
 
 
 class Block(nn.Module):

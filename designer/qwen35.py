@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs
+from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
 from designer.model import init_param as qwen3_init_param
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
 from kernels.gated_rmsnorm import gated_rmsnorm
-from kernels.rmsnorm import rmsnorm
+from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope, rope_cos_sin
 
 MODEL_TYPES = ("qwen3_5_text",)
@@ -219,6 +219,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, 1.0 + self.weight.float(), self.eps, self.impl)  # 1 + w in fp32, as HF computes it
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm, x promoted to the stream's
+        dtype first (designer.model.RMSNorm.add_forward)."""
+        return add_rmsnorm(x.to(residual.dtype), residual, 1.0 + self.weight.float(), self.eps, self.impl)
+
 
 class GatedAttention(nn.Module):
     """Qwen3 attention (QK-norm, GQA) with partial RoPE and a sigmoid output gate from q_proj's second half."""
@@ -238,10 +243,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
         h, dh, r = self.num_heads, self.head_dim, cos.shape[-1]
-        q, gate = self.q_proj(x).view(b, t, h, 2 * dh).chunk(2, dim=-1)  # [B,T,H,Dh] each
+        q_and_gate, k, v = shared_input_linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = q_and_gate.view(b, t, h, 2 * dh).chunk(2, dim=-1)  # [B,T,H,Dh] each
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, dh))  # [B,T,Hkv,Dh]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, dh)  # [B,T,Hkv,Dh]
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, dh))  # [B,T,Hkv,Dh]
+        v = v.view(b, t, self.num_kv_heads, dh)  # [B,T,Hkv,Dh]
         q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin, self.kernels)  # partial RoPE: the first R dims turn
         q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
         o = attend(q, k, v) * torch.sigmoid(gate)  # [B,T,H,Dh]
@@ -304,13 +310,18 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         n = b * t
         w = self.conv1d.weight
-        qkv = self.in_proj_qkv(x).view(n, -1)  # [N,C]: packed documents, one after another
-        qkv = causal_conv1d(qkv, w.view(w.shape[0], w.shape[2]), docs.cu_seqlens, self.kernels)  # [N,C], silu'd
+        qkv, z, b_logits, a_logits = self.project(x)
+        qkv = causal_conv1d(qkv.view(n, -1), w.view(w.shape[0], w.shape[2]), docs.cu_seqlens,
+                            self.kernels)  # [N,C]: packed documents, one after another; silu'd
         q, k, v = self.split_heads(qkv)
-        beta, g = self.gates(x)
+        beta, g = self.gates(b_logits, a_logits)
         o = gated_delta_rule(q, k, v, g.view(n, self.hv), beta.view(n, self.hv), docs.cu_seqlens,
                              docs.delta_rule_impl, docs.chunks)  # [N,Hv,Dv]
-        return self.gated_output(o, x)
+        return self.gated_output(o, z)
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [B,T,D] → in_proj_qkv(x) [B,T,C], in_proj_z(x) [B,T,Hv·Dv], in_proj_b(x), in_proj_a(x) [B,T,Hv]."""
+        return shared_input_linears(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[N,C] conv outputs → q, k [N,Hk,Dk], v [N,Hv,Dv]."""
@@ -318,17 +329,17 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         return q.view(n, self.hk, self.dk), k.view(n, self.hk, self.dk), v.view(n, self.hv, self.dv)
 
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B,T,D] → β = sigmoid(in_proj_b(x)) [B,T,Hv] and the log-decay g [B,T,Hv] in fp32 (HF: an fp16 A
-        would overflow to -inf)."""
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+    def gates(self, b_logits: torch.Tensor, a_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_b(x), in_proj_a(x) [B,T,Hv] → β = sigmoid(in_proj_b(x)) [B,T,Hv] and the log-decay g [B,T,Hv]
+        in fp32 (HF: an fp16 A would overflow to -inf)."""
+        beta = torch.sigmoid(b_logits)
+        g = -self.A_log.float().exp() * F.softplus(a_logits.float() + self.dt_bias.float())
         return beta, g
 
-    def gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The delta rule's o [N,Hv,Dv] → out_proj(norm(o) · silu(in_proj_z(x))) [B,T,D]."""
-        b, t, _ = x.shape
-        z = self.in_proj_z(x).view(b * t, self.hv, self.dv)  # [N,Hv,Dv]
+    def gated_output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The delta rule's o [N,Hv,Dv] and in_proj_z(x) [B,T,Hv·Dv] → out_proj(norm(o) · silu(z)) [B,T,D]."""
+        b, t, _ = z.shape
+        z = z.view(b * t, self.hv, self.dv)  # [N,Hv,Dv]
         return self.out_proj(self.norm(o, z).view(b, t, self.hv * self.dv))
 
     def decode(self, x: torch.Tensor, state: LinearAttentionState, valid: torch.Tensor) -> torch.Tensor:
@@ -336,8 +347,8 @@ class GatedDeltaNet(nn.Module):
         [B,T,D], advancing `state` token by token with the recurrent form of the delta rule (module docstring),
         in fp32. valid [B,T] marks real tokens: a pad leaves the state untouched (its output is never read)."""
         b, t, _ = x.shape
-        qkv_all = self.in_proj_qkv(x)  # [B,T,C]
-        beta_all, g_all = self.gates(x)  # [B,T,Hv]
+        qkv_all, z, b_logits, a_logits = self.project(x)  # [B,T,C], [B,T,Hv·Dv], [B,T,Hv] ×2
+        beta_all, g_all = self.gates(b_logits, a_logits)  # [B,T,Hv]
         w = self.conv1d.weight[:, 0, :].float().t()  # [K,C]
         rep = self.hv // self.hk
         outs = []
@@ -354,7 +365,7 @@ class GatedDeltaNet(nn.Module):
             state.recurrent = torch.where(keep[:, None, None, None], s_new, state.recurrent)
             state.conv = torch.where(keep[:, None, None], window[:, 1:], state.conv)
         o = torch.stack(outs, dim=1).to(x.dtype).view(b * t, self.hv, self.dv)  # [N,Hv,Dv]
-        return self.gated_output(o, x)
+        return self.gated_output(o, z)
 
 
 @dataclass
@@ -386,21 +397,20 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 docs: PackedDocs) -> torch.Tensor:
         h = self.input_layernorm(x)
-        if self.layer_type == FULL:
-            x = x + self.self_attn(h, cos, sin, attend)
-        else:
-            x = x + self.linear_attn(h, docs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mixed = self.self_attn(h, cos, sin, attend) if self.layer_type == FULL else self.linear_attn(h, docs)
+        normed, x = self.post_attention_layernorm.add_forward(mixed, x)  # x += mixer, fused with the norm
+        return x + self.mlp(normed)
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                state: LinearAttentionState | None, valid: torch.Tensor) -> torch.Tensor:
         """forward for decoding: full attention through a cache-aware `attend`, Gated DeltaNet through `state`."""
         h = self.input_layernorm(x)
         if self.layer_type == FULL:
-            x = x + self.self_attn(h, cos, sin, attend)
+            mixed = self.self_attn(h, cos, sin, attend)
         else:
-            x = x + self.linear_attn.decode(h, state, valid)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            mixed = self.linear_attn.decode(h, state, valid)
+        normed, x = self.post_attention_layernorm.add_forward(mixed, x)
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):

@@ -20,11 +20,20 @@ Fusing x·[W; A]ᵀ into one matmul is not done: W is bf16 and A may be fp32, an
 change PEFT's numerics; the frozen W is what makes the big saving (no dW matmul, 1/3 of the FLOPs).
 Accumulation: fp32 inside cuBLAS; dA, dB returned in the adapter weights' dtypes.
 
+Shared input (lora_linear_group): M LoRA linears over one x (q/k/v, gate/up, the four Gated DeltaNet input
+projections), no bias, no dropout. The adapters' A are stacked, so x·[A_0; …; A_{M−1}]ᵀ = [u_0 | … | u_{M−1}]
+[T, M·r] reads x once instead of M times, and dA for all of them is one matmul gᵀ x with g = [g_0 | … ].
+Backward: dx = dy_0 W_0 + Σ_{i>0} dy_i W_i + g [A_0; …], every term after the first accumulated into dx by an
+addmm (no [T, I] temporaries, no separate adds: autograd would otherwise sum M dx's with M−1 add kernels).
+The base matmuls stay one per member (concatenating W would make each y a strided view of one output).
+
 No Triton here: every product is a cuBLAS matmul; the win is skipping dW, reusing u and fusing the
 adds into the matmuls' epilogues. Implementations (argument `impl`): "fused" (the Function below,
 any device), "ref" (lora_linear_ref, differentiated by autograd), "auto" (fused on CUDA, ref elsewhere).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +142,98 @@ def _bwd_flops(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a,
     return flops
 
 
+def _rank_slices(lora_bs: list[torch.Tensor]) -> list[slice]:
+    """Each member's columns of the stacked u [T, Σ r_i]."""
+    out, r0 = [], 0
+    for b in lora_bs:
+        out.append(slice(r0, r0 + b.shape[1]))
+        r0 += b.shape[1]
+    return out
+
+
+@torch.library.custom_op("atelier::lora_group_fwd", mutates_args=())
+def lora_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
+                   lora_bs: list[torch.Tensor], scales: list[float], base_dtype: torch.dtype,
+                   adapter_dtype: torch.dtype) -> list[torch.Tensor]:
+    """x [T, I] → [y_0 [T, O_0], …, y_{M−1}, u [T, Σ r_i]] (u = x [A_0; …]ᵀ in adapter_dtype)."""
+    cb, ca = base_dtype, adapter_dtype
+    with torch.autocast(x.device.type, enabled=False):
+        xb = x.to(cb)
+        u = x.to(ca) @ torch.cat([a.to(ca) for a in lora_as]).t()  # [T, Σr]: one pass over x for every adapter
+        ys = []
+        for w, b, s, cols in zip(weights, lora_bs, scales, _rank_slices(lora_bs)):
+            y = F.linear(xb, w.to(cb))  # [T, O_i]
+            if ca == cb:
+                torch.addmm(y, u[:, cols], b.to(ca).t(), alpha=s, out=y)
+            else:
+                y += ((u[:, cols] @ b.to(ca).t()) * s).to(cb)
+            ys.append(y)
+    return ys + [u]
+
+
+@lora_group_fwd.register_fake
+def _(x, weights, lora_as, lora_bs, scales, base_dtype, adapter_dtype):
+    r = sum(a.shape[0] for a in lora_as)
+    return [x.new_empty(x.shape[0], w.shape[0], dtype=base_dtype) for w in weights] + [
+        x.new_empty(x.shape[0], r, dtype=adapter_dtype)]
+
+
+@torch.library.custom_op("atelier::lora_group_bwd", mutates_args=())
+def lora_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
+                   lora_bs: list[torch.Tensor], u: torch.Tensor, scales: list[float], need_x: bool,
+                   need_adapters: bool) -> list[torch.Tensor]:
+    """dy_i [T, O_i] → [dx [T, I], dA_0, …, dA_{M−1}, dB_0, …, dB_{M−1}]; unneeded ones empty."""
+    cb, ca = dys[0].dtype, u.dtype
+    slices = _rank_slices(lora_bs)
+    with torch.autocast(x.device.type, enabled=False):
+        dy_a = [dy.to(ca) for dy in dys]
+        g = torch.cat([(d @ b.to(ca)).mul_(s) for d, b, s in zip(dy_a, lora_bs, scales)], dim=1)  # [T, Σr]
+        if need_adapters:
+            da = g.t() @ x.to(ca)  # [Σr, I]: every adapter's dA in one matmul
+            das = [da[cols].to(a.dtype, copy=True) for a, cols in zip(lora_as, slices)]  # outputs must not alias
+            dbs = [(d.t() @ u[:, cols]).mul_(s).to(b.dtype) for d, b, s, cols in zip(dy_a, lora_bs, scales, slices)]
+        else:
+            das, dbs = [a.new_empty(0) for a in lora_as], [b.new_empty(0) for b in lora_bs]
+        dx = x.new_empty(0)
+        if need_x:
+            dx = dys[0] @ weights[0].to(cb)  # [T, I]; the frozen W get no dW
+            for dy, w in zip(dys[1:], weights[1:]):
+                torch.addmm(dx, dy, w.to(cb), out=dx)  # dx += dy_i W_i inside the matmul
+            a_all = torch.cat([a.to(ca) for a in lora_as])  # [Σr, I]
+            if ca == cb:
+                torch.addmm(dx, g, a_all, out=dx)
+            else:
+                dx += (g @ a_all).to(cb)
+            dx = dx.to(x.dtype)
+    return [dx] + das + dbs
+
+
+@lora_group_bwd.register_fake
+def _(dys, x, weights, lora_as, lora_bs, u, scales, need_x, need_adapters):
+    dx = torch.empty_like(x) if need_x else x.new_empty(0)
+    if not need_adapters:
+        return [dx] + [a.new_empty(0) for a in lora_as] + [b.new_empty(0) for b in lora_bs]
+    return [dx] + [torch.empty_like(a) for a in lora_as] + [torch.empty_like(b) for b in lora_bs]
+
+
+@register_flop_formula(torch.ops.atelier.lora_group_fwd)
+def _group_fwd_flops(x, weights, lora_as, lora_bs, *args, out_shape=None, **kwargs) -> int:
+    (t, i), r = x, sum(a[0] for a in lora_as)
+    return 2 * t * i * r + sum(2 * t * i * w[0] + 2 * t * b[1] * w[0] for w, b in zip(weights, lora_bs))
+
+
+@register_flop_formula(torch.ops.atelier.lora_group_bwd)
+def _group_bwd_flops(dys, x, weights, lora_as, lora_bs, u, scales, need_x, need_adapters, out_shape=None,
+                     **kwargs) -> int:
+    (t, i), r = x, sum(a[0] for a in lora_as)
+    flops = sum(2 * t * w[0] * b[1] for w, b in zip(weights, lora_bs))  # g_i = s·dy_i B_i
+    if need_adapters:
+        flops += 2 * r * t * i + sum(2 * w[0] * t * b[1] for w, b in zip(weights, lora_bs))  # dA, dB
+    if need_x:
+        flops += sum(2 * t * w[0] * i for w in weights) + 2 * t * r * i  # Σ dy_i W_i + g A
+    return flops
+
+
 # --- autograd.Function ----------------------------------------------------------------------------
 class LoRALinearFunction(torch.autograd.Function):
     """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p → y [T, O]."""
@@ -152,6 +253,35 @@ class LoRALinearFunction(torch.autograd.Function):
         dx, da, db = lora_linear_bwd(dy.to(ctx.base_dtype).contiguous(), x, weight, lora_a, lora_b, u, mask,
                                      ctx.scale, ctx.p, need_x, need_a, need_b)
         return (dx if need_x else None), None, None, (da if need_a else None), (db if need_b else None), None, None, None
+
+
+class LoRALinearGroupFunction(torch.autograd.Function):
+    """x [T, I], scales (M floats), then W_0…W_{M−1}, A_0…, B_0… → (y_0, …, y_{M−1})."""
+
+    @staticmethod
+    def forward(ctx, x, scales: tuple[float, ...], *params):  # noqa: D102
+        m = len(scales)
+        weights, lora_as, lora_bs = list(params[:m]), list(params[m:2 * m]), list(params[2 * m:])
+        cb, ca = _compute_dtypes(x, lora_as[0])
+        *ys, u = lora_group_fwd(x, weights, lora_as, lora_bs, list(scales), cb, ca)
+        ctx.save_for_backward(x, u, *params)
+        ctx.scales, ctx.base_dtype = scales, cb
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):  # noqa: D102
+        x, u, *params = ctx.saved_tensors
+        m = len(ctx.scales)
+        weights, lora_as, lora_bs = params[:m], params[m:2 * m], params[2 * m:]
+        need_x, need_adapters = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2 + m:])
+        dys = [x.new_zeros(x.shape[0], w.shape[0], dtype=ctx.base_dtype) if d is None else
+               d.to(ctx.base_dtype).contiguous() for d, w in zip(dys, weights)]  # an output nobody used
+        out = lora_group_bwd(dys, x, list(weights), list(lora_as), list(lora_bs), u, list(ctx.scales), need_x,
+                             need_adapters)
+        dx, das, dbs = out[0], out[1:1 + m], out[1 + m:]
+        none = [None] * m
+        return (dx if need_x else None, None, *none, *(das if need_adapters else none),
+                *(dbs if need_adapters else none))
 
 
 # --- public ---------------------------------------------------------------------------------------
@@ -185,6 +315,28 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = LoRALinearFunction.apply(x.reshape(-1, i), weight, bias, lora_a, lora_b, float(scale),
                                  None if mask is None else mask.reshape(-1, i), float(dropout))  # [T, O]
     return y.view(*lead, weight.shape[0])
+
+
+def lora_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], lora_as: Sequence[torch.Tensor],
+                      lora_bs: Sequence[torch.Tensor], scales: Sequence[float], impl: str = "auto") -> list[torch.Tensor]:
+    """[lora_linear(x, W_i, None, A_i, B_i, s_i) for each i] as one op over the shared x (no bias, no dropout).
+
+    The adapters must all train or all be frozen, in one dtype. x [..., I] → [[..., O_i]] (the base compute dtype).
+    """
+    m = len(weights)
+    if m == 0 or not len(lora_as) == len(lora_bs) == len(scales) == m:
+        raise ValueError(f"lora_linear_group: need M >= 1 weights, lora_as, lora_bs and scales alike; got {m}, "
+                         f"{len(lora_as)}, {len(lora_bs)}, {len(scales)}")
+    for w, a, b in zip(weights, lora_as, lora_bs):
+        _check(x, w, None, a, b, 0.0, impl)
+    if len({a.dtype for a in (*lora_as, *lora_bs)}) != 1 or len({p.requires_grad for p in (*lora_as, *lora_bs)}) != 1:
+        raise ValueError("lora_linear_group: the adapters must share one dtype and all train or all be frozen; got "
+                         f"{[(str(a.dtype), a.requires_grad) for a in (*lora_as, *lora_bs)]}")
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+        return [lora_linear_ref(x, w, None, a, b, s) for w, a, b, s in zip(weights, lora_as, lora_bs, scales)]
+    lead, i = x.shape[:-1], x.shape[-1]
+    ys = LoRALinearGroupFunction.apply(x.reshape(-1, i), tuple(float(s) for s in scales), *weights, *lora_as, *lora_bs)
+    return [y.view(*lead, w.shape[0]) for y, w in zip(ys, weights)]
 
 
 # --- reference ------------------------------------------------------------------------------------

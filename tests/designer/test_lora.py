@@ -139,3 +139,52 @@ def test_lora_layer_and_bad_adapters(tmp_path):
         load_peft_adapter(load_pretrained(path), adapter)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_peft_adapter(load_pretrained(path), tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
+    """q/k/v, gate/up and Qwen3.5's four in_proj_* run as one lora_linear_group (fused impl) each; the loss and every
+    adapter gradient equal the same model with every LoRA layer run alone."""
+    import kernels.lora_linear as kl
+    from designer.model import ModelArgs, Qwen3
+    from tests.designer.test_qwen35 import random_qwen35
+
+    if family == "qwen3":
+        base = Qwen3(ModelArgs.from_size("tiny", V, kernels="ref")).init_weights(4)
+    else:
+        base = random_qwen35(4)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    cu = torch.tensor([0, 10, 24, 34, 48], dtype=torch.int32)
+    groups: list[int] = []
+    real = kl.lora_group_fwd
+    monkeypatch.setattr(kl, "lora_group_fwd", lambda x, ws, *a, **k: groups.append(len(ws)) or real(x, ws, *a, **k))
+
+    def run(grouped: bool):
+        torch.manual_seed(6)  # lora_A's init draws from the global RNG: the same adapters both times
+        model = apply_lora(copy.deepcopy(base), LoraArgs(rank=4, alpha=8.0))
+        _randomise_adapters(model, seed=5)
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.impl = "fused"
+                if not grouped:
+                    m.shared_input_operands = lambda: None
+        hidden = model(ids, pos, cu, 14).reshape(-1, model.args.dim)
+        loss = linear_cross_entropy(hidden, model.lm_head_weight, ids.reshape(-1), impl="torch")
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    loss_alone, grads_alone = run(grouped=False)
+    assert groups == []
+    loss_grouped, grads_grouped = run(grouped=True)
+    layers = base.args.num_layers
+    if family == "qwen3":
+        assert sorted(groups) == sorted([3, 2] * layers)  # q/k/v and gate/up in every block
+    else:
+        full = sum(block.layer_type == "full_attention" for block in base.model.layers)
+        assert 0 < full < layers
+        assert sorted(groups) == sorted([3] * full + [4] * (layers - full) + [2] * layers)
+    assert abs(loss_grouped - loss_alone) <= 1e-5 * abs(loss_alone)
+    assert grads_grouped.keys() == grads_alone.keys() and len(grads_alone) > 0
+    for n, g in grads_alone.items():
+        assert rel_err(grads_grouped[n], g) <= 1e-4, n

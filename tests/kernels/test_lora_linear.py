@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from kernels.lora_linear import lora_linear, lora_linear_ref
+from kernels.lora_linear import lora_group_bwd, lora_group_fwd, lora_linear, lora_linear_group, lora_linear_ref
 from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,3 +125,118 @@ def test_lora_linear_bf16_real_shapes(o, i, ad_dtype):
     got, exp, base = out
     for name, gt, e, bs in zip(NAMES, got, exp, base):
         assert_error_within(gt, e, bs, what=f"{name} [{o}, {i}] adapter {ad_dtype}", atol=1e-2)
+
+
+# --- shared input: lora_linear_group ---------------------------------------------------------------
+def _group_leaves(t, i, outs, ranks, dtype, seed):
+    """x [t, i] and, per member, a frozen W [O, I], a trained A [r, I] and a non-zero B [O, r]; dy per member."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, i, generator=g).to(DEV, dtype).requires_grad_()
+    ws = [(torch.randn(o, i, generator=g) * i ** -0.5).to(DEV, dtype) for o in outs]
+    As = [(torch.randn(r, i, generator=g) * i ** -0.5).to(DEV, dtype).requires_grad_() for r in ranks]
+    Bs = [(torch.randn(o, r, generator=g) * r ** -0.5).to(DEV, dtype).requires_grad_() for o, r in zip(outs, ranks)]
+    dys = [torch.randn(t, o, generator=g).to(DEV, dtype) for o in outs]
+    return x, ws, As, Bs, dys
+
+
+def _group_grads(ys, dys, x, As, Bs):
+    loss = sum((y.double() * dy.double()).sum() for y, dy in zip(ys, dys))
+    return list(ys) + list(torch.autograd.grad(loss, (x, *As, *Bs)))
+
+
+@pytest.mark.parametrize("outs,ranks", [((40, 24, 3, 3), (4, 4, 4, 4)), ((17, 9), (2, 5)), ((12,), (3,))])
+def test_lora_linear_group_matches_the_members_alone(outs, ranks):
+    """The Gated DeltaNet shape (qkv, z, b, a: two tiny members), unequal ranks, and one member: outputs, dx, every
+    dA and dB equal the separate layers' reference."""
+    x, ws, As, Bs, dys = _group_leaves(19, 32, outs, ranks, torch.float32, seed=len(outs))
+    scales = [0.5 + k for k in range(len(outs))]
+    got = _group_grads(lora_linear_group(x, ws, As, Bs, scales, impl="fused"), dys, x, As, Bs)
+    exp = _group_grads([lora_linear_ref(x, w, None, a, b, s) for w, a, b, s in zip(ws, As, Bs, scales)], dys, x, As, Bs)
+    for k, (gt, e) in enumerate(zip(got, exp)):
+        assert_close(gt, e, atol=1e-5, rtol=1e-5, what=f"group output/grad {k} {outs} {ranks}")
+
+
+def test_lora_linear_group_under_autocast_and_with_x_frozen():
+    x, ws, As, Bs, dys = _group_leaves(11, 16, (24, 8), (4, 4), torch.float32, seed=9)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        got = _group_grads(lora_linear_group(x, ws, As, Bs, [0.5, 2.0], impl="fused"), dys, x, As, Bs)
+        exp = _group_grads([lora_linear_ref(x, w, None, a, b, s) for w, a, b, s in zip(ws, As, Bs, [0.5, 2.0])],
+                           dys, x, As, Bs)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    for k, (gt, e) in enumerate(zip(got, exp)):
+        assert_close(gt, e, atol=3e-2, rtol=3e-2, what=f"autocast group {k}")
+    # layer 0 of a frozen-embedding run: x needs no grad, so no Σ dy_i W_i is computed
+    xd = x.detach()
+    ys = lora_linear_group(xd, ws, As, Bs, [1.0, 1.0], impl="fused")
+    with FlopCounterMode(display=False) as fc:
+        sum((y * dy).sum() for y, dy in zip(ys, dys)).backward()
+    t, i, r = 11, 16, 8
+    assert fc.get_total_flops() == sum(2 * (2 * t * o * 4) for o in (24, 8)) + 2 * t * r * i  # g, dB each; one dA
+    assert all(a.grad is not None for a in As)
+
+
+def test_lora_linear_group_backward_counts_no_dW_and_one_pass_for_every_dA():
+    t, i, outs, r = 16, 24, (32, 8), 4
+    x, ws, As, Bs, dys = _group_leaves(t, i, outs, (r, r), torch.float32, seed=11)
+    ys = lora_linear_group(x, ws, As, Bs, [1.0, 1.0], impl="fused")
+    with FlopCounterMode(display=False) as fc:
+        sum((y * dy).sum() for y, dy in zip(ys, dys)).backward()
+    per_member = sum(2 * t * o * r * 2 + 2 * t * o * i for o in outs)  # g_i, dB_i, dy_i W_i
+    assert fc.get_total_flops() == per_member + 2 * (2 * r) * t * i * 2  # + one dA and one g·A over Σr = 2r
+    assert all(w.grad is None for w in ws) and x.grad is not None
+
+
+def test_lora_linear_group_frozen_adapters_and_bad_input():
+    x, ws, As, Bs, dys = _group_leaves(7, 8, (6, 5), (2, 2), torch.float32, seed=12)
+    frozen_a, frozen_b = [a.detach() for a in As], [b.detach() for b in Bs]
+    ys = lora_linear_group(x, ws, frozen_a, frozen_b, [1.0, 1.0], impl="fused")
+    sum((y * dy).sum() for y, dy in zip(ys, dys)).backward()
+    exp = _group_grads([lora_linear_ref(x, w, None, a, b, 1.0) for w, a, b in zip(ws, frozen_a, frozen_b)], dys, x,
+                       [], [])
+    assert_close(x.grad, exp[2], atol=1e-5, rtol=1e-5, what="dx, frozen adapters")
+    with pytest.raises(ValueError, match="all train or all be frozen"):
+        lora_linear_group(x, ws, [As[0], frozen_a[1]], Bs, [1.0, 1.0])
+    with pytest.raises(ValueError, match="M >= 1"):
+        lora_linear_group(x, ws, As[:1], Bs, [1.0, 1.0])
+    with pytest.raises(ValueError, match="frozen"):
+        lora_linear_group(x, [ws[0].requires_grad_(), ws[1]], As, Bs, [1.0, 1.0])
+
+
+def test_lora_group_custom_ops_pass_opcheck():
+    x, ws, As, Bs, dys = _group_leaves(5, 8, (6, 3), (2, 2), torch.float32, seed=13)
+    x, As, Bs = x.detach(), [a.detach() for a in As], [b.detach() for b in Bs]
+    torch.library.opcheck(lora_group_fwd, (x, ws, As, Bs, [1.0, 0.5], torch.float32, torch.float32))
+    u = x @ torch.cat(As).t()
+    torch.library.opcheck(lora_group_bwd, (dys, x, ws, As, Bs, u, [1.0, 0.5], True, True))
+
+
+def test_lora_linear_group_compiles_whole_and_matches_eager():
+    """Under torch.compile (fullgraph: no graph break) the group stays two opaque custom ops with eager's gradients."""
+    x, ws, As, Bs, dys = _group_leaves(9, 16, (12, 4, 4), (2, 2, 2), torch.float32, seed=14)
+
+    def f(x, *adapters):
+        return lora_linear_group(x, ws, adapters[:3], adapters[3:], [1.0, 0.5, 2.0], impl="fused")
+
+    eager = _group_grads(f(x, *As, *Bs), dys, x, As, Bs)
+    compiled = _group_grads(torch.compile(f, fullgraph=True, backend="aot_eager")(x, *As, *Bs), dys, x, As, Bs)
+    for k, (c, e) in enumerate(zip(compiled, eager)):
+        assert_close(c, e, atol=1e-6, rtol=1e-6, what=f"compiled group {k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_linear_group_bf16_qwen35_9b_projections():
+    """Qwen3.5-9B's Gated DeltaNet input projections (qkv 8192, z 4096, b 32, a 32 over D 4096) on 4096 tokens, r 16,
+    bf16 base and fp32 adapters under bf16 autocast (the bench's mixed setting): the group is as close to fp64 as
+    the same layers run alone."""
+    outs, scales = (8192, 4096, 32, 32), [2.0] * 4
+    x, ws, As, Bs, dys = _group_leaves(4096, 4096, outs, (16,) * 4, torch.float32, seed=15)
+    ws = [w.to(torch.bfloat16) for w in ws]
+    exp = _group_grads([lora_linear_ref(x.double(), w.double(), None, a.double(), b.double(), s)
+                        for w, a, b, s in zip(ws, As, Bs, scales)], dys, x, As, Bs)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _group_grads(lora_linear_group(x, ws, As, Bs, scales, impl="fused"), dys, x, As, Bs)
+        alone = _group_grads([lora_linear(x, w, None, a, b, s, impl="fused") for w, a, b, s in zip(ws, As, Bs, scales)],
+                             dys, x, As, Bs)
+    for k, (g, e, a) in enumerate(zip(got, exp, alone)):
+        assert_error_within(g, e, a, what=f"group vs alone, output/grad {k}", atol=1e-2)
