@@ -195,16 +195,23 @@ def shared_input_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Ten
     """[m(x) for m in linears]: the projections that read one x (q/k/v, gate/up, Qwen3.5's in_proj_*).
 
     When every one is a LoRA layer that can share (designer.lora.LoRALinear.shared_input_operands: no bias, no
-    dropout in effect) with one kernel choice and one adapter dtype, they run as one
-    kernels.lora_linear.lora_linear_group: x·Aᵀ once for all adapters, dx accumulated inside the matmuls instead
-    of M−1 separate adds. Anything else (plain nn.Linear: full fine-tuning, the reference path) runs layer by layer.
+    dropout in effect; _groupable: one kernel choice and adapter dtype, all adapters trained or all frozen), they
+    run as one kernels.lora_linear.lora_linear_group: x·Aᵀ once for all adapters, dx accumulated inside the
+    matmuls instead of M−1 separate adds. Anything else (plain nn.Linear: full fine-tuning, the reference path) runs layer by layer.
     """
     operands = [getattr(m, "shared_input_operands", lambda: None)() for m in linears]
-    if len(linears) > 1 and all(o is not None for o in operands):
-        if len({(o.impl, o.lora_a.dtype, o.lora_a.requires_grad, o.lora_b.requires_grad) for o in operands}) == 1:
-            return lora_linear_group(x, [o.weight for o in operands], [o.lora_a for o in operands],
-                                     [o.lora_b for o in operands], [o.scale for o in operands], operands[0].impl)
+    if len(linears) > 1 and all(o is not None for o in operands) and _groupable(operands):
+        return lora_linear_group(x, [o.weight for o in operands], [o.lora_a for o in operands],
+                                 [o.lora_b for o in operands], [o.scale for o in operands], operands[0].impl)
     return [m(x) for m in linears]
+
+
+def _groupable(operands: list[Any]) -> bool:
+    """One kernel choice, one adapter dtype, and every adapter weight trained or every one frozen (a frozen A
+    with a trained B, as LoRA-FA trains, runs layer by layer)."""
+    first = operands[0]
+    return all(o.impl == first.impl and o.lora_a.dtype == o.lora_b.dtype == first.lora_a.dtype
+               and o.lora_a.requires_grad == o.lora_b.requires_grad == first.lora_a.requires_grad for o in operands)
 
 
 class Attention(nn.Module):

@@ -188,3 +188,36 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
     assert grads_grouped.keys() == grads_alone.keys() and len(grads_alone) > 0
     for n, g in grads_alone.items():
         assert rel_err(grads_grouped[n], g) <= 1e-4, n
+
+
+@pytest.mark.parametrize("case,grouped", [("plain", True), ("frozen A (LoRA-FA)", False), ("dropout", False),
+                                          ("bias", False), ("eval with dropout", True), ("one layer alone", False)])
+def test_shared_input_linears_group_only_what_one_op_can_take(case, grouped, monkeypatch):
+    """Layers that cannot share one lora_linear_group run one by one, with the same outputs and gradients."""
+    import kernels.lora_linear as kl
+    from designer.model import shared_input_linears
+
+    calls: list[int] = []
+    real = kl.lora_group_fwd
+    monkeypatch.setattr(kl, "lora_group_fwd", lambda x, ws, *a, **k: calls.append(len(ws)) or real(x, ws, *a, **k))
+    torch.manual_seed(0)
+    args = LoraArgs(rank=2, alpha=4.0, dropout=0.3 if "dropout" in case else 0.0)
+    layers = [LoRALinear(torch.nn.Linear(8, o, bias=case == "bias" and o == 5), args, impl="fused") for o in (6, 5)]
+    if case == "one layer alone":
+        layers = layers[:1]
+    for m in layers:
+        m.train(case != "eval with dropout")
+        torch.nn.init.normal_(m.lora_B.weight, std=0.1)
+        if case == "frozen A (LoRA-FA)":
+            m.lora_A.weight.requires_grad_(False)
+    x = torch.randn(7, 8, requires_grad=True)
+    torch.manual_seed(1)
+    ys = shared_input_linears(x, *layers)
+    assert calls == ([len(layers)] if grouped else [])
+    torch.manual_seed(1)  # the same dropout masks
+    exp = [m(x) for m in layers]
+    dys = [torch.randn_like(e) for e in exp]
+    grads = [torch.autograd.grad(sum((o * d).sum() for o, d in zip(out, dys)), x) for out in (ys, exp)]
+    for y, e in zip(ys, exp):
+        torch.testing.assert_close(y, e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)

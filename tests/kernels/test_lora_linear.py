@@ -240,3 +240,20 @@ def test_lora_linear_group_bf16_qwen35_9b_projections():
                              dys, x, As, Bs)
     for k, (g, e, a) in enumerate(zip(got, exp, alone)):
         assert_error_within(g, e, a, what=f"group vs alone, output/grad {k}", atol=1e-2)
+
+
+def test_lora_linear_group_fp32_adapters_on_a_bf16_base_without_autocast():
+    """PEFT's default dtypes (bf16 base, fp32 adapters, no autocast): the adapter products run in fp32 and are
+    cast before the adds, as the layers alone do; as close to fp64 as the layers alone."""
+    x, ws, As, Bs, dys = _group_leaves(13, 24, (20, 6, 6), (4, 4, 4), torch.float32, seed=16)
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    wb, dyb = [w.to(torch.bfloat16) for w in ws], [d.to(torch.bfloat16) for d in dys]
+    scales = [2.0, 1.0, 0.5]
+    exp = _group_grads([lora_linear_ref(xb.double(), w.double(), None, a.double(), b.double(), s)
+                        for w, a, b, s in zip(wb, As, Bs, scales)], dyb, xb, As, Bs)
+    got = _group_grads(lora_linear_group(xb, wb, As, Bs, scales, impl="fused"), dyb, xb, As, Bs)
+    alone = _group_grads([lora_linear(xb, w, None, a, b, s, impl="fused") for w, a, b, s in zip(wb, As, Bs, scales)],
+                         dyb, xb, As, Bs)
+    assert got[0].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16 and got[4].dtype == torch.float32
+    for k, (g, e, a) in enumerate(zip(got, exp, alone)):
+        assert_error_within(g, e, a, what=f"bf16 base, fp32 adapters, output/grad {k}", atol=1e-3)
