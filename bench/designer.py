@@ -454,18 +454,21 @@ def loss_diff(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
 
 
+def diff_at_largest_shared(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Mean |Δloss| of two sweeps (micro-batch → run) on the same batches: at the largest micro-batch both ran
+    without running out of memory; None when there is none."""
+    same = [m for m in a if m in b and not a[m]["oom"] and not b[m]["oom"]]
+    if not same:
+        return None
+    m = max(same, key=int)
+    return {"micro_batch": int(m), "diff": loss_diff(a[m]["timed_losses"], b[m]["timed_losses"])}
+
+
 def peer_floor(peer_runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Mean |Δloss| between each pair of peers at the largest micro-batch both ran (none when fewer than two ran)."""
-    ran = {p: {m: r for m, r in runs.items() if not r["oom"]} for p, runs in peer_runs.items() if "skipped" not in runs}
-    out = {}
-    for i, a in enumerate(sorted(ran)):
-        for b in sorted(ran)[i + 1:]:
-            same = set(ran[a]) & set(ran[b])
-            if same:
-                m = max(same, key=int)
-                out[f"{a} vs {b}"] = {"micro_batch": int(m),
-                                      "diff": loss_diff(ran[a][m]["timed_losses"], ran[b][m]["timed_losses"])}
-    return out
+    """diff_at_largest_shared between each pair of peers that ran (none when fewer than two did)."""
+    ran = sorted(p for p, runs in peer_runs.items() if "skipped" not in runs)
+    pairs = ((a, b, diff_at_largest_shared(peer_runs[a], peer_runs[b])) for i, a in enumerate(ran) for b in ran[i + 1:])
+    return {f"{a} vs {b}": d for a, b, d in pairs if d}
 
 
 def ablation_switches(cfg: BenchConfig, main: Variant, exact: bool) -> dict[str, Variant]:
@@ -591,11 +594,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
                               "mfu_4n_head_all": ok[k]["mfu_4n_head_all"],
                               "mfu_matmul": ok[k]["tflops"] / mt if mt else None, "peak_gb": ok[k]["peak_gb"],
                               "micro_batch": int(k)}
-        same = [m for m in ok if not sweep.get(m, {"oom": True})["oom"]]
-        if same:  # the same batches through both: the largest micro-batch both ran
-            m = max(same, key=int)
-            report["loss_mean_abs_diff_by_peer"][p] = {
-                "micro_batch": int(m), "diff": loss_diff(sweep[m]["timed_losses"], ok[m]["timed_losses"])}
+        diff = diff_at_largest_shared(sweep, runs)
+        if diff:
+            report["loss_mean_abs_diff_by_peer"][p] = diff
     # The floor parity is measured against: two peers' implementations of the same model on the same batches
     # (e.g. transformers with and without fla-core) differ by bf16 rounding alone.
     report["loss_mean_abs_diff_between_peers"] = peer_floor(peer_runs)
