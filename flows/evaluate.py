@@ -29,8 +29,10 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
+from data.textfile import iter_lines
 from flows.report import image_markdown, in_prefect_run, make_grid
 from flows.training import FlowInputError
+from pipeline.atomic import atomic_file, atomic_write_text
 
 GRID_MAX_IMAGES = 64
 
@@ -47,7 +49,7 @@ def read_briefs(path: str | Path) -> list[str]:
         raise FlowInputError(f"briefs file {path} does not exist")
     briefs = []
     jsonl = path.suffix == ".jsonl"
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in iter_lines(path):  # a non-UTF-8 line is a DataError naming path:line
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -126,7 +128,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
 
 def read_captions(captions_file: str | Path) -> list[dict[str, str]]:
     rows = []
-    for lineno, line in enumerate(Path(captions_file).read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in iter_lines(captions_file):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -161,7 +163,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
         for i, p in zip(rows, paths):
             mapping[i] = str(p)
     index = out / "images.json"
-    _atomic_write(index, json.dumps(mapping, indent=0))
+    atomic_write_text(index, json.dumps(mapping, indent=0), what="image index")
     return index
 
 
@@ -212,20 +214,13 @@ def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Pa
                         "grid": str(grid) if grid else None, "captions": str(captions_file),
                         "images": str(images_index),
                         "summary": str(out / "summary.md")}}
-    _atomic_write(out / "scores.json", json.dumps(result, indent=1))
-    with open(out / "scores.csv.tmp", "w", newline="", encoding="utf-8") as f:
+    atomic_write_text(out / "scores.json", json.dumps(result, indent=1), what="scores")
+    with atomic_file(out / "scores.csv", "w", newline="", what="scores") as f:
         w = csv.DictWriter(f, fieldnames=list(per_brief[0]))
         w.writeheader()
         w.writerows(per_brief)
-    (out / "scores.csv.tmp").replace(out / "scores.csv")
-    _atomic_write(out / "summary.md", summary_markdown(result, with_grid=False))
+    atomic_write_text(out / "summary.md", summary_markdown(result, with_grid=False), what="summary")
     return {k: v for k, v in result.items() if k != "per_brief"}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def summary_markdown(result: dict[str, Any], with_grid: bool = True) -> str:

@@ -44,6 +44,7 @@ import torch
 
 from data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
 from data.shards import read_index
+from data.textfile import read_lines
 from imagegen.autoencoder import load_autoencoder
 from imagegen.cache import cache_split
 from imagegen.config import ImagegenConfig
@@ -218,7 +219,7 @@ class ImagegenTask:
             path = Path(s.prompts_file)
             if not path.is_file():
                 raise ConfigError(f"sample.prompts_file: not found: {path}")
-            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = [line.strip() for line in read_lines(path) if line.strip()]  # non-UTF-8: named path:line
             if not lines:
                 raise ConfigError(f"sample.prompts_file: {path} has no prompts")
             return lines
