@@ -116,11 +116,8 @@ def ensure_dir(path: str | os.PathLike, what: str = "") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
-        subject = f"{what} {path}" if what else str(path)
-        blocker = Path(e.filename) if e.filename else path
-        if blocker == path:
-            raise WriteError(f"{subject}: exists and is a file, not a directory", e.errno) from None
-        raise WriteError(f"{subject}: {blocker} is a file, not a directory", e.errno) from None
+        check_dir_path(path, what)  # names the file in the way
+        raise write_error(path, e, what) from None
     except OSError as e:
         raise write_error(path, e, what) from None
     return path
