@@ -241,6 +241,8 @@ def read_image_checked(path: Path, where: str) -> tuple[bytes, int, int]:
         with Image.open(io.BytesIO(data)) as img:  # verify() leaves the image unusable: open it again
             img.load()  # decode all of it: a truncated body raises here, not at training time
             width, height = img.size
+    except Image.UnidentifiedImageError:  # its message names a BytesIO, not the file
+        raise DataError(f"{where}: cannot decode image {path} (not an image format Pillow can read)") from None
     except Exception as exn:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError...
         raise DataError(f"{where}: cannot decode image {path} ({type(exn).__name__}: {exn})") from None
     return data, width, height
@@ -534,7 +536,7 @@ class ShardReport:
         if self.total_bad:
             bad = [f"{name}: {', '.join(f'{n} {reason}' for reason, n in s['bad'].items())}"
                    for name, s in self.per_shard.items() if s["bad"]]
-            parts.append(f"{self.total_bad} bad samples ({'; '.join(bad)})")
+            parts.append(f"{self.total_bad} bad sample{'s' if self.total_bad > 1 else ''} ({'; '.join(bad)})")
         parts += list(self.problems)
         return f"{self.directory}: " + "; ".join(parts) if parts else ""
 

@@ -70,6 +70,9 @@ class DesignerTask:
         self.dist = dist if dist is not None else DistContext(device=device)
         rank, world_size = self.dist.rank, self.dist.world_size
         model_dir = Path(cfg.model.path)
+        if not model_dir.is_dir():
+            raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
+                              f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
