@@ -55,7 +55,7 @@ from rich.progress import Progress
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from data.textfile import read_lines
+from data.textfile import read_json, read_lines
 from pipeline.atomic import atomic_dir
 from pipeline.errors import AtelierError, DataError
 
@@ -398,7 +398,7 @@ def write_latent_shards(samples: Iterable[dict], out_dir: Path, shard_size: int)
 
 def read_index(directory: Path) -> dict | None:
     path = Path(directory) / INDEX_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, ShardError) if path.is_file() else None
 
 
 def list_shards(source: str | Path | Sequence[str | Path], must_exist: bool = True) -> list[str]:

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from data.chat import DataError, prompt_ids
-from data.textfile import iter_lines
+from data.textfile import iter_lines, read_json
 from data.tokenizer import load_tokenizer
 from designer.generate import generate
 from designer.hf import load_pretrained
 from designer.lora import load_peft_adapter
 from designer.model import Qwen3
 from pipeline.atomic import atomic_write_text, check_dir_path
-from pipeline.errors import WriteError
+from pipeline.errors import ModelLoadError, WriteError
 
 
 def read_briefs(path: Path) -> list[str]:
@@ -53,7 +53,8 @@ def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.f
     path = Path(path)
     adapter_cfg = path / "adapter_config.json"
     if adapter_cfg.is_file():
-        base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
+        cfg = read_json(adapter_cfg, ModelLoadError)
+        base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
         if not base or not Path(base).is_dir():
             raise FileNotFoundError(f"{adapter_cfg}: base_model_name_or_path {base!r} is not a local directory")
         model = load_pretrained(base, dtype=dtype, device=device)

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from designer import model as qwen3
 from designer import qwen35
 from designer.model import ModelArgs, Qwen3
+from data.textfile import read_json
 from designer.qwen35 import Qwen35, Qwen35Args
 from pipeline.atomic import atomic_dir, save_safetensors
 from pipeline.errors import ModelLoadError, UsageError
@@ -75,10 +76,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    return read_json(path, ModelLoadError)
 
 
 def weight_files(d: Path) -> dict[str, Path]:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data.textfile import read_json
 from designer.hf import read_safetensors_header
 from designer.model import Qwen3
 from designer.qwen35 import Qwen35
@@ -236,10 +237,10 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     cfg_path = d / "adapter_config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: not found")
-    try:
-        args = lora_args_from_peft_config(json.loads(cfg_path.read_text()), str(cfg_path))
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg = read_json(cfg_path, ModelLoadError)
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    args = lora_args_from_peft_config(cfg, str(cfg_path))
     file = d / ADAPTER_FILE
     header = read_safetensors_header(file)
     existing = [m for m in model.modules() if isinstance(m, LoRALinear)]

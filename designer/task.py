@@ -73,6 +73,7 @@ class DesignerTask:
         if not model_dir.is_dir():
             raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
                               f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
+        read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from data.textfile import iter_lines
+from data.textfile import iter_lines, read_json
 from flows.report import image_markdown, in_prefect_run, make_grid
 from flows.training import FlowInputError
 from pipeline.atomic import atomic_file, atomic_write_text
@@ -78,7 +78,8 @@ def resolve_designer(path: str | Path) -> tuple[Path, Path | None]:
     if not p.exists():
         raise FlowInputError(f"designer {p} does not exist (a model, adapter or run directory)")
     if (p / "adapter_config.json").is_file():
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        cfg = read_json(p / "adapter_config.json", FlowInputError)
+        base = (cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None) or ""
         if not base or not (Path(base) / "config.json").is_file():
             raise FlowInputError(f"{p / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a local "
                                  f"model directory with config.json")
@@ -118,7 +119,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     briefs_file = out / "briefs.txt"
-    briefs_file.write_text("".join(b + "\n" for b in briefs), encoding="utf-8")
+    atomic_write_text(briefs_file, "".join(b + "\n" for b in briefs), what="briefs")
     captions_file = out / "captions.jsonl"
     generate_captions(model_dir=model_dir, adapter_dir=adapter_dir, briefs_file=briefs_file, out_file=captions_file,
                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -155,7 +156,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
     mapping: list[str | None] = [None] * len(captions)
     if rows:
         lines_file = out / "captions.txt"
-        lines_file.write_text("".join(captions[i] + "\n" for i in rows), encoding="utf-8")
+        atomic_write_text(lines_file, "".join(captions[i] + "\n" for i in rows), what="captions")
         paths = sample_to_dir(model_dir=model_dir, captions_file=lines_file, out_dir=images_dir, steps=steps,
                               guidance=guidance, seed=seed, config_path=None)
         if len(paths) != len(rows):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from data.textfile import read_json
 from imagegen.model import SIZES, MMDiT, MMDiTArgs
 from pipeline.atomic import atomic_dir, save_safetensors
 from pipeline.errors import ModelLoadError, UsageError
@@ -41,10 +42,7 @@ def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "
     """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation,
     ``attention`` the SDPA backend."""
     cfg_path = resolve_dir(path) / CONFIG_NAME
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    config = read_json(cfg_path, ModelLoadError)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
     try:
@@ -63,8 +61,8 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
             return {str(single): list(f.keys())}
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = read_json(index, ModelLoadError)["weight_map"]
+        except (KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from PIL import Image
 
-from data.textfile import read_lines
+from data.textfile import read_json, read_lines
 from imagegen.flow import FlowArgs, euler_sample
 from pipeline.atomic import atomic_file, atomic_write_text, check_dir_path, ensure_dir
 from pipeline.errors import DataError, ModelLoadError
@@ -116,10 +116,7 @@ def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
                 "resolution": cfg.data.resolution, "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
     for candidate in (model_dir / RUN_META, model_dir.parent / RUN_META):
         if candidate.is_file():
-            try:
-                return json.loads(candidate.read_text())
-            except json.JSONDecodeError as e:
-                raise ModelLoadError(f"{candidate}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            return read_json(candidate, ModelLoadError)
     raise FileNotFoundError(f"no {RUN_META} in {model_dir} or {model_dir.parent}: pass --config with the run's "
                             f"config.toml (sampling needs the autoencoder and text encoder settings)")
 

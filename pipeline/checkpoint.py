@@ -114,8 +114,8 @@ def verify_checkpoint(path: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing — the checkpoint was not completely written")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_bytes())
+    except ValueError as e:  # bad JSON, or bytes that are not UTF-8
         raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
     for name, expected in manifest.items():
         f = path / name

@@ -140,8 +140,15 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        raw = path.read_bytes()
         try:
-            data = tomllib.loads(path.read_text())
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") \
+                from None
+        try:
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     for item in overrides:

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,14 @@ def train_on(tmp: Path, w: World, key: str, name: str, data: str | bytes) -> lis
     return designer_train(tmp, w, f"{key}={write(tmp / name, data)}")
 
 
+def broken_model(tmp: Path, w: World, name: str, cut: int | None = None, text: str | None = None) -> list[str]:
+    """A copy of the tiny model with file `name` cut to `cut` bytes or replaced by `text`; `designer train` on it."""
+    shutil.copytree(w.model, tmp / "model")
+    f = tmp / "model" / name
+    f.write_bytes(f.read_bytes()[:cut] if text is None else text.encode())
+    return designer_train(tmp, w, f"model.path={tmp / 'model'}")
+
+
 def output_dir_is_a_file(tmp: Path, w: World) -> list[str]:
     write(tmp / "run", "a file")
     return designer_train(tmp, w)
@@ -231,6 +240,8 @@ CASES = [
          ("config file not found", "{tmp}/nope.toml"), absent=("run",)),
     Case("config-invalid-toml", lambda t, w: designer_train(t, w, config=write(t / "bad.toml", "[train\nlr = ")),
          ("{tmp}/bad.toml: invalid TOML",), absent=("run",)),
+    Case("config-not-utf8", lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
+         ("{tmp}/bad.toml:3: not valid UTF-8",), absent=("run",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",
@@ -256,6 +267,10 @@ CASES = [
          ("data.seq_len = 16", "{fixture}:1", "set data.seq_len >="), absent=("run",)),
     Case("model-dir-missing", lambda t, w: designer_train(t, w, f"model.path={t / 'no-such-model'}"),
          ("model.path: {tmp}/no-such-model is not a directory",), absent=("run",)),
+    Case("model-config-not-json", lambda t, w: broken_model(t, w, "config.json", text="{oops"),
+         ("{tmp}/model/config.json:1: invalid JSON",), absent=("run",)),
+    Case("model-weights-truncated", lambda t, w: broken_model(t, w, "model.safetensors", cut=4096),
+         ("{tmp}/model/model.safetensors", "truncated file"), absent=("run",)),
     # ---------------------------------------------------------------- outputs
     Case("output-dir-is-a-file", output_dir_is_a_file,
          ("output.dir {tmp}/run: exists and is a file",), unchanged=("run",)),
