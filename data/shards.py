@@ -3,8 +3,9 @@
 Two shard kinds live in a directory `out_dir/shard-000000.tar, shard-000001.tar, ...` with an
 `index.json` ({"kind", "shards": [{"name", "count"}], "total"}). A writer builds the whole set in a
 temporary directory and installs it at out_dir only once every sample is written (pipeline/atomic.py):
-a failed write (a bad input line, a full disk) leaves out_dir as it was, never a partial set. Keys are `%09d` ordinals (image shards) or the caller's key (latent shards);
-keys never contain "." or "/" because webdataset splits a member name at the first dot.
+a failed write (a bad input line, a full disk) leaves out_dir as it was, never a partial set. Keys
+are `%09d` ordinals (image shards) or the caller's key (latent shards); keys never contain "." or
+"/" because webdataset splits a member name at the first dot.
 
     image shard   <key>.jpg|png|webp  original bytes, never re-encoded
                   <key>.txt           caption, UTF-8

@@ -2,9 +2,10 @@
 
 Every input file of one record per line (training JSONL, briefs, captions, prompts, tokenizer corpora)
 is read through here, and `read_json` reads the JSON files a user may hand over (model and adapter
-configs, shard indexes), turning bad bytes or bad JSON into the caller's error class naming the file. Each line is decoded on its own: Python's whole-file decoding would fail with a
-byte offset and no file name. Lines end at "\\n" (a "\\r" before it is dropped, so CRLF files read the
-same); a UTF-8 byte-order mark at the start of the file is skipped.
+configs, shard indexes), turning bad bytes or bad JSON into the caller's error class naming the file.
+Each line is decoded on its own: Python's whole-file decoding would fail with a byte offset and no file
+name. Lines end at "\\n" (a "\\r" before it is dropped, so CRLF files read the same); a UTF-8 byte-order
+mark at the start of the file is skipped.
 """
 
 from __future__ import annotations

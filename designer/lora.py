@@ -246,7 +246,8 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     existing = [m for m in model.modules() if isinstance(m, LoRALinear)]
     if existing:
         if existing[0].rank != args.rank:
-            raise ModelLoadError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank {existing[0].rank}")
+            raise ModelLoadError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank "
+                                 f"{existing[0].rank}")
     else:
         a_keys = [k for k in header if k.endswith("lora_A.weight")]
         if a_keys:
@@ -263,8 +264,8 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
         for k, p in params.items():
             if tuple(header[k]["shape"]) != tuple(p.shape):
-                raise ModelLoadError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects {tuple(p.shape)} "
-                                 f"(rank or model size mismatch)")
+                raise ModelLoadError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects "
+                                     f"{tuple(p.shape)} (rank or model size mismatch)")
             p.copy_(f.get_tensor(k))
     return args
 

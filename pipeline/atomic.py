@@ -98,7 +98,7 @@ def remove_stale(final: str | os.PathLike) -> None:
 
 
 def check_dir_path(path: str | os.PathLike, what: str = "") -> Path:
-    """Fail now, naming ``what``, if ``path`` cannot become a directory (it, or a parent, is a file); creates nothing."""
+    """Fail now, naming ``what``, if ``path`` cannot become a directory (it or a parent is a file); creates nothing."""
     path = Path(path)
     subject = f"{what} {path}" if what else str(path)
     for p in (path, *path.parents):
@@ -216,7 +216,8 @@ def install_dir(tmp: Path, final: Path, what: str = "") -> None:
         _remove(old)
 
 
-def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
     """safetensors' `save_file`, with an I/O failure raised as the OSError it is (safetensors hides the errno in a
     SafetensorError's text), so a full disk is reported as one."""
     from safetensors.torch import save_file

@@ -28,10 +28,11 @@ one process without a process group loads it too):
     manifest.json                  size and SHA-256 of every file above; written last, by rank 0
 
 The same atomicity: every rank writes into `.step-N.tmp-sharded/` (one name all ranks know), rank 0
-writes the manifest once all ranks are done and installs it the same way. With `async_save` the files are written by a background thread while training goes on;
-the rename happens when the write has finished (`PendingSave.wait`, called at the next save and at the
-end of the run), so a crash mid-write leaves only a temporary directory. DCP's files are read with
-torch.load(weights_only=True) semantics inside DCP: tensors and plain containers only.
+writes the manifest once all ranks are done and installs it the same way. With `async_save` the files
+are written by a background thread while training goes on; the rename happens when the write has
+finished (`PendingSave.wait`, called at the next save and at the end of the run), so a crash mid-write
+leaves only a temporary directory. DCP's files are read with torch.load(weights_only=True) semantics
+inside DCP: tensors and plain containers only.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class PendingSave:
 
 def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], state: dict[str, Any],
                             rank_state: dict[str, Any], ctx: Any, async_save: bool = False) -> PendingSave:
-    """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into `root/.step-N.tmp-sharded`.
+    """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into root/.step-N.tmp-sharded.
 
     A collective: all ranks call it with the same step. `state` (JSON, rank 0's copy is kept) and
     `rank_state` (JSON, one file per rank) go next to the shards. Returns the pending save; its `wait()`

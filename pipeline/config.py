@@ -140,13 +140,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw.count(b"\n", 0, e.start) + 1
-            raise ConfigError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") \
-                from None
+        from data.textfile import decode_utf8
+
+        text = decode_utf8(path.read_bytes(), path, ConfigError)  # a non-UTF-8 byte is named path:line
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

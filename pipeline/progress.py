@@ -47,7 +47,10 @@ class MetricsLog:
             raise write_error(self.path, e, "metrics log") from e
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()  # flushes: a full disk can surface here too
+        except OSError as e:
+            raise write_error(self.path, e, "metrics log") from e
 
 
 def _step_of(line: str) -> float:

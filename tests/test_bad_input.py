@@ -12,9 +12,10 @@ disk-full row, run `python -m pipeline.cli` itself in a subprocess) and checks:
   aside name of pipeline/atomic.py is left anywhere under tmp.
 
 In this process, stderr is what Python code writes to sys.stderr (pytest collects warnings elsewhere); a
-subprocess row checks the whole stream of a real command. A new bad input is one more row. `{tmp}` in `expect` is the case's directory, `{fixture}` the designer's
-fixture JSONL. Disk full is simulated in the subprocess with RLIMIT_FSIZE (writes past the limit fail with
-EFBIG; Python ignores SIGXFSZ), the same errno path as ENOSPC.
+subprocess row checks the whole stream of a real command. A new bad input is one more row. `{tmp}` in
+`expect` is the case's directory, `{fixture}` the designer's fixture JSONL. Disk full is simulated in the
+subprocess with RLIMIT_FSIZE (writes past the limit fail with EFBIG; Python ignores SIGXFSZ), the same
+errno path as ENOSPC.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def png_bytes(seed: int, side: int = 24) -> bytes:
     return buf.getvalue()
 
 
-def image_set(tmp: Path, n: int = 3, images: dict[str, bytes] | None = None, lines: list[bytes] | None = None) -> list[str]:
+def image_set(tmp: Path, n: int = 3, images: dict[str, bytes] | None = None,
+              lines: list[bytes] | None = None) -> list[str]:
     """tmp/images/img<i>.png and tmp/captions.jsonl (`images` replaces files, `lines` the JSONL); the shards argv."""
     for i in range(n):
         write(tmp / "images" / f"img{i}.png", png_bytes(i))
@@ -234,13 +236,15 @@ CASES = [
          ("train.lr_max: unknown key",), absent=("run",)),
     Case("config-wrong-type", lambda t, w: designer_train(t, w, "train.micro_batch=two"),
          ("train.micro_batch: expected an integer",), absent=("run",)),
-    Case("config-bool-for-a-choice", lambda t, w: designer_train(t, w, "train.distributed.activation_checkpointing=true"),
+    Case("config-bool-for-a-choice",
+         lambda t, w: designer_train(t, w, "train.distributed.activation_checkpointing=true"),
          ("train.distributed.activation_checkpointing", "selective"), absent=("run",)),
     Case("config-file-missing", lambda t, w: designer_train(t, w, config=t / "nope.toml"),
          ("config file not found", "{tmp}/nope.toml"), absent=("run",)),
     Case("config-invalid-toml", lambda t, w: designer_train(t, w, config=write(t / "bad.toml", "[train\nlr = ")),
          ("{tmp}/bad.toml: invalid TOML",), absent=("run",)),
-    Case("config-not-utf8", lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
+    Case("config-not-utf8",
+         lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
          ("{tmp}/bad.toml:3: not valid UTF-8",), absent=("run",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
@@ -253,11 +257,13 @@ CASES = [
                        "--set", f"output.dir={t / 'run'}"],
          ("data.resolution",), absent=("run",)),
     # ---------------------------------------------------------------- designer training data
-    Case("jsonl-malformed-line", lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(1)) + b"{x\n"),
+    Case("jsonl-malformed-line",
+         lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(1)) + b"{x\n"),
          ("{tmp}/bad.jsonl:2", "malformed JSON"), absent=("run",)),
     Case("jsonl-empty-caption", lambda t, w: train_on(t, w, "data.train", "bad.jsonl", EMPTY_CAPTION),
          ("{tmp}/bad.jsonl:1", "caption is empty"), absent=("run",)),
-    Case("jsonl-not-utf8", lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(2)) + NOT_UTF8),
+    Case("jsonl-not-utf8",
+         lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(2)) + NOT_UTF8),
          ("{tmp}/bad.jsonl:3", "not valid UTF-8", "0xff"), absent=("run",)),
     Case("eval-jsonl-not-utf8", lambda t, w: train_on(t, w, "data.eval", "eval.jsonl", NOT_UTF8 + b"\n"),
          ("{tmp}/eval.jsonl:1", "not valid UTF-8"), absent=("run",)),

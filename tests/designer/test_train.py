@@ -1,4 +1,4 @@
-"""The designer trainer end to end through the CLI: outputs, SIGKILL + exact resume (bad input: tests/test_bad_input.py)."""
+"""The designer trainer end to end through the CLI: outputs, SIGKILL + exact resume (bad input: test_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
 
 
 def train_args(world: Path, out: Path, *extra: str) -> list[str]:
-    """The demo config on the fixture world; warmup 1 step, so that runs of any length are valid (warmup <= max_steps)."""
+    """The demo config on the fixture world; warmup 1 step, so that runs of any length are valid."""
     return ["designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
             "--set", f"model.path={world / 'model'}", "--set", f"data.train={FIXTURE}", "--set", f"data.eval={FIXTURE}",
             "--set", "data.seq_len=128", "--set", "train.micro_batch=2", "--set", "train.log_every=1",

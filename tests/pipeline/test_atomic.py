@@ -1,4 +1,4 @@
-"""pipeline/atomic.py: a failed write leaves the old file or directory intact and no temporary; a killed install is undone."""
+"""pipeline/atomic.py: a failed write leaves the old file or directory and no temporary; a killed install is undone."""
 
 from __future__ import annotations
 
