@@ -54,6 +54,7 @@ from imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained
 from imagegen.model import MMDiT
 from imagegen.sample import make_grid, sample_images, write_run_meta
 from imagegen.text import load_text_encoder
+from pipeline.atomic import atomic_file
 from pipeline.config import ConfigError
 from pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
 from pipeline.progress import log
@@ -375,8 +376,8 @@ class ImagegenTask:
                                    s.steps, s.guidance, s.seed, self.flow,
                                    autocast_dtype=torch.bfloat16 if self.autocast else None)
         if self.dist.is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            make_grid(images, s.columns).save(path)
+            with atomic_file(path, "wb", what="sample grid") as f:
+                make_grid(images, s.columns).save(f, format="PNG")
         return path
 
     def after_optimizer_step(self, step: int) -> None:

@@ -14,7 +14,8 @@ path. A directory is built under its temporary name, every file in it fsynced, t
 
 so at every instant one complete version is on disk: a kill between the two renames leaves the old
 version under its aside name, and `restore_aside` (called before the next write of that path, and by
-whoever lists such directories, e.g. checkpoints) renames it back. On any exception the temporary is
+whoever lists such directories, e.g. checkpoints) renames it back; the next write also deletes a
+killed writer's temporary. On any exception the temporary is
 deleted and the final path is left as it was (put back if it had been moved aside). Errors that mean
 the write itself failed (no space, a read-only disk, no permission) come out as `WriteError` naming
 the final path and the file being written; other exceptions pass through unchanged.
@@ -174,14 +175,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, what: str = "") -> 
 def atomic_dir(path: str | os.PathLike, what: str = "", token: str | None = None) -> Iterator[Path]:
     """Build a directory under ``path``'s temporary name; a clean exit installs it at ``path`` (see the module doc).
 
-    An existing ``path`` stays readable until the new one is in place; a file at ``path`` is refused.
+    An existing ``path`` stays readable until the new one is in place; a file at ``path`` is refused. What a
+    killed writer of ``path`` left (its temporary, an old version moved aside) is cleaned up first: one writer
+    per directory is the rule (a temporary may be as large as the directory).
     """
     final = Path(path)
     if final.exists() and not final.is_dir():
         subject = f"{what} {final}" if what else str(final)
         raise WriteError(f"{subject}: exists and is a file, not a directory", errno.EEXIST)
     ensure_dir(final.parent, what)
-    restore_aside(final)
+    remove_stale(final)
     tmp = temp_path(final, token)
     _remove(tmp)
     tmp.mkdir()

@@ -75,13 +75,13 @@ def save_checkpoint(root: Path, ckpt: Checkpoint) -> Path:
     """Write `root/step-N` atomically (see the module docstring) and return its path."""
     root = ensure_dir(root, "checkpoint directory")
     final = root / f"step-{ckpt.step}"
-    remove_stale(final)  # what a writer killed earlier left
     files = {
         "model.safetensors": ckpt.model,
         "optimizer.safetensors": ckpt.optimizer,
         "extra.safetensors": ckpt.extra,
     }
-    with atomic_dir(final, what="checkpoint") as tmp:  # an existing step-N stays loadable until this one is in
+    # an existing step-N stays loadable until this one is in; what a killed save of step N left is deleted first
+    with atomic_dir(final, what="checkpoint") as tmp:
         for name, tensors in files.items():
             save_safetensors({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp / name)
         _write_json(tmp / "state.json", {"step": ckpt.step, **ckpt.state})

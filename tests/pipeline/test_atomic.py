@@ -156,6 +156,16 @@ def test_remove_stale_keeps_the_final_path(tmp_path):
     assert (d / "v").read_text() == "v1" and not leftovers(tmp_path)
 
 
+def test_the_next_install_deletes_a_killed_writers_temporary(tmp_path):
+    d = tmp_path / "shards"
+    stale = temp_path(d, token="12345-deadbeef")  # as a writer killed mid-build leaves it
+    stale.mkdir()
+    (stale / "shard-000000.tar").write_bytes(b"x" * 100)
+    with atomic_dir(d) as tmp:
+        (tmp / "index.json").write_text("{}")
+    assert (d / "index.json").is_file() and not leftovers(tmp_path)
+
+
 def test_a_file_in_the_way_of_a_directory_is_named(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(WriteError, match=r"output.dir .*/f: exists and is a file, not a directory"):
