@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from bench.env import clocks, environment
 from kernels.attention import packed_causal_attention, packed_causal_attention_ref
+from pipeline.atomic import atomic_write_text
 
 SHAPES = {
     "packed-8k": dict(rows=4, row_len=2048, heads=32, kv_heads=8, head_dim=128, one_doc=False),
@@ -285,10 +286,9 @@ def cli(argv: list[str] | None, prog: str, doc: str, shapes: dict, tiny_shapes: 
         report["shapes"][name] = bench_one(name, table[name], device, dtype, chosen_paths, a.repeats, a.tiny)
     report["clocks"]["after"] = clocks()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report, title))
+    atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
+    atomic_write_text(out / f"{stem}.md", markdown(report, title), what="benchmark report")
     print(markdown(report, title))
     return 0
 

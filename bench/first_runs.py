@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench.env import clocks, environment, matmul_tflops
+from pipeline.atomic import atomic_write_text
 
 ROOT = Path(__file__).parents[1]
 
@@ -89,7 +90,7 @@ def main() -> int:
 
         report["imagegen"] = imagegen_run(work, log)
     report["clocks_after"] = clocks()
-    (out / "first-runs.json").write_text(json.dumps(report, indent=1))
+    atomic_write_text(out / "first-runs.json", json.dumps(report, indent=1), what="benchmark report")
     for name in ("designer", "imagegen"):
         for key, run in report.get(name, {}).get("runs", {}).items():
             s = run.get("summary", {})

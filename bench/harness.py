@@ -150,10 +150,10 @@ def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str
 def write_report(report: dict[str, Any], out: Path, stem: str, markdown: str,
                  chart: Callable[[Path], Path | None]) -> Path:
     """out/<stem>-<date>.json, .md and -ablation.png (when `chart` draws one); returns the JSON's path."""
-    out.mkdir(parents=True, exist_ok=True)
+    from pipeline.atomic import atomic_write_text
+
     stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown)
+    path = atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
+    atomic_write_text(out / f"{stem}.md", markdown, what="benchmark report")
     chart(out / f"{stem}-ablation.png")
     return path

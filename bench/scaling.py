@@ -37,6 +37,7 @@ from typing import Any
 
 from bench.env import clocks, environment
 from bench.harness import fmt, parse_ints
+from pipeline.atomic import atomic_write_text
 
 ROOT = Path(__file__).parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -220,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = Path(a.tokenizer) if a.tokenizer else None
         report["runs"][name] = measure(name, run, gpus, work, tok, a.steps, log, dtype)
     report["clocks"]["after"] = clocks()
-    path = out / f"scaling-{time.strftime('%Y-%m-%d')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"scaling-{time.strftime('%Y-%m-%d')}.md").write_text(markdown(report))
+    atomic_write_text(out / f"scaling-{time.strftime('%Y-%m-%d')}.json", json.dumps(report, indent=1),
+                      what="benchmark report")
+    atomic_write_text(out / f"scaling-{time.strftime('%Y-%m-%d')}.md", markdown(report), what="benchmark report")
     print(markdown(report))
     return 0
 

@@ -10,7 +10,8 @@ Two architectures, told apart by config.json's model_type: "qwen3" (designer.mod
 
 Weights load from safetensors only (nothing is unpickled). Every file's header is checked against its
 size before any tensor is read, so a truncated or mismatched file fails with its path and key.
-Directories are written to a temporary sibling and renamed into place (atomic on one filesystem).
+Directories are written by pipeline/atomic.py (a temporary sibling, then renamed into place). A file that
+cannot be loaded is a ModelLoadError (or FileNotFoundError) naming it.
 """
 from __future__ import annotations
 
@@ -19,18 +20,19 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from designer import model as qwen3
 from designer import qwen35
 from designer.model import ModelArgs, Qwen3
+from data.textfile import read_json
 from designer.qwen35 import Qwen35, Qwen35Args
+from pipeline.atomic import atomic_dir, save_safetensors
+from pipeline.errors import ModelLoadError, UsageError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -49,24 +51,24 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
         n = int.from_bytes(raw, "little")
         if 8 + n > size:
-            raise ValueError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
+            raise ModelLoadError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
         try:
             header = json.loads(f.read(n))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+            raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from None
     data_bytes = size - 8 - n
     header.pop("__metadata__", None)
     for key, info in header.items():
         start, end = info["data_offsets"]
         want = math.prod(info["shape"]) * _ITEMSIZE.get(info["dtype"], 0)
         if end - start != want:
-            raise ValueError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
+            raise ModelLoadError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
                              f"header gives {end - start}")
         if end > data_bytes:
-            raise ValueError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
+            raise ModelLoadError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
                              f"(truncated file?)")
     return header
 
@@ -74,10 +76,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return read_json(path, ModelLoadError)
 
 
 def weight_files(d: Path) -> dict[str, Path]:
@@ -91,7 +90,7 @@ def weight_files(d: Path) -> dict[str, Path]:
     if (d / INDEX).is_file():
         weight_map = _read_json(d / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{d / INDEX}: missing 'weight_map'")
+            raise ModelLoadError(f"{d / INDEX}: missing 'weight_map'")
         where = {k: d / f for k, f in weight_map.items()}
     elif (d / SINGLE).is_file():
         where = {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
@@ -128,14 +127,14 @@ def args_from_hf_config(cfg: dict, attention_impl: str = "auto", source: str = "
     if kind == "qwen3_5":  # the vision-language checkpoint: read its text model (weight_files renames the keys)
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
+            raise ModelLoadError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
         inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
                      if k in cfg and k not in text}
         args = Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"}, attention_impl,
                                          delta_rule_impl, source=f"{source} text_config")
         return dataclasses.replace(args, kernels=kernels)
     if kind != "qwen3":
-        raise ValueError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
+        raise ModelLoadError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
     return ModelArgs.from_hf_config(cfg, attention_impl, source=source, kernels=kernels)
 
 
@@ -144,7 +143,7 @@ def args_from_size(size: str, vocab_size: int, **overrides) -> Args:
     if size in qwen35.SIZES:
         return Qwen35Args.from_size(size, vocab_size, **overrides)
     if size not in qwen3.SIZES:
-        raise ValueError(f"unknown designer size {size!r}; known: {sorted(qwen3.SIZES) + sorted(qwen35.SIZES)}")
+        raise UsageError(f"unknown designer size {size!r}; known: {sorted(qwen3.SIZES) + sorted(qwen35.SIZES)}")
     return ModelArgs.from_size(size, vocab_size, **overrides)
 
 
@@ -163,8 +162,13 @@ def init_param(args: Args, name: str, shape: tuple[int, ...], gen: torch.Generat
 
 def read_args(d: Path, attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
     """The Args of the HF directory d (its config.json); `kernels` is Qwen3's ModelArgs.kernels."""
-    return args_from_hf_config(_read_json(d / "config.json"), attention_impl, str(d / "config.json"), delta_rule_impl,
-                               kernels)
+    try:
+        return args_from_hf_config(_read_json(d / "config.json"), attention_impl, str(d / "config.json"),
+                                   delta_rule_impl, kernels)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # ModelArgs / Qwen35Args checks, which name config.json and the key
+        raise ModelLoadError(str(e)) from None
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -196,18 +200,18 @@ def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
         where.pop("lm_head.weight", None)  # some exporters store the tied head too; it is the embedding
     missing = [k for k in expected if k not in where]
     if missing:
-        raise ValueError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ModelLoadError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
     if unexpected:
-        raise ValueError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise ModelLoadError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     for file in sorted(set(where.values())):
         header = read_safetensors_header(file)
         for k in (k for k, f in where.items() if f == file):
             name = file_key(k, header)
             if name not in header:
-                raise ValueError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
+                raise ModelLoadError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
             if tuple(header[name]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
+                raise ModelLoadError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
                                  f"{expected[k]}")
     return where
 
@@ -233,10 +237,7 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
     Only one shard is in memory at once, so an 8B model is written without holding it twice.
     """
     out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, what="model directory") as tmp:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shards = _plan_shards(shapes, itemsize, max_shard_bytes)
         weight_map: dict[str, str] = {}
@@ -249,7 +250,7 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
                     raise ValueError(f"write_hf_dir: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
                 tensors[k] = t.detach().to(device="cpu", dtype=dtype).contiguous()
                 weight_map[k] = name
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            save_safetensors(tensors, tmp / name, metadata={"format": "pt"})
             del tensors
         if len(shards) > 1:
             total = sum(math.prod(s) for s in shapes.values()) * itemsize
@@ -262,14 +263,6 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(tmp))
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

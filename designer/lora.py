@@ -21,18 +21,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from data.textfile import read_json
 from designer.hf import read_safetensors_header
 from designer.model import Qwen3
 from designer.qwen35 import Qwen35
 from kernels.lora_linear import lora_linear
+from pipeline.atomic import atomic_dir, save_safetensors
+from pipeline.errors import ModelLoadError
 
 # Atelier's short target names → module names in a block, with their parent (self_attn, linear_attn or mlp).
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -198,45 +199,34 @@ def save_peft_adapter(model: Model, args: LoraArgs, out_dir: str | os.PathLike, 
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }
     out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    with atomic_dir(out, what="adapter directory") as tmp:
+        save_safetensors(tensors, tmp / ADAPTER_FILE, metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
     """LoraArgs from a PEFT adapter_config.json dict; unsupported PEFT features raise, naming the key."""
     if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
+        raise ModelLoadError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
     for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
         if cfg.get(key):
-            raise ValueError(f"{source}: {key}={cfg[key]!r} is not supported")
+            raise ModelLoadError(f"{source}: {key}={cfg[key]!r} is not supported")
     if cfg.get("use_dora") or cfg.get("bias", "none") != "none":
-        raise ValueError(f"{source}: only plain LoRA with bias='none' is supported")
+        raise ModelLoadError(f"{source}: only plain LoRA with bias='none' is supported")
     modules = cfg.get("target_modules")
     if not isinstance(modules, list):
-        raise ValueError(f"{source}: target_modules must be a list of module names, got {modules!r}")
+        raise ModelLoadError(f"{source}: target_modules must be a list of module names, got {modules!r}")
     by_leaf = {v.split(".")[1]: k for k, v in TARGETS.items()}
     unknown = [m for m in modules if m not in by_leaf]
     if unknown:
-        raise ValueError(f"{source}: target_modules {unknown} are not designer linears {list(by_leaf)}")
+        raise ModelLoadError(f"{source}: target_modules {unknown} are not designer linears {list(by_leaf)}")
     order = [t for t in TARGETS if t in {by_leaf[m] for m in modules}]
     try:
         return LoraArgs(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=tuple(order), rslora=bool(cfg.get("use_rslora", False)))
     except (KeyError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise ModelLoadError(f"{source}: {e}") from None
 
 
 def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
@@ -247,16 +237,17 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     cfg_path = d / "adapter_config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: not found")
-    try:
-        args = lora_args_from_peft_config(json.loads(cfg_path.read_text()), str(cfg_path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg = read_json(cfg_path, ModelLoadError)
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    args = lora_args_from_peft_config(cfg, str(cfg_path))
     file = d / ADAPTER_FILE
     header = read_safetensors_header(file)
     existing = [m for m in model.modules() if isinstance(m, LoRALinear)]
     if existing:
         if existing[0].rank != args.rank:
-            raise ValueError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank {existing[0].rank}")
+            raise ModelLoadError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank "
+                                 f"{existing[0].rank}")
     else:
         a_keys = [k for k in header if k.endswith("lora_A.weight")]
         if a_keys:
@@ -266,15 +257,15 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     missing = sorted(set(params) - set(header))
     unexpected = sorted(set(header) - set(params))
     if missing or unexpected:
-        raise ValueError(f"{file}: missing keys {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected keys "
+        raise ModelLoadError(f"{file}: missing keys {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected keys "
                          f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
         for k, p in params.items():
             if tuple(header[k]["shape"]) != tuple(p.shape):
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects {tuple(p.shape)} "
-                                 f"(rank or model size mismatch)")
+                raise ModelLoadError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects "
+                                     f"{tuple(p.shape)} (rank or model size mismatch)")
             p.copy_(f.get_tensor(k))
     return args
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from data.balance import BalancedPackedLoader
-from data.chat import encode_examples, load_examples
+from data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
 from data.packing import Batch, compile_shape, pack_documents
 from data.tokenizer import load_tokenizer
 from designer.config import DesignerConfig
@@ -70,6 +70,10 @@ class DesignerTask:
         self.dist = dist if dist is not None else DistContext(device=device)
         rank, world_size = self.dist.rank, self.dist.world_size
         model_dir = Path(cfg.model.path)
+        if not model_dir.is_dir():
+            raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
+                              f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
+        read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
@@ -158,6 +162,8 @@ class DesignerTask:
     def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> BalancedPackedLoader:
         examples = load_examples(path)
         docs = encode_examples(self.tokenizer, examples)
+        if self.cfg.data.overflow != "drop":  # "drop" leaves such documents out on purpose
+            check_prompts_fit(examples, docs, self.cfg.data.seq_len)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = pack_documents(docs, self.cfg.data.seq_len, self.cfg.data.overflow, pad_id=pad_id)
         s = packed.stats
@@ -246,6 +252,20 @@ class DesignerTask:
         return {"model": path}
 
 
+def check_prompts_fit(examples: list[Example], docs: list[EncodedDoc], seq_len: int) -> None:
+    """Every document's prompt (system, brief, assistant header) and its first caption token fit in one row.
+
+    A longer prompt would be split or cut so that its first row holds no caption token: a row with nothing to
+    learn, which trains at loss 0. The error names data.seq_len, the first such line and the length it needs.
+    """
+    for example, doc in zip(examples, docs):
+        first = next((i for i, target in enumerate(doc.loss_mask) if target), len(doc))
+        if first >= seq_len:
+            raise DataError(f"data.seq_len = {seq_len} is too short for {example.source}: its prompt alone is {first} "
+                            f"tokens, so no caption token fits in a row; set data.seq_len >= {first + 1} (or "
+                            f">= {len(doc)} to hold the whole document in one row)")
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -287,4 +307,4 @@ def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.devic
     return out
 
 
-__all__ = ["DesignerTask", "copy_tokenizer", "merge_lora"]
+__all__ = ["DesignerTask", "check_prompts_fit", "copy_tokenizer", "merge_lora"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -34,6 +33,7 @@ from imagegen.autoencoder import load_autoencoder
 from imagegen.config import ImagegenConfig
 from imagegen.hf import read_args
 from imagegen.text import TextEncoder, load_text_encoder
+from pipeline.atomic import atomic_write_text
 from pipeline.progress import log
 
 CACHE_META = "cache.json"
@@ -80,9 +80,7 @@ def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencod
             "downsample_factor": autoencoder.downsample_factor, "text_encoder": str(text.path.resolve()),
             "text_kind": text.kind, "max_length": text.max_length, "layer": text.layer, "pooled": text.pooled,
             "hidden_size": text.hidden_size, "resolution": cfg.data.resolution, **counts}
-    tmp = out_dir / f".{CACHE_META}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, out_dir / CACHE_META)
+    atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")
 
 
 def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
@@ -94,9 +92,7 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
     shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]}
               for d, i in zip(dirs, indexes) for s in i["shards"]]
     merged = {"kind": "latent", "shards": shards, "total": sum(s["count"] for s in shards)}
-    tmp = out_dir / f".{INDEX_NAME}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(merged, indent=1))
-    os.replace(tmp, out_dir / INDEX_NAME)
+    atomic_write_text(out_dir / INDEX_NAME, json.dumps(merged, indent=1), what="merged shard index")
     return True
 
 
@@ -135,7 +131,7 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
         _write_meta(target, cfg, text, autoencoder, counts)
         log(f"cache: {written} samples from {source} -> {target}; bad samples skipped: {c.bad} {dict(c.by_reason)}")
     if world_size > 1 and _merge_rank_indexes(out_dir, world_size):
-        (out_dir / CACHE_META).write_text((target / CACHE_META).read_text())
+        atomic_write_text(out_dir / CACHE_META, (target / CACHE_META).read_text(), what="cache metadata")
         log(f"cache: all {world_size} ranks done, wrote {out_dir / INDEX_NAME}")
     return out_dir
 

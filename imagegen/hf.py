@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import uuid
 from importlib import metadata
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from data.textfile import read_json
 from imagegen.model import SIZES, MMDiT, MMDiTArgs
+from pipeline.atomic import atomic_dir, save_safetensors
+from pipeline.errors import ModelLoadError, UsageError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -42,13 +42,15 @@ def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "
     """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation,
     ``attention`` the SDPA backend."""
     cfg_path = resolve_dir(path) / CONFIG_NAME
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    config = read_json(cfg_path, ModelLoadError)
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-    return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels, attention=attention)
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+    try:
+        return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels, attention=attention)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # MMDiTArgs' checks, which name config.json and the field
+        raise ModelLoadError(str(e)) from None
 
 
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
@@ -59,9 +61,9 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
             return {str(single): list(f.keys())}
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+            weight_map = read_json(index, ModelLoadError)["weight_map"]
+        except (KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             files.setdefault(str(model_dir / name), []).append(key)
@@ -85,16 +87,16 @@ def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
     for file, keys in _weight_files(model_dir).items():
         unexpected = [k for k in keys if k not in expected]
         if unexpected:
-            raise ValueError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
+            raise ModelLoadError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
         with safe_open(file, framework="pt") as f:
             for key in keys:
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != expected[key]:
-                    raise ValueError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
+                    raise ModelLoadError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
                 where[key] = file
     missing = [k for k in expected if k not in where]
     if missing:
-        raise ValueError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
+        raise ModelLoadError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
     return where
 
 
@@ -124,7 +126,7 @@ def _diffusers_version() -> str:
 
 def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 10 * 2**30, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``model`` as a diffusers directory, atomically (temporary directory, then rename).
+    """Write ``model`` as a diffusers directory, atomically (pipeline/atomic.py: temporary directory, then rename).
 
     ``weights`` (state-dict key -> tensor of the same shape) are written in place of the model's own
     (the EMA average, without swapping it into the model). Tensors are cast to ``dtype`` (default: as
@@ -132,10 +134,7 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
     as ``from_pretrained`` expects.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out, what="model directory") as tmp:
         config = {**model.args.to_diffusers_config(), "_diffusers_version": _diffusers_version()}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         # clone: save_file refuses tensors that share storage; contiguous: it needs dense tensors.
@@ -157,26 +156,16 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
             shards[-1][k] = v
             size += nbytes
         if len(shards) == 1:
-            save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            save_safetensors(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         else:
             weight_map, n = {}, len(shards)
             for i, shard in enumerate(shards, start=1):
                 name = f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
+                save_safetensors(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({k: name for k in shard})
             total = sum(v.numel() * v.element_size() for v in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        old = None
-        if out.exists():  # move the previous version aside so the swap is two renames
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -185,7 +174,7 @@ def init_random(size: str, out_dir: str | os.PathLike, seed: int = 0, dtype: tor
     """Write a randomly initialised (``MMDiT.init_weights``) model of a named ``SIZES`` entry,
     with MMDiTArgs field ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
     if size not in SIZES:
-        raise ValueError(f"init_random: unknown size {size!r}; choose from {sorted(SIZES)}")
+        raise UsageError(f"init_random: unknown size {size!r}; choose from {sorted(SIZES)}")
     known = {f.name for f in dataclasses.fields(MMDiTArgs)}
     unknown = sorted(set(overrides) - known)
     if unknown:

@@ -23,7 +23,10 @@ from typing import Sequence
 import torch
 from PIL import Image
 
+from data.textfile import read_json, read_lines
 from imagegen.flow import FlowArgs, euler_sample
+from pipeline.atomic import atomic_file, atomic_write_text, check_dir_path, ensure_dir
+from pipeline.errors import DataError, ModelLoadError
 
 RUN_META = "imagegen.json"
 
@@ -99,9 +102,7 @@ def write_run_meta(out_dir: Path, cfg) -> Path:
                      "dtype": t.dtype},
             "resolution": cfg.data.resolution, "flow": {k: getattr(cfg.flow, k) for k in cfg.flow.__dataclass_fields__},
             "model_dtype": cfg.model.dtype}
-    path = Path(out_dir) / RUN_META
-    path.write_text(json.dumps(meta, indent=1) + "\n")
-    return path
+    return atomic_write_text(Path(out_dir) / RUN_META, json.dumps(meta, indent=1) + "\n", what="sampling settings")
 
 
 def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
@@ -115,10 +116,7 @@ def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
                 "resolution": cfg.data.resolution, "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
     for candidate in (model_dir / RUN_META, model_dir.parent / RUN_META):
         if candidate.is_file():
-            try:
-                return json.loads(candidate.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{candidate}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            return read_json(candidate, ModelLoadError)
     raise FileNotFoundError(f"no {RUN_META} in {model_dir} or {model_dir.parent}: pass --config with the run's "
                             f"config.toml (sampling needs the autoencoder and text encoder settings)")
 
@@ -133,9 +131,10 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     model_dir, captions_file, out_dir = Path(model_dir), Path(captions_file), Path(out_dir)
     if not captions_file.is_file():
         raise FileNotFoundError(f"captions file not found: {captions_file}")
-    captions = [line.strip() for line in captions_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    captions = [line.strip() for line in read_lines(captions_file) if line.strip()]  # non-UTF-8: file:line
     if not captions:
-        raise ValueError(f"{captions_file}: no captions (one per line)")
+        raise DataError(f"{captions_file}: no captions (one per line)")
+    check_dir_path(out_dir, "--out")
     meta = _read_run_meta(model_dir, config_path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_pretrained(model_dir, dtype=torch.float32, device=device)
@@ -146,15 +145,17 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     amp = torch.bfloat16 if meta.get("model_dtype") == "bfloat16" and device.type == "cuda" else None
     images = sample_images(model, text, autoencoder, captions, meta["resolution"], steps, guidance, seed,
                            FlowArgs(**meta.get("flow", {})), batch_size, amp)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_dir(out_dir, "--out")
     paths = []
-    with open(out_dir / "index.jsonl", "w", encoding="utf-8") as index:
-        for i, (caption, im) in enumerate(zip(captions, images)):
-            path = out_dir / f"{i:05d}.png"
-            im.save(path)
-            paths.append(path)
-            index.write(json.dumps({"caption": caption, "image": path.name}) + "\n")
-    make_grid(images, columns=min(8, len(images))).save(out_dir / "grid.png")
+    for i, im in enumerate(images):
+        with atomic_file(out_dir / f"{i:05d}.png", "wb", what="sample") as f:
+            im.save(f, format="PNG")
+        paths.append(out_dir / f"{i:05d}.png")
+    with atomic_file(out_dir / "grid.png", "wb", what="sample grid") as f:
+        make_grid(images, columns=min(8, len(images))).save(f, format="PNG")
+    # last: an index.jsonl means every image it lists is complete
+    atomic_write_text(out_dir / "index.jsonl", "".join(json.dumps({"caption": c, "image": p.name}) + "\n"
+                                                       for c, p in zip(captions, paths)), what="sample index")
     return paths
 
 

@@ -44,6 +44,7 @@ import torch
 
 from data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
 from data.shards import read_index
+from data.textfile import read_lines
 from imagegen.autoencoder import load_autoencoder
 from imagegen.cache import cache_split
 from imagegen.config import ImagegenConfig
@@ -53,6 +54,7 @@ from imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained
 from imagegen.model import MMDiT
 from imagegen.sample import make_grid, sample_images, write_run_meta
 from imagegen.text import load_text_encoder
+from pipeline.atomic import atomic_file
 from pipeline.config import ConfigError
 from pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
 from pipeline.progress import log
@@ -218,7 +220,7 @@ class ImagegenTask:
             path = Path(s.prompts_file)
             if not path.is_file():
                 raise ConfigError(f"sample.prompts_file: not found: {path}")
-            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = [line.strip() for line in read_lines(path) if line.strip()]  # non-UTF-8: named path:line
             if not lines:
                 raise ConfigError(f"sample.prompts_file: {path} has no prompts")
             return lines
@@ -374,8 +376,8 @@ class ImagegenTask:
                                    s.steps, s.guidance, s.seed, self.flow,
                                    autocast_dtype=torch.bfloat16 if self.autocast else None)
         if self.dist.is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            make_grid(images, s.columns).save(path)
+            with atomic_file(path, "wb", what="sample grid") as f:
+                make_grid(images, s.columns).save(f, format="PNG")
         return path
 
     def after_optimizer_step(self, step: int) -> None:

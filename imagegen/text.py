@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.errors import AtelierError
+
 KINDS = ("causal-lm", "encoder")
 POOLINGS = ("mean", "last", "cls")
 
 
-class TextEncoderError(ValueError):
+class TextEncoderError(AtelierError, ValueError):
     """The text encoder directory or its settings cannot be used; the message names the path or field."""
 
 

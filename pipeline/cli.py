@@ -17,7 +17,10 @@
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
 
 Each command imports only what it needs, so `atelier --help` is instant. Errors a user can fix (a bad
-config key, a missing file, a malformed line) print one line naming what is wrong and exit with 2.
+config key, a missing file, a malformed line, a file where a directory should be, a full disk: every
+`pipeline.errors.AtelierError`, and the OS errors that name a path) print one line,
+`atelier: error: <what is wrong, naming the file, line or key>`, and exit with 2; nothing is left
+half-written (pipeline/atomic.py). `data validate` exits 2 as well when it finds anything bad.
 """
 
 from __future__ import annotations
@@ -26,24 +29,6 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from data.chat import DataError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config import ConfigError
-    from pipeline.distributed import DistributedError
-    from pipeline.trainer import TrainingError
-
-    errors: list[type[BaseException]] = [ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError,
-                                         DistributedError]
-    for module, name in (("designer.hf", "ModelLoadError"), ("imagegen.hf", "ModelLoadError"),
-                         ("data.shards", "ShardError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
 
 
 # ----------------------------------------------------------------------------- designer
@@ -83,6 +68,7 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import inspect
     import os
 
+    from pipeline.atomic import check_dir_path, ensure_dir
     from pipeline.config import load_config, save_config
     from pipeline.distributed import DistributedError, init_distributed, shutdown
     from pipeline.trainer import Trainer, exit_code, seed_everything
@@ -91,13 +77,11 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     if launched is not None:
         return launched
     cfg = load_config(config_cls, args.config, args.set)
+    out = Path(cfg.output.dir)
+    check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
     dist = init_distributed(cfg.train)
     try:
         seed_everything(cfg.train.seed)
-        out = Path(cfg.output.dir)
-        if dist.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.toml")
         # progress lines from rank 0 only; errors (stderr) from every rank
         quiet = contextlib.nullcontext() if dist.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))
         if dist.enabled and "dist" not in inspect.signature(task_cls).parameters:
@@ -105,7 +89,10 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             raise DistributedError(f"{task_cls.__name__} does not support several processes yet (it takes no "
                                    f"`dist` context); run it with --nproc 1")
         with quiet:
+            # the task reads and checks the data and the model; the run's files are written only after that
             task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
+            if dist.is_main:
+                save_config(cfg, ensure_dir(out, "output.dir") / "config.toml")
             result = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist).fit()
         if dist.is_main:
             _write_summary(out, result)
@@ -210,10 +197,15 @@ def data_shards(args: argparse.Namespace) -> int:
 
 
 def data_validate(args: argparse.Namespace) -> int:
-    from data.shards import validate_shards
+    """The report as JSON on stdout; anything bad (samples, tars, index) is also one error line and status 2."""
+    import json
+
+    from data.shards import ShardError, validate_shards
 
     report = validate_shards(Path(args.dir))
-    print(report)
+    print(json.dumps(report.as_dict(), indent=1))
+    if not report.ok:
+        raise ShardError(report.summary())
     return 0
 
 
@@ -232,11 +224,11 @@ def run_eval(args: argparse.Namespace) -> int:
 def _write_summary(out: Path, result) -> None:
     import json
 
+    from pipeline.atomic import atomic_write_text
+
     summary = {"step": result.step, "interrupted": result.interrupted, "final_loss": result.final_loss,
                "exports": {k: str(v) for k, v in result.exports.items()}, **result.summary}
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "summary.json")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1), what="run summary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,12 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pipeline.errors import AtelierError, one_line, user_os_error
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except _user_errors() as e:
-        print(f"atelier: error: {e}", file=sys.stderr)
-        return 2
+    except AtelierError as e:
+        message = str(e)
+    except OSError as e:  # a missing file, a file in the way, no permission, a full disk: the path is named
+        message = user_os_error(e)
+        if message is None:
+            raise
+    print(f"atelier: error: {one_line(message)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -32,10 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import DistributedConfig, TrainConfig
+from pipeline.errors import AtelierError
 from pipeline.policies import checkpoint_blocks, compile_block_list
 
 
-class DistributedError(RuntimeError):
+class DistributedError(AtelierError, RuntimeError):
     """torchrun's environment or a sharding request that cannot work; the message names the variable."""
 
 

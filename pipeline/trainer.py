@@ -50,13 +50,15 @@ from pipeline.distributed import (
     is_sharded,
     set_gradient_sync,
 )
+from pipeline.atomic import ensure_dir
+from pipeline.errors import AtelierError
 from pipeline.mfu import ThroughputMeter, device_peak_flops
 from pipeline.policies import cpu_offload
 from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
 from pipeline.task import Task
 
 
-class TrainingError(RuntimeError):
+class TrainingError(AtelierError, RuntimeError):
     """The run cannot continue (non-finite loss, unusable checkpoint); nothing good is overwritten."""
 
 
@@ -329,7 +331,7 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.out, "output.dir")
         resume = self._resume_path()
         if resume is not None:
             self.load(resume)

@@ -141,8 +141,9 @@ def imagegen_run(tmp_path_factory):
 
     base = build_world(tmp_path_factory.mktemp("flows-imagegen"), cache=False)
     out = base / "i1"
-    overrides = config_overrides(base, out) + ["train.max_steps=4", "train.save_every=0", "train.eval_every=0",
-                                               "sample.every=2", "sample.steps=2", "ema.decay=0.5"]
+    overrides = config_overrides(base, out) + ["train.max_steps=4", "train.warmup_steps=1", "train.save_every=0",
+                                               "train.eval_every=0", "sample.every=2", "sample.steps=2",
+                                               "ema.decay=0.5"]
     needed = needs_cache(load_config(ImagegenConfig, DEMO, overrides))
     result, run_id = run_flow(train_imagegen, str(DEMO), overrides)
     assert Path(result) == out
