@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-import kernels.causal_conv1d as cc
-from bench.env import environment
-from bench.harness import parse_ints
-from pipeline.atomic import atomic_write_text
+import atelier_studio.kernels.causal_conv1d as cc
+from atelier_studio.bench.env import environment
+from atelier_studio.bench.harness import parse_ints
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 SHAPE = dict(tokens=16384, channels=8192, taps=4, min_doc=20, max_doc=600)
 TINY = dict(tokens=40, channels=12, taps=4, min_doc=1, max_doc=9)

@@ -1,4 +1,4 @@
-"""Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches (issue 6).
+"""Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches.
 
     python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
         --out DIR [--peers hf,hf-liger,hf-liger-bf16lora,hf-nofla] [--micro-batches 2,4,8] [--steps 10 --warmup 3]
@@ -25,7 +25,7 @@ themselves. The peer's mask is dense T×T and its kernel cannot skip masked bloc
 
 FLOPs: Atelier's `Qwen3.train_flops` (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
 FT, LM head on the loss tokens: the head FLOPs Atelier performs) — the same count is used for the peers' MFU
-(same tokens). `mfu_4n_head_all` is BENCHMARKS.md's convention to the letter, the LM head counted on every
+(same tokens). `mfu_4n_head_all` is the peers' convention (docs/mfu.md), the LM head counted on every
 token (the peers compute it there; Atelier computes it only where a loss is taken). `mfu_6n` is the 6·N_mm
 convention most peers quote. MFU against 989 TFLOP/s and against bench.env.matmul_tflops.
 """
@@ -49,17 +49,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.env import clocks, environment, matmul_tflops
-from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
+from atelier_studio.bench.env import clocks, environment, matmul_tflops
+from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
                            train_step, write_report)
-from data.chat import EncodedDoc
-from data.packing import Batch, fixed_shape, make_batch, pack_documents
-from designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
-from designer.hf import Args, args_from_size, build_model, hf_param_shapes
-from designer.qwen35 import Qwen35Args
-from kernels.cross_entropy import linear_cross_entropy
-from kernels.gated_delta_rule import fla_guard_lifted, has_fla
-from pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
+from atelier_studio.data.chat import EncodedDoc
+from atelier_studio.data.packing import Batch, fixed_shape, make_batch, pack_documents
+from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
+from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
+from atelier_studio.designer.qwen35 import Qwen35Args
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.kernels.gated_delta_rule import fla_guard_lifted, has_fla
+from atelier_studio.pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
 
 # hf-amp: PEFT's fp32 adapters under bf16 autocast, as transformers' Trainer runs LoRA with bf16=True
 PEERS = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
@@ -88,7 +88,7 @@ CONFIGS = {
     "qwen3-1.7b-full": BenchConfig("1.7b", False, 2048, (8, 16), lr=1e-5),
     # full AC: selective AC would keep every matmul output, ~5 GB per layer at 65,536 tokens
     "qwen3-8b-lora-64k": BenchConfig("8b", True, 65536, (1,), one_doc=True, ac="full"),
-    # issue 7: the hybrid (24 Gated DeltaNet + 8 gated-attention layers), LoRA on every linear of both kinds.
+    # the hybrid (24 Gated DeltaNet + 8 gated-attention layers), LoRA on every linear of both kinds.
     # transformers gets no document boundaries from position ids in its Gated DeltaNet layers (state and conv
     # leak across documents), so on packed rows only speed compares; loss parity uses rows of one document.
     "qwen3.5-9b-lora": BenchConfig("qwen3.5-9b", True, 2048, (2, 4, 8), vocab_size=248320),
@@ -136,9 +136,9 @@ def random_docs(n: int, vocab: int, seed: int, max_len: int) -> list[EncodedDoc]
 
 def world_docs(n: int, tokenizer_dir: str, seed: int) -> list[EncodedDoc]:
     """Shapes-world brief → caption documents through the real tokenizer's chat template."""
-    from data.chat import Example, encode_examples
-    from data.synthetic import HELD_OUT_PAIRS, sample_one
-    from data.tokenizer import load_tokenizer
+    from atelier_studio.data.chat import Example, encode_examples
+    from atelier_studio.data.synthetic import HELD_OUT_PAIRS, sample_one
+    from atelier_studio.data.tokenizer import load_tokenizer
 
     rng = random.Random(seed)
     tok = load_tokenizer(tokenizer_dir)
@@ -231,7 +231,7 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
     apply_activation_checkpointing(model, cfg.ac)
     if v.compile:
         compile_blocks(model)
-    # full FT: fp32 master weights under bf16 autocast (DESIGN.md); "mixed" LoRA likewise for its adapters
+    # full FT: fp32 master weights under bf16 autocast (docs/training.md); "mixed" LoRA likewise for its adapters
     autocast = not exact and (not cfg.lora or v.lora_dtype == "mixed")
     dev = next(model.parameters()).device
 
@@ -421,7 +421,7 @@ def measure(build: Callable[[], Run], batches: list[Batch], cfg: BenchConfig, wa
 
 def step_flops(cfg: BenchConfig, args: Args, batches: list[Batch]) -> tuple[list[int], list[int], list[int]]:
     """Per batch, from a meta model: the model's train_flops (LoRA: 4N+6N_lora+attn, the LM head on loss tokens),
-    the 6·N_mm figure, and train_flops with the LM head on every token (BENCHMARKS.md's letter)."""
+    the 6·N_mm figure, and train_flops with the LM head on every token (the peers' convention)."""
     with torch.device("meta"):
         m = build_model(args)
     if cfg.lora:

@@ -1,6 +1,6 @@
 """The first real-size imagegen run on one GPU: SD3-medium's MMDiT at 1024 px, through the user-facing CLI.
 
-    from bench.first_runs_imagegen import imagegen_run
+    from atelier_studio.bench.first_runs_imagegen import imagegen_run
     report = imagegen_run(Path("/tmp/atelier-first-runs"), Path("out/first-runs.log"))          # the H200 run
     report = imagegen_run(tmp, tmp / "log", tiny=True, dtype="float32")                     # the CPU test
 
@@ -37,9 +37,9 @@ from typing import Iterator
 
 import torch
 
-from bench.first_runs import atelier, read_run
+from atelier_studio.bench.first_runs import atelier, read_run
 
-# SD3's VAE latent normalisation (PITFALLS.md "SD3 conventions"): the stand-in VAE carries the same constants.
+# SD3's VAE latent normalisation: the stand-in VAE carries the same constants.
 SD3_SCALING, SD3_SHIFT = 1.5305, 0.0609
 VAE_FACTOR = 8  # 2^(4 blocks - 1): SD3's VAE downsampling
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
@@ -167,8 +167,8 @@ def _cache_meta(shape: RunShape, dtype: torch.dtype, text_enc: Path, vae: Path) 
 
 def write_random_latents(out: Path, shape: RunShape, dtype: torch.dtype, text_enc: Path, vae: Path) -> Path:
     """Random latent shards + index.json + cache.json at `out`; kept when an identical set is already there."""
-    from data.shards import read_index, write_latent_shards
-    from imagegen.cache import CACHE_META
+    from atelier_studio.data.shards import read_index, write_latent_shards
+    from atelier_studio.imagegen.cache import CACHE_META
 
     meta = _cache_meta(shape, dtype, text_enc, vae)
     if read_index(out) is not None and (out / CACHE_META).is_file() and \

@@ -1,4 +1,4 @@
-"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches (issue 8).
+"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
 
     python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
         [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
@@ -10,7 +10,7 @@ width, P = 2048 pooled width, D = 1536 model dim.
 
 Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
 make the blocks identities and the timing meaningless); every run (Atelier, each peer, each ablation) copies them
-into its own fp32 master weights and trains under bf16 autocast (DESIGN.md "Precision"). The batches — latents x0,
+into its own fp32 master weights and trains under bf16 autocast (docs/training.md). The batches — latents x0,
 text states, pooled vectors, timesteps t (logit-normal, shift 3: imagegen/flow.py) and noise — are drawn once per
 micro-batch size, and both sides compute the same loss the same way: x_t = (1 − t)·x0 + t·noise, v̂ = model(x_t,
 text, pooled, 1000·t), loss = mean over images of mean((v̂ − (noise − x0))²) in fp32 (imagegen.flow.flow_loss).
@@ -25,7 +25,7 @@ does (imagegen/task.py). Peers: diffusers' SD3Transformer2DModel eager (its trai
 `attention` times each SDPA backend (flash, cuDNN, memory-efficient) with everything else on, so the attention
 choice is made by measurement.
 
-FLOPs: MMDiT.train_flops (BENCHMARKS.md: each token through its own stream's weights, modulation linears once per
+FLOPs: MMDiT.train_flops (docs/mfu.md: each token through its own stream's weights, modulation linears once per
 image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MFU against 989 TFLOP/s and against the
 bf16 matmul rate measured in this run. Loader: images/s reading latent shards (data/shards.ShardReader) through a
 DataLoader with workers, batched and moved to the device, against the training rate (target ≥ 2×).
@@ -48,13 +48,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from bench.env import clocks, environment, matmul_tflops
-from bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
+from atelier_studio.bench.env import clocks, environment, matmul_tflops
+from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
                            train_step, write_report)
-from imagegen.ema import EMA, ema_update_ref
-from imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
-from imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
-from pipeline.policies import compile_blocks
+from atelier_studio.imagegen.ema import EMA, ema_update_ref
+from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
+from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
@@ -296,7 +296,7 @@ def loader_throughput(cfg: BenchConfig, args: MMDiTArgs, batch: int, workers: in
     Writes cfg.shard_samples random samples in shards of cfg.shard_size (at least one shard per worker), reads
     them twice (the first pass warms the page cache, as a long run's data is warm), times the second pass.
     """
-    from data.shards import ShardReader, write_latent_shards
+    from atelier_studio.data.shards import ShardReader, write_latent_shards
 
     shards = work / "latents"
     write_latent_shards(random_latent_samples(cfg, args, cfg.shard_samples, seed=0), shards, cfg.shard_size)

@@ -13,7 +13,7 @@ C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect
   seeded by (seed, e): shuffle inside each bucket, cut global batches of G, shuffle their order;
   rank r takes rows [r*B, (r+1)*B) of every global batch. So ranks get disjoint samples, the same
   bucket (one shape on every rank) and the same number of batches (no rank waits at the epoch end,
-  PITFALLS.md "Buckets"), and the global batches depend on G alone: 2 ranks x 4 see exactly what
+  a rank running out of a bucket first would deadlock the others), and the global batches depend on G alone: 2 ranks x 4 see exactly what
   1 rank x 8 sees, batch for batch (how multi-process runs match one process). Buckets smaller than
   G are listed in one warning at construction and their samples are skipped every epoch; with
   drop_last the remainder of each bucket is skipped too (a different remainder each epoch, since the
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data.shards import read_latent_shards
+from atelier_studio.data.shards import read_latent_shards
 
 
 def make_buckets(

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from data.textfile import iter_lines
-from pipeline.errors import DataError  # also imported from here by the modules that read training data
+from atelier_studio.data.textfile import iter_lines
+from atelier_studio.pipeline.errors import DataError  # also imported from here by the modules that read training data
 
 DEFAULT_SYSTEM_PROMPT = "You are a designer. Expand the brief into a detailed image caption."
 ROLES = ("system", "user", "assistant")

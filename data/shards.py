@@ -16,7 +16,7 @@ are `%09d` ordinals (image shards) or the caller's key (latent shards); keys nev
 Shape legend: C latent channels, h/w latent height/width, H/W pixel height/width of the bucket,
 L text tokens, D text hidden size, P pooled text size.
 
-Corrupt samples (policy, DESIGN.md "Bad input"): a truncated or unreadable tar, an undecodable
+Corrupt samples (policy): a truncated or unreadable tar, an undecodable
 image or latent, a sample without caption, an image whose shorter side is below `min_side` are
 skipped and counted by reason and shard in a `BadSampleCounter`. Once bad / seen exceeds
 `max_bad_fraction` (checked after `min_samples_for_check` samples, and always at the end of a finite
@@ -27,7 +27,7 @@ composited over white (dropping alpha would expose undefined colours under trans
 16-bit ("I;16*", and "I" which Pillow's PNG loader produces for 16-bit grey) is scaled by 255/65535
 (Pillow's own convert clips at 255 instead).
 
-Several ranks (PITFALLS.md "WebDataset with several ranks"): shards are dealt to the global worker
+Several ranks (fewer shards than ranks x workers would hang a rank): shards are dealt to the global worker
 g = rank * num_workers + worker out of G = world_size * num_workers. Without resampling, fewer
 shards than G raises `ShardError` at construction (a worker without shards would end its epoch
 early and hang the others); that mode is for single passes where each rank handles its own slice
@@ -56,9 +56,9 @@ from rich.progress import Progress
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from data.textfile import read_json, read_lines
-from pipeline.atomic import atomic_dir
-from pipeline.errors import AtelierError, DataError
+from atelier_studio.data.textfile import read_json, read_lines
+from atelier_studio.pipeline.atomic import atomic_dir
+from atelier_studio.pipeline.errors import AtelierError, DataError
 
 IMAGE_EXTS = ("jpg", "png", "webp")  # "jpeg" is written as "jpg"
 LATENT_TENSORS = ("latent", "text_states", "pooled")

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.errors import AtelierError, DataError
+from atelier_studio.pipeline.errors import AtelierError, DataError
 
 BOM = b"\xef\xbb\xbf"
 

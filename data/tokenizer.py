@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError, load_examples
-from data.textfile import iter_lines
-from pipeline.atomic import atomic_dir
+from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError, load_examples
+from atelier_studio.data.textfile import iter_lines
+from atelier_studio.pipeline.atomic import atomic_dir
 
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Qwen2/Qwen3's pre-tokenization regex (tokenizer.json of Qwen/Qwen3-*), see Qwen2Tokenizer.

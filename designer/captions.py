@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from data.chat import DataError, prompt_ids
-from data.textfile import iter_lines, read_json
-from data.tokenizer import load_tokenizer
-from designer.generate import generate
-from designer.hf import load_pretrained
-from designer.lora import load_peft_adapter
-from designer.model import Qwen3
-from pipeline.atomic import atomic_write_text, check_dir_path
-from pipeline.errors import ModelLoadError, WriteError
+from atelier_studio.data.chat import DataError, prompt_ids
+from atelier_studio.data.textfile import iter_lines, read_json
+from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.generate import generate
+from atelier_studio.designer.hf import load_pretrained
+from atelier_studio.designer.lora import load_peft_adapter
+from atelier_studio.designer.model import Qwen3
+from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
+from atelier_studio.pipeline.errors import ModelLoadError, WriteError
 
 
 def read_briefs(path: Path) -> list[str]:

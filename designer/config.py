@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 
 # designer.lora.TARGETS' short names (not imported: parsing a config needs no torch): Qwen3 and Qwen3.5 attention
 # and MLP linears, then Qwen3.5's Gated DeltaNet projections. The default is all of them ("all linear"); each

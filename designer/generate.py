@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from designer.model import CausalLM, Qwen3
-from designer.qwen35 import FULL, LinearAttentionState, Qwen35
+from atelier_studio.designer.model import CausalLM, Qwen3
+from atelier_studio.designer.qwen35 import FULL, LinearAttentionState, Qwen35
 
 
 class KVCache:

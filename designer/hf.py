@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from designer import model as qwen3
-from designer import qwen35
-from designer.model import ModelArgs, Qwen3
-from data.textfile import read_json
-from designer.qwen35 import Qwen35, Qwen35Args
-from pipeline.atomic import atomic_dir, save_safetensors
-from pipeline.errors import ModelLoadError, UsageError
+from atelier_studio.designer import model as qwen3
+from atelier_studio.designer import qwen35
+from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.data.textfile import read_json
+from atelier_studio.designer.qwen35 import Qwen35, Qwen35Args
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError, UsageError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

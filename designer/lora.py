@@ -4,7 +4,7 @@ Shapes: T tokens (any leading dims), I in-features, O out-features, r rank.
   LoRALinear(x [..., I]) = base(x) + B(A(dropout(x))) · s,  A [r, I], B [O, r],
   s = alpha / r, or alpha / √r with rslora (Kalajdzievski 2023, arXiv:2312.03732).
 A is kaiming-uniform(a=√5) and B zeros, as PEFT's default, so a fresh adapter is the identity.
-The base is frozen (no weight gradient, PITFALLS.md "LoRA defaults"); the adapter runs in its own
+The base is frozen (no weight gradient); the adapter runs in its own
 dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
 
 Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.textfile import read_json
-from designer.hf import read_safetensors_header
-from designer.model import Qwen3
-from designer.qwen35 import Qwen35
-from kernels.lora_linear import lora_linear
-from pipeline.atomic import atomic_dir, save_safetensors
-from pipeline.errors import ModelLoadError
+from atelier_studio.data.textfile import read_json
+from atelier_studio.designer.hf import read_safetensors_header
+from atelier_studio.designer.model import Qwen3
+from atelier_studio.designer.qwen35 import Qwen35
+from atelier_studio.kernels.lora_linear import lora_linear
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError
 
 # Atelier's short target names → module names in a block, with their parent (self_attn, linear_attn or mlp).
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",

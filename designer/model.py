@@ -7,7 +7,7 @@ Block (pre-norm, as Qwen3):  x += o_proj(attn(rope(q_norm(q_proj(n(x)))), rope(k
                              x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))
 The model runs PACKED rows: several documents share a row, positions restart at 0 per document and
 `cu_seqlens` marks document boundaries over the flattened B·T tokens, so no document attends to
-another (DESIGN.md "Packed, exact attention"). HF layout I/O lives in designer/hf.py.
+another. HF layout I/O lives in designer/hf.py.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
-from kernels.lora_linear import lora_linear_group
-from kernels.rmsnorm import add_rmsnorm, rmsnorm
-from kernels.rope import rope, rope_cos_sin, rope_type
-from kernels.swiglu import swiglu
+from atelier_studio.kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
+from atelier_studio.kernels.lora_linear import lora_linear_group
+from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from atelier_studio.kernels.rope import rope, rope_cos_sin, rope_type
+from atelier_studio.kernels.swiglu import swiglu
 
 KERNEL_IMPLS = ("auto", "triton", "ref")  # ModelArgs.kernels: rmsnorm / rope / swiglu / LoRA linear
 
@@ -316,7 +316,7 @@ class CausalLM(nn.Module):
         Per weight W [in → out] on T tokens: 2·in·out·T forward + 2·in·out·T input-grad
         + 2·in·out·T weight-grad only if W.requires_grad (a LoRA's frozen base gets none).
         The LM head runs on `head_tokens` tokens (the ones with a loss).
-        Input-gradients are counted for every matmul (DESIGN.md's 2·N·T). With LoRA and a frozen
+        Input-gradients are counted for every matmul (docs/mfu.md's 2·N·T). With LoRA and a frozen
         embedding, autograd skips layer 0's q/k/v/gate/up input-gradients, so this overstates the work
         by 2·(those weights)·T, under 1/num_layers of the input-gradient FLOPs.
         """

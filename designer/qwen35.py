@@ -19,8 +19,8 @@ where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialise
 The model runs PACKED rows as designer/model.py does: positions restart per document and `cu_seqlens`
 marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
-at zero per document) — so a packed row equals its documents run one by one (PITFALLS.md "Packing that
-leaks"). HF layout I/O lives in designer/hf.py (dispatching on config.json's model_type).
+at zero per document) — so a packed row equals its documents run one by one (without the boundaries, the conv
+and the state would carry one document into the next). HF layout I/O lives in designer/hf.py (dispatching on config.json's model_type).
 
 Decoding (designer/generate.py) runs the same blocks through `decode_hidden_states`: full attention from a
 K/V cache, each Gated DeltaNet layer from a LinearAttentionState (the last K−1 conv inputs and S) advanced by
@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
-from designer.model import init_param as qwen3_init_param
-from kernels.attention import IMPLS as ATTENTION_IMPLS
-from kernels.causal_conv1d import causal_conv1d
-from kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
-from kernels.gated_rmsnorm import gated_rmsnorm
-from kernels.rmsnorm import add_rmsnorm, rmsnorm
-from kernels.rope import rope, rope_cos_sin
+from atelier_studio.designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
+from atelier_studio.designer.model import init_param as qwen3_init_param
+from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
+from atelier_studio.kernels.causal_conv1d import causal_conv1d
+from atelier_studio.kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
+from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm
+from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from atelier_studio.kernels.rope import rope, rope_cos_sin
 
 MODEL_TYPES = ("qwen3_5_text",)
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -197,7 +197,7 @@ SIZES: dict[str, dict[str, Any]] = {
                          gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=16, gdn_value_head_dim=24,
                          max_seq_len=512, tie_embeddings=True),
     # The real 9B text shapes. Layers (32 = 24 GDN + 8 full, interval 4) and vocab (248,320, from the tokenizer)
-    # from issue 7; every other number is transformers 5.24's Qwen3_5TextConfig default, whose docstring calls
+    # are the released model's; every other number is transformers 5.24's Qwen3_5TextConfig default, whose docstring calls
     # it "the Qwen3.5-9B style configuration". Not from there: rope_theta 1e7 and 262,144 positions (the
     # released Qwen3.5 / Qwen3-Next configs; transformers' defaults are 1e4 and 32,768) and untied embeddings
     # (transformers' default, and 9B-class Qwen models untie). See num_params: 8.95e9 with vocab 248,320.
@@ -486,7 +486,7 @@ class Qwen35(CausalLM):
           (βk)kᵀ c²·Dk, the triangular inverse c³/3, u = A⁻¹βv c²·Dv, w = A⁻¹βk c²·Dk, v' = u − wS 2c·Dk·Dv,
           qS 2c·Dk·Dv, qkᵀ c²·Dk, (qkᵀ)v' c²·Dv, S += kᵀv' 2c·Dk·Dv
           = c²·(3·Dk + 2·Dv) + 6·c·Dk·Dv + c³/3.
-        Training = 3 × forward (BENCHMARKS.md's convention for attention). The conv (2·K·C per token) and
+        Training = 3 × forward (docs/mfu.md's convention for attention). The conv (2·K·C per token) and
         the elementwise gates are not matmuls and are not counted.
         """
         a = self.args

@@ -1,6 +1,6 @@
 """The designer's task on the shared engine: packed brief→caption rows, loss on caption tokens only.
 
-Precision (DESIGN.md): with `model.dtype = "bfloat16"`, full fine-tuning keeps fp32 master weights and
+Precision (docs/training.md): with `model.dtype = "bfloat16"`, full fine-tuning keeps fp32 master weights and
 runs the forward under bf16 autocast; LoRA keeps a frozen bf16 base and adapter weights in `lora.dtype`.
 `"float32"` is exact throughout (CPU tests, parity checks). The loss is reduced in fp32.
 
@@ -27,13 +27,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from data.balance import BalancedPackedLoader
-from data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
-from data.packing import Batch, compile_shape, pack_documents
-from data.tokenizer import load_tokenizer
-from designer.config import DesignerConfig
-from designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
-from designer.lora import (
+from atelier_studio.data.balance import BalancedPackedLoader
+from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
+from atelier_studio.data.packing import Batch, compile_shape, pack_documents
+from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
+from atelier_studio.designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
     LoraArgs,
@@ -44,10 +44,10 @@ from designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
-from kernels.cross_entropy import linear_cross_entropy
-from pipeline.config import ConfigError
-from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
-from pipeline.progress import log
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.pipeline.config import ConfigError
+from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
+from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -276,10 +276,10 @@ def _check_delta_rule(cfg: DesignerConfig, model_dir: Path, device: torch.device
     """Fail before loading anything when a Qwen3.5 bf16 run on CUDA would need fla-core and it is missing.
 
     The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
-    key and costs no model load (PITFALLS.md "Silent slow paths").
+    key and costs no model load.
     """
-    from designer.qwen35 import Qwen35Args
-    from kernels.gated_delta_rule import FLA_MISSING, has_fla
+    from atelier_studio.designer.qwen35 import Qwen35Args
+    from atelier_studio.kernels.gated_delta_rule import FLA_MISSING, has_fla
 
     if device.type != "cuda" or cfg.model.delta_rule == "ref" or has_fla():
         return

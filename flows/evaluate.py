@@ -29,10 +29,10 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from data.textfile import iter_lines, read_json
-from flows.report import image_markdown, in_prefect_run, make_grid
-from flows.training import FlowInputError
-from pipeline.atomic import atomic_file, atomic_write_text
+from atelier_studio.data.textfile import iter_lines, read_json
+from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
+from atelier_studio.flows.training import FlowInputError
+from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text
 
 GRID_MAX_IMAGES = 64
 
@@ -42,7 +42,7 @@ GRID_MAX_IMAGES = 64
 
 def read_briefs(path: str | Path) -> list[str]:
     """Briefs from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name file:line."""
-    from data.synthetic import brief_constraints
+    from atelier_studio.data.synthetic import brief_constraints
 
     path = Path(path)
     if not path.is_file():
@@ -113,7 +113,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                    batch_size: int = 16) -> Path:
     """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order."""
-    from designer.captions import generate_captions
+    from atelier_studio.designer.captions import generate_captions
 
     model_dir, adapter_dir = resolve_designer(designer)
     out = Path(out_dir)
@@ -145,7 +145,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
     An empty caption (an untrained designer emits one) gets no image and scores 0: the chain failed there.
     Returns the images.json path.
     """
-    from imagegen.sample import sample_to_dir
+    from atelier_studio.imagegen.sample import sample_to_dir
 
     model_dir = resolve_imagegen(imagegen)
     out = Path(out_dir)
@@ -169,7 +169,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
 
 
 def caption_stats(captions: Sequence[str]) -> dict[str, float]:
-    from data.synthetic import parse_caption
+    from atelier_studio.data.synthetic import parse_caption
 
     words = [len(c.split()) for c in captions]
     return {"n": len(captions), "mean_words": statistics.fmean(words), "min_words": min(words),
@@ -179,8 +179,8 @@ def caption_stats(captions: Sequence[str]) -> dict[str, float]:
 
 def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Score every (brief, caption, image); write scores.json, scores.csv, grid.png, summary.md; return the summary."""
-    from data.judge import judge_caption, judge_image, judge_image_brief
-    from data.synthetic import parse_caption
+    from atelier_studio.data.judge import judge_caption, judge_image, judge_image_brief
+    from atelier_studio.data.synthetic import parse_caption
 
     out = Path(out_dir)
     rows = read_captions(captions_file)
@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from flows.serve import require_server
+    from atelier_studio.flows.serve import require_server
 
     require_server("python -m flows.evaluate")
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed)

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline.atomic import atomic_file
+from atelier_studio.pipeline.atomic import atomic_file
 
 MAX_TABLE_ROWS = 60  # the UI table stays readable; the full curve is in metrics.jsonl / TensorBoard
 MAX_INLINE_PNG_BYTES = 400_000  # larger grids are linked by path instead of embedded as a data URI

@@ -15,7 +15,7 @@ Both codecs share one interface: `encode(images [B,3,H,W] in [-1,1]) -> latents 
   the latents to roughly unit variance; a power of two with zero shift makes decode(encode(x)) == x
   bit-exact in fp32.
 - `SD3VAE`: diffusers `AutoencoderKL` from a local directory; scaling and shift come from its config
-  (SD3: scaling_factor 1.5305, shift_factor 0.0609; PITFALLS.md "SD3 conventions"). Encoding takes
+  (SD3: scaling_factor 1.5305, shift_factor 0.0609). Encoding takes
   the mode of the latent distribution by default, a sample with `sample=True`.
 """
 

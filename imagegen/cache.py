@@ -1,4 +1,4 @@
-"""`atelier imagegen cache`: image shards -> latent shards, once, offline (STYLE.md "Data").
+"""`atelier imagegen cache`: image shards -> latent shards, once, offline.
 
 Shape legend: B images per encoder call, H/W bucket pixels, C latent channels, h/w latent size,
 L text tokens, D text hidden size.
@@ -9,7 +9,7 @@ the text encoder together. The latent shards carry per sample {latent [C,h,w], t
 pooled [D]} plus the bucket, caption and the image shard's key. A `cache.json` beside them records
 what produced them (autoencoder spec, text encoder, resolution, counts) so the trainer can check them.
 
-Ranks (PITFALLS.md "Frozen work in the step"): under torchrun each rank reads only its own slice of
+Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its own slice of
 the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
 index) writes the combined `out_dir/index.json`, listing `rank-RRRRR/shard-NNNNNN.tar`. A single
 process writes `out_dir/shard-*.tar` directly. Resume: a (rank) directory whose index.json exists is
@@ -27,14 +27,14 @@ from typing import Iterable, Iterator
 import torch
 from rich.progress import Progress
 
-from data.buckets import image_to_tensor, make_buckets, nearest_bucket, resize_and_crop
-from data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
-from imagegen.autoencoder import load_autoencoder
-from imagegen.config import ImagegenConfig
-from imagegen.hf import read_args
-from imagegen.text import TextEncoder, load_text_encoder
-from pipeline.atomic import atomic_write_text
-from pipeline.progress import log
+from atelier_studio.data.buckets import image_to_tensor, make_buckets, nearest_bucket, resize_and_crop
+from atelier_studio.data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
+from atelier_studio.imagegen.autoencoder import load_autoencoder
+from atelier_studio.imagegen.config import ImagegenConfig
+from atelier_studio.imagegen.hf import read_args
+from atelier_studio.imagegen.text import TextEncoder, load_text_encoder
+from atelier_studio.pipeline.atomic import atomic_write_text
+from atelier_studio.pipeline.progress import log
 
 CACHE_META = "cache.json"
 
@@ -139,7 +139,7 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
 def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) -> Path:
     """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval."""
     if not cfg.data.image_shards:
-        from pipeline.config import ConfigError
+        from atelier_studio.pipeline.config import ConfigError
 
         raise ConfigError("data.image_shards: required by `atelier imagegen cache` (image shards from `atelier data "
                           "shards`)")

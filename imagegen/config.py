@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class FlowConfig:
     def args(self):  # -> imagegen.flow.FlowArgs
         import dataclasses
 
-        from imagegen.flow import FlowArgs
+        from atelier_studio.imagegen.flow import FlowArgs
 
         return FlowArgs(**dataclasses.asdict(self))
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from data.textfile import read_json
-from imagegen.model import SIZES, MMDiT, MMDiTArgs
-from pipeline.atomic import atomic_dir, save_safetensors
-from pipeline.errors import ModelLoadError, UsageError
+from atelier_studio.data.textfile import read_json
+from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError, UsageError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"

@@ -2,7 +2,7 @@
 
 Read top to bottom like the paper: config → embeddings → norms/modulation → attention → MLP →
 joint block → model. Module and parameter names equal diffusers' ``SD3Transformer2DModel`` so
-``state_dict()`` keys are the diffusers checkpoint keys with no mapping (STYLE.md: stock layout).
+``state_dict()`` keys are the diffusers checkpoint keys with no mapping.
 diffusers is the reference the tests compare against; it is never imported here.
 
 Shape legend:
@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.adaln import adaln_modulate
-from kernels.gated_residual import gated_residual
-from kernels.rmsnorm import rmsnorm
+from atelier_studio.kernels.adaln import adaln_modulate
+from atelier_studio.kernels.gated_residual import gated_residual
+from atelier_studio.kernels.rmsnorm import rmsnorm
 
 # diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
 NORM_EPS = 1e-6
@@ -57,7 +57,7 @@ def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
 
 @dataclass(frozen=True)
 class MMDiTArgs:
-    """MMDiT hyper-parameters; shared names (STYLE.md) plus diffusers' SD3 fields."""
+    """MMDiT hyper-parameters; field names shared with the designer's config plus diffusers' SD3 fields."""
 
     num_layers: int = 2
     num_heads: int = 2

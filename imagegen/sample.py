@@ -23,10 +23,10 @@ from typing import Sequence
 import torch
 from PIL import Image
 
-from data.textfile import read_json, read_lines
-from imagegen.flow import FlowArgs, euler_sample
-from pipeline.atomic import atomic_file, atomic_write_text, check_dir_path, ensure_dir
-from pipeline.errors import DataError, ModelLoadError
+from atelier_studio.data.textfile import read_json, read_lines
+from atelier_studio.imagegen.flow import FlowArgs, euler_sample
+from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text, check_dir_path, ensure_dir
+from atelier_studio.pipeline.errors import DataError, ModelLoadError
 
 RUN_META = "imagegen.json"
 
@@ -94,7 +94,7 @@ def sample_images(model, text_encoder, autoencoder, captions: Sequence[str], res
 def write_run_meta(out_dir: Path, cfg) -> Path:
     """imagegen.json beside transformer/ and ema/: everything sampling needs except the weights."""
     t = cfg.text
-    from imagegen.text import default_text_encoder_path
+    from atelier_studio.imagegen.text import default_text_encoder_path
 
     meta = {"autoencoder": cfg.autoencoder.spec,
             "text": {"encoder": str(Path(t.encoder).resolve()) if t.encoder else str(default_text_encoder_path()),
@@ -108,8 +108,8 @@ def write_run_meta(out_dir: Path, cfg) -> Path:
 def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
     """The sampling settings: from a run's config.toml if given, else imagegen.json in/next to model_dir."""
     if config_path:
-        from imagegen.config import ImagegenConfig
-        from pipeline.config import load_config
+        from atelier_studio.imagegen.config import ImagegenConfig
+        from atelier_studio.pipeline.config import load_config
 
         cfg = load_config(ImagegenConfig, config_path)
         return {"autoencoder": cfg.autoencoder.spec, "text": dataclasses.asdict(cfg.text),
@@ -124,9 +124,9 @@ def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
 def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: int = 28, guidance: float = 4.0,
                   seed: int = 0, config_path: str | None = None, batch_size: int = 16) -> list[Path]:
     """`atelier imagegen sample`: one PNG per caption line, grid.png, and index.jsonl {caption, image}."""
-    from imagegen.autoencoder import load_autoencoder
-    from imagegen.hf import load_pretrained
-    from imagegen.text import TextEncoder
+    from atelier_studio.imagegen.autoencoder import load_autoencoder
+    from atelier_studio.imagegen.hf import load_pretrained
+    from atelier_studio.imagegen.text import TextEncoder
 
     model_dir, captions_file, out_dir = Path(model_dir), Path(captions_file), Path(out_dir)
     if not captions_file.is_file():

@@ -23,7 +23,7 @@ the training timestep-bin counters) are summed over ranks. The EMA's full copy f
 gathered in the evaluation of the last step, which the trainer runs on every rank just before its
 rank-0 export.
 
-Precision (DESIGN.md): fp32 master weights; `model.dtype = "bfloat16"` runs the forward under bf16
+Precision (docs/training.md): fp32 master weights; `model.dtype = "bfloat16"` runs the forward under bf16
 autocast, "float32" is exact. The loss is reduced in fp32.
 
 Evaluation and the sample grid use their own seeded generators, so they never move the training RNG:
@@ -42,22 +42,22 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
-from data.shards import read_index
-from data.textfile import read_lines
-from imagegen.autoencoder import load_autoencoder
-from imagegen.cache import cache_split
-from imagegen.config import ImagegenConfig
-from imagegen.ema import EMA
-from imagegen.flow import add_noise, flow_loss, sample_timesteps
-from imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
-from imagegen.model import MMDiT
-from imagegen.sample import make_grid, sample_images, write_run_meta
-from imagegen.text import load_text_encoder
-from pipeline.atomic import atomic_file
-from pipeline.config import ConfigError
-from pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
-from pipeline.progress import log
+from atelier_studio.data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
+from atelier_studio.data.shards import read_index
+from atelier_studio.data.textfile import read_lines
+from atelier_studio.imagegen.autoencoder import load_autoencoder
+from atelier_studio.imagegen.cache import cache_split
+from atelier_studio.imagegen.config import ImagegenConfig
+from atelier_studio.imagegen.ema import EMA
+from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
+from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
+from atelier_studio.imagegen.model import MMDiT
+from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
+from atelier_studio.imagegen.text import load_text_encoder
+from atelier_studio.pipeline.atomic import atomic_file
+from atelier_studio.pipeline.config import ConfigError
+from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
+from atelier_studio.pipeline.progress import log
 
 NUM_BINS = 4
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin

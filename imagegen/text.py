@@ -11,7 +11,7 @@ Two kinds, both loaded through transformers' `AutoModel` from a local directory 
 Every caption is padded (right) or truncated to exactly `max_length` tokens, so every batch has the
 same L. The encoder sees the attention mask (padding never changes a real token's state), but the
 MMDiT does not: SD3 uses no text mask in joint attention, so the padded positions' states are real
-inputs and real work (PITFALLS.md "Padding costs compute"; `MMDiT.train_flops` counts all L tokens).
+inputs and real work (`MMDiT.train_flops` counts all L tokens).
 The mask is returned for pooling and for anyone who wants to pack text later.
 
 Pooling: "mean" (mean of the real tokens' states), "last" (the last real token: what a causal LM has
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.errors import AtelierError
+from atelier_studio.pipeline.errors import AtelierError
 
 KINDS = ("causal-lm", "encoder")
 POOLINGS = ("mean", "last", "cls")

@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
-from pipeline.errors import NO_SPACE, WriteError, os_error_reason, write_error
+from atelier_studio.pipeline.errors import NO_SPACE, WriteError, os_error_reason, write_error
 
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"

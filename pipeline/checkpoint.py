@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
-from pipeline.atomic import save_safetensors, temp_path
-from pipeline.errors import AtelierError
+from atelier_studio.pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
+from atelier_studio.pipeline.atomic import save_safetensors, temp_path
+from atelier_studio.pipeline.errors import AtelierError
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -174,7 +174,7 @@ class PendingSave:
         self.tmp, self.final, self.state, self.ctx, self.future = tmp, final, state, ctx, future
 
     def wait(self) -> Path:
-        from pipeline.distributed import barrier
+        from atelier_studio.pipeline.distributed import barrier
 
         try:
             if self.future is not None:
@@ -204,7 +204,7 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
     """
     import torch.distributed.checkpoint as dcp
 
-    from pipeline.distributed import barrier
+    from atelier_studio.pipeline.distributed import barrier
 
     root = Path(root)
     final = root / f"step-{step}"

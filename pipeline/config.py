@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
 
-from pipeline.errors import AtelierError
+from atelier_studio.pipeline.errors import AtelierError
 
 T = TypeVar("T")
 
@@ -140,7 +140,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        from data.textfile import decode_utf8
+        from atelier_studio.data.textfile import decode_utf8
 
         text = decode_utf8(path.read_bytes(), path, ConfigError)  # a non-UTF-8 byte is named path:line
         try:
@@ -321,7 +321,7 @@ def _toml_value(v: Any) -> str:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as TOML, atomically (pipeline/atomic.py)."""
-    from pipeline.atomic import atomic_write_text
+    from atelier_studio.pipeline.atomic import atomic_write_text
 
     atomic_write_text(path, config_to_toml(cfg), what="resolved config")
 

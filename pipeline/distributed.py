@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.config import DistributedConfig, TrainConfig
-from pipeline.errors import AtelierError
-from pipeline.policies import checkpoint_blocks, compile_block_list
+from atelier_studio.pipeline.config import DistributedConfig, TrainConfig
+from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list
 
 
 class DistributedError(AtelierError, RuntimeError):
@@ -61,7 +61,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 def torchrun_env() -> dict[str, int] | None:
     """RANK, WORLD_SIZE, LOCAL_RANK as ints when launched by torchrun; None when WORLD_SIZE is unset.
 
-    The one place in Atelier that reads the launcher's environment (STYLE.md: env vars in one place).
+    The one place in Atelier that reads the launcher's environment.
     MASTER_ADDR / MASTER_PORT are read by `init_process_group("env://")` itself.
     """
     if "WORLD_SIZE" not in os.environ:
@@ -87,7 +87,7 @@ def launched_by_torchrun() -> bool:
 
 def init_distributed(train: TrainConfig) -> DistContext:
     """The process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or a one-process context."""
-    from pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
+    from atelier_studio.pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
 
     env = torchrun_env()
     if env is None:

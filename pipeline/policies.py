@@ -1,4 +1,4 @@
-"""Training policies applied to a built model from pipeline/, never inside a model file (STYLE.md).
+"""Training policies applied to a built model from pipeline/, never inside a model file.
 
 Order, as torchtitan: activation checkpointing → per-block compile → FSDP (pipeline/distributed.py).
 

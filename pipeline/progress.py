@@ -22,8 +22,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from pipeline.atomic import atomic_write_text, ensure_dir
-from pipeline.errors import write_error
+from atelier_studio.pipeline.atomic import atomic_write_text, ensure_dir
+from atelier_studio.pipeline.errors import write_error
 
 
 class MetricsLog:

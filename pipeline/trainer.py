@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
@@ -39,9 +39,9 @@ from pipeline.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from pipeline.config import OutputConfig, TrainConfig
-from pipeline.distributed import (
+from atelier_studio.pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.distributed import (
     DistContext,
     all_reduce_sum,
     barrier,
@@ -50,12 +50,12 @@ from pipeline.distributed import (
     is_sharded,
     set_gradient_sync,
 )
-from pipeline.atomic import ensure_dir
-from pipeline.errors import AtelierError
-from pipeline.mfu import ThroughputMeter, device_peak_flops
-from pipeline.policies import cpu_offload
-from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
-from pipeline.task import Task
+from atelier_studio.pipeline.atomic import ensure_dir
+from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
+from atelier_studio.pipeline.policies import cpu_offload
+from atelier_studio.pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
+from atelier_studio.pipeline.task import Task
 
 
 class TrainingError(AtelierError, RuntimeError):

@@ -1,8 +1,8 @@
 """Bad input through the real CLI: one table of cases, each a clear one-line error, status 2, nothing half-written.
 
 Each row of CASES builds one bad input under the test's tmp directory, runs the command through the CLI's
-entry point (`pipeline.cli.main`, which `python -m pipeline.cli` exits with; rows marked `subprocess`, and the
-disk-full row, run `python -m pipeline.cli` itself in a subprocess) and checks:
+entry point (`atelier_studio.flows.cli.main`, which `python -m atelier_studio.flows.cli` exits with; rows marked `subprocess`, and the
+disk-full row, run `python -m atelier_studio.flows.cli` itself in a subprocess) and checks:
 
 - the exit status (2: a user-fixable error);
 - stderr is exactly one line, `atelier: error: ...`, with no traceback, containing every `expect` substring
@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.atomic import is_temporary
-from pipeline.cli import main
+from atelier_studio.pipeline.atomic import is_temporary
+from atelier_studio.flows.cli import main
 
 ROOT = Path(__file__).parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
@@ -65,7 +65,7 @@ class Case:
     unchanged: tuple[str, ...] = ()  # globs under tmp whose files must keep their bytes
     status: int = 2
     file_size_limit: int | None = None  # RLIMIT_FSIZE of the command (a full disk); runs it in a subprocess
-    subprocess: bool = False  # run `python -m pipeline.cli` in a subprocess instead of `main()` in this one
+    subprocess: bool = False  # run `python -m atelier_studio.flows.cli` in a subprocess instead of `main()` in this one
 
 
 @pytest.fixture(scope="module")
@@ -345,14 +345,14 @@ CASES = [
 
 
 def run_cli(argv: list[str], cwd: Path, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """`python -m pipeline.cli ARGV` in a subprocess (this checkout's code first on the path)."""
+    """`python -m atelier_studio.flows.cli ARGV` in a subprocess (this checkout's code first on the path)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
     def limit_file_size() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600, preexec_fn=limit_file_size if file_size_limit else None)
 
 

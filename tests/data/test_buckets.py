@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data.buckets import (
+from atelier_studio.data.buckets import (
     BucketBatcher,
     BucketSampler,
     LatentDataset,
@@ -19,7 +19,7 @@ from data.buckets import (
     nearest_bucket,
     resize_and_crop,
 )
-from data.shards import write_latent_shards
+from atelier_studio.data.shards import write_latent_shards
 
 
 @pytest.mark.parametrize("resolution,multiple,step", [(256, 16, None), (64, 8, 8), (1024, 16, 64)])

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from designer.hf import init_random, load_pretrained, save_pretrained
-from designer.model import SIZES, ModelArgs, Qwen3, num_params
-from kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.designer.hf import init_random, load_pretrained, save_pretrained
+from atelier_studio.designer.model import SIZES, ModelArgs, Qwen3, num_params
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"
 
 
 # --- helpers shared by the designer tests ---------------------------------------------------------
 def make_tokenizer_dir(root: Path) -> Path:
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     return train_tokenizer([FIXTURE], 300, root / "tokenizer")
 
@@ -275,14 +275,14 @@ def check_flops_match_counter(model, vocab: int) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_train_flops_match_flop_counter(mode):
-    from designer.lora import LoraArgs, apply_lora
+    from atelier_studio.designer.lora import LoraArgs, apply_lora
 
     args = ModelArgs.from_size("tiny", 67, tie_embeddings=(mode == "full"), attention_impl="sdpa")
     model = Qwen3(args).init_weights(0)
     if mode == "lora":
         apply_lora(model, LoraArgs(rank=4, alpha=8, targets=("q", "v", "down")))
         # With a frozen embedding, autograd skips the input-gradient of layer 0's q/k/v/gate/up (nothing
-        # upstream needs it); train_flops counts every input-gradient, as DESIGN.md's 2·N·T does. Let the
+        # upstream needs it); train_flops counts every input-gradient, as docs/mfu.md's 2·N·T does. Let the
         # gradient flow to the embedding (whose backward is not a matmul) so both count the same work.
         model.model.embed_tokens.weight.requires_grad_(True)
     lens, head_tokens = check_flops_match_counter(model, 67)

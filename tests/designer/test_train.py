@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import main
+from atelier_studio.flows.cli import main
 
 ROOT = Path(__file__).parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
@@ -61,7 +61,7 @@ def test_full_finetune_learns_and_exports_hf_model(world, tmp_path):
 
 def _spawn(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -122,7 +122,7 @@ def test_selective_checkpointing_and_cpu_offload_train_exactly_like_plain(world,
 def test_compiled_training_matches_plain_and_compiles_only_at_the_start(world, tmp_path):
     """`[train.distributed] compile = true`: the eager losses, and every batch after the first reuses what was
     compiled although each packs different documents (data.packing.compile_shape buckets the segment count;
-    PITFALLS.md "Recompiles"): a 6-step run compiles no more graphs than a 1-step run."""
+    a recompile per batch): a 6-step run compiles no more graphs than a 1-step run."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import atomic
-from pipeline.atomic import (
+from atelier_studio.pipeline import atomic
+from atelier_studio.pipeline.atomic import (
     atomic_dir,
     atomic_file,
     atomic_write_text,
@@ -23,7 +23,7 @@ from pipeline.atomic import (
     save_safetensors,
     temp_path,
 )
-from pipeline.errors import WriteError
+from atelier_studio.pipeline.errors import WriteError
 
 ROOT = Path(__file__).parents[2]
 
@@ -120,7 +120,7 @@ def test_failed_rename_in_puts_the_old_directory_back(tmp_path, monkeypatch):
 KILLED_MID_INSTALL = """
 import os, sys
 from pathlib import Path
-from pipeline import atomic
+from atelier_studio.pipeline import atomic
 real = os.replace
 def replace(src, dst):
     real(src, dst)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipeline.checkpoint as ckpt_module
-from pipeline.atomic import is_temporary
-from pipeline.checkpoint import (
+import atelier_studio.pipeline.checkpoint as ckpt_module
+from atelier_studio.pipeline.atomic import is_temporary
+from atelier_studio.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
@@ -25,9 +25,9 @@ from pipeline.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from pipeline.config import OutputConfig, TrainConfig
-from pipeline.errors import WriteError
-from pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.errors import WriteError
+from atelier_studio.pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
 from tests.pipeline.toy_task import ToyTask
 
 
@@ -129,8 +129,8 @@ KILLED_MID_RESAVE = """
 import os, sys
 from pathlib import Path
 import torch
-from pipeline import atomic
-from pipeline.checkpoint import Checkpoint, save_checkpoint
+from atelier_studio.pipeline import atomic
+from atelier_studio.pipeline.checkpoint import Checkpoint, save_checkpoint
 real = os.replace
 def replace(src, dst):
     real(src, dst)

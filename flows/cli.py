@@ -39,9 +39,9 @@ def _torchrun(args: argparse.Namespace) -> int | None:
     import os
     import subprocess
 
-    from pipeline.distributed import launched_by_torchrun
+    from atelier_studio.pipeline.distributed import launched_by_torchrun
 
-    from pipeline.distributed import DistributedError
+    from atelier_studio.pipeline.distributed import DistributedError
 
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise DistributedError(f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank}: need "
@@ -55,7 +55,7 @@ def _torchrun(args: argparse.Namespace) -> int | None:
     else:
         cmd += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr or "127.0.0.1",
                 "--master-port", str(args.master_port)]
-    cmd += ["-m", "pipeline.cli", args.group, args.command, "--config", args.config]
+    cmd += ["-m", "atelier_studio.flows.cli", args.group, args.command, "--config", args.config]
     for item in args.set:
         cmd += ["--set", item]
     # this process's process group is the launcher's: a cancelled flow kills both (flows/launch.py)
@@ -68,10 +68,10 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import inspect
     import os
 
-    from pipeline.atomic import check_dir_path, ensure_dir
-    from pipeline.config import load_config, save_config
-    from pipeline.distributed import DistributedError, init_distributed, shutdown
-    from pipeline.trainer import Trainer, exit_code, seed_everything
+    from atelier_studio.pipeline.atomic import check_dir_path, ensure_dir
+    from atelier_studio.pipeline.config import load_config, save_config
+    from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
+    from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
     if launched is not None:
@@ -102,8 +102,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
 
 
 def designer_train(args: argparse.Namespace) -> int:
-    from designer.config import DesignerConfig
-    from designer.task import DesignerTask
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.designer.task import DesignerTask
 
     return _train(args, DesignerConfig, DesignerTask)
 
@@ -111,7 +111,7 @@ def designer_train(args: argparse.Namespace) -> int:
 def designer_init(args: argparse.Namespace) -> int:
     import torch
 
-    from designer.hf import init_random
+    from atelier_studio.designer.hf import init_random
 
     path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
     kind = "Qwen3.5" if args.size.startswith("qwen3.5") else "Qwen3"
@@ -120,7 +120,7 @@ def designer_init(args: argparse.Namespace) -> int:
 
 
 def designer_generate(args: argparse.Namespace) -> int:
-    from designer.captions import generate_captions
+    from atelier_studio.designer.captions import generate_captions
 
     generate_captions(model_dir=Path(args.model), adapter_dir=Path(args.adapter) if args.adapter else None,
                       briefs_file=Path(args.briefs), out_file=Path(args.out), max_new_tokens=args.max_new_tokens,
@@ -132,8 +132,8 @@ def designer_generate(args: argparse.Namespace) -> int:
 
 
 def imagegen_train(args: argparse.Namespace) -> int:
-    from imagegen.config import ImagegenConfig
-    from imagegen.task import ImagegenTask
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.imagegen.task import ImagegenTask
 
     return _train(args, ImagegenConfig, ImagegenTask)
 
@@ -141,7 +141,7 @@ def imagegen_train(args: argparse.Namespace) -> int:
 def imagegen_init(args: argparse.Namespace) -> int:
     import torch
 
-    from imagegen.hf import init_random
+    from atelier_studio.imagegen.hf import init_random
 
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
                                                          "joint_attention_dim", "pooled_projection_dim")
@@ -152,9 +152,9 @@ def imagegen_init(args: argparse.Namespace) -> int:
 
 
 def imagegen_cache(args: argparse.Namespace) -> int:
-    from imagegen.cache import cache_latents
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.cache import cache_latents
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
 
     cfg = load_config(ImagegenConfig, args.config, args.set)
     cache_latents(cfg, Path(args.out), shard_size=args.shard_size)
@@ -162,7 +162,7 @@ def imagegen_cache(args: argparse.Namespace) -> int:
 
 
 def imagegen_sample(args: argparse.Namespace) -> int:
-    from imagegen.sample import sample_to_dir
+    from atelier_studio.imagegen.sample import sample_to_dir
 
     sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
                   steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config)
@@ -173,7 +173,7 @@ def imagegen_sample(args: argparse.Namespace) -> int:
 
 
 def data_tokenizer(args: argparse.Namespace) -> int:
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     path = train_tokenizer([Path(p) for p in args.corpus], args.vocab_size, Path(args.out))
     print(f"wrote a byte-level BPE tokenizer ({args.vocab_size} tokens) to {path}")
@@ -181,7 +181,7 @@ def data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def data_synth(args: argparse.Namespace) -> int:
-    from data.synthetic import generate_world
+    from atelier_studio.data.synthetic import generate_world
 
     stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size)
     print(f"wrote the shapes world to {args.out}: {stats}")
@@ -189,7 +189,7 @@ def data_synth(args: argparse.Namespace) -> int:
 
 
 def data_shards(args: argparse.Namespace) -> int:
-    from data.shards import write_image_shards
+    from atelier_studio.data.shards import write_image_shards
 
     stats = write_image_shards(Path(args.images), Path(args.captions), Path(args.out), args.shard_size)
     print(f"wrote shards to {args.out}: {stats}")
@@ -200,7 +200,7 @@ def data_validate(args: argparse.Namespace) -> int:
     """The report as JSON on stdout; anything bad (samples, tars, index) is also one error line and status 2."""
     import json
 
-    from data.shards import ShardError, validate_shards
+    from atelier_studio.data.shards import ShardError, validate_shards
 
     report = validate_shards(Path(args.dir))
     print(json.dumps(report.as_dict(), indent=1))
@@ -210,7 +210,7 @@ def data_validate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from flows.evaluate import evaluate_brief_to_image
+    from atelier_studio.flows.evaluate import evaluate_brief_to_image
 
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed)
@@ -224,7 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def _write_summary(out: Path, result) -> None:
     import json
 
-    from pipeline.atomic import atomic_write_text
+    from atelier_studio.pipeline.atomic import atomic_write_text
 
     summary = {"step": result.step, "interrupted": result.interrupted, "final_loss": result.final_loss,
                "exports": {k: str(v) for k, v in result.exports.items()}, **result.summary}
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipeline.errors import AtelierError, one_line, user_os_error
+    from atelier_studio.pipeline.errors import AtelierError, one_line, user_os_error
 
     args = build_parser().parse_args(argv)
     try:
