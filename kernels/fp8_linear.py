@@ -1,0 +1,705 @@
+"""FP8 linear layers for training: E4M3 / E5M2 operands with tensorwise or rowwise scales, on FP8 tensor cores.
+
+Shapes: M rows (tokens; leading dims flattened), K in-features, N out-features.
+  x [M, K], weight W [N, K], bias [N] | None → y = x Wᵀ + b [M, N].
+
+Quantisation, one rule for every operand: for a group of values v (the whole tensor, or one row),
+  amax = max |v|,   s = max(amax, 1e-12) / fp8_max      (fp32, correctly rounded: the dequantisation scale),
+  q = fp8(clamp(v / s, −fp8_max, fp8_max))             (v / s correctly rounded in fp32, then rounded to the
+                                                        nearest fp8 value, ties to even; the clamp saturates),
+  v ≈ q · s.  E4M3 (float8_e4m3fn): fp8_max 448, 3 mantissa bits, smallest normal 2^-6, so |q·s − v| ≤ 2^-4 |v|
+  in the normal range; E5M2 (float8_e5m2): 57344, 2 bits, 2^-14, error ≤ 2^-3 |v|. The Triton kernels round to
+  the fp8 grid in fp32 arithmetic before the cast (exactly the RNE rule), so the cast itself never rounds: the
+  kernels give the same bits on the GPU and under TRITON_INTERPRET=1, whose own fp8 cast mis-rounds values that
+  round up into the next binade. Values equal `quantize_ref` (torch's own fp8 cast) exactly.
+
+Recipes (torchtitan's float8 recipes; torchao names them the same):
+  "tensorwise": x and W in E4M3, dY in E5M2 (gradients need range more than precision), one scale per tensor.
+  "rowwise":    every operand in E4M3, one scale per row of each GEMM operand along the axis the GEMM does NOT
+                contract, so every scale factors out of the dot products:
+     y  = x Wᵀ   contracts K:  x per row (token) [M],          W per output channel [N];
+     dX = dY W   contracts N:  dY per row [M],                 W per input channel [K]  (a second copy of W);
+     dW = dYᵀ x  contracts M:  dY per output channel [N],      x per input channel [K]  (both over tokens).
+  In both, each GEMM is  out = (q_a q_bᵀ) · s_a s_bᵀ  with fp32 accumulation: torch._scaled_mm(a [m, k] row-major,
+  b [k, n] column-major, scale_a [m, 1] | scalar, scale_b [1, n] | scalar). The forward GEMM uses the tensor cores'
+  fast accumulation (torchao's default for the output GEMM); the two gradient GEMMs accumulate exactly.
+
+Trainable linear (full fine-tuning, the MMDiT), Float8LinearFunction:
+  forward: q(x) and q(W) as above → y (+ b inside the GEMM's epilogue when y is bf16, after it otherwise).
+  Saved: the fp8 operands the backward needs, made by the same kernel passes that quantise x and W for the forward:
+    x quantised for dW (per input channel, or the transposed copy for tensorwise) as xᵀ [K, M₁₆] (1 byte per
+    element instead of x's 2 or 4), W quantised for dX as Wᵀ [K, N], and their scales. Nothing in x's dtype.
+  backward: dY is quantised once per GEMM operand layout (one read pass gives both):
+    dX = q(dY) · q(W)  in x.dtype;  dW = q(dY)ᵀ · q(x)  in weight.dtype (fp32 master weights get fp32 grads);
+    d(bias) = Σ_rows dY accumulated in fp32, in bias.dtype.
+  dW contracts over tokens, and CUDA's _scaled_mm needs every dimension of its second operand to be a multiple
+  of 16: the transposed copies are written into M₁₆ = M rounded up to 16 columns, zero-padded (zeros add nothing).
+Frozen base (LoRA), Fp8FrozenLoRAFunction and Fp8FrozenLinearFunction:
+  the weight is quantised ONCE (quantize_frozen_weight, at load): W per output channel [N, K] for the forward and
+  W per input channel, stored transposed [K, N], for dX (tensorwise: one scale, the transposed copy). Per step only
+  x (per row or per tensor) and dY are quantised; dX goes through FP8, there is no dW. The adapters stay in the
+  adapter dtype through kernels/lora_linear.py's own code (add_adapter_ / adapter_backward):
+  y = fp8_base(x) + s · (dropout(x) Aᵀ) Bᵀ, with dA, dB and the adapter's share of dX exactly as lora_linear's.
+
+Dtypes: y in the compute dtype (autocast's when it is on, else x.dtype); x and W are quantised straight from their
+own dtypes (an fp32 master weight is never rounded to bf16 first).
+
+Where it runs: FP8 tensor cores need CUDA compute capability >= 8.9 (Ada, Hopper); check_fp8_device raises
+Fp8UnsupportedError naming `train.precision = "fp8"` and the device below that. Implementations (`impl`):
+"scaled_mm" (the Triton quantisers + torch._scaled_mm, any device: torch 2.14's CPU _scaled_mm computes the same
+GEMMs, and the quantisers run under TRITON_INTERPRET=1), "ref" (fake quantisation: the same quantised operands,
+dequantised, multiplied in fp32 by the reference autograd Functions: numerically what the FP8 GEMMs compute, up to
+fp32 accumulation order), "auto" (scaled_mm on CUDA, ref elsewhere, so a CPU run with precision "fp8" trains).
+Layers whose K or N is not a multiple of 16 (what _scaled_mm needs) take the reference on every device: they are
+tiny (embedders) and the reference computes the same numbers.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.utils.flop_counter import register_flop_formula
+
+from atelier_studio.kernels.lora_linear import _compute_dtypes, adapter_backward, add_adapter_, dropout_mask, lora_adapter_ref
+
+IMPLS = ("auto", "scaled_mm", "ref")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_EPS = 1e-12  # amax floor: an all-zero group gets a finite scale (its values quantise to 0)
+PAD = 16  # _scaled_mm on CUDA: K, N and the contracted token dim of dW are multiples of this
+FAST_ACCUM_FORWARD = True  # the forward GEMM's fast accumulation (torchao's default); gradient GEMMs never
+# fp8 dtype → (fp8_max, mantissa bits, exponent of the smallest normal)
+FORMATS = {E4M3: (448.0, 3, -6), E5M2: (57344.0, 2, -14)}
+MIN_CAPABILITY = (8, 9)
+PRECISION_KEY = 'train.precision = "fp8"'
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """Which fp8 dtypes and scale granularity each GEMM operand gets (the module docstring's table)."""
+
+    name: str
+    rowwise: bool  # one scale per row of each operand (along the non-contracted axis); else one per tensor
+    forward_dtype: torch.dtype  # x and W
+    grad_dtype: torch.dtype  # dY
+
+
+RECIPES = {"tensorwise": Fp8Recipe("tensorwise", False, E4M3, E5M2),
+           "rowwise": Fp8Recipe("rowwise", True, E4M3, E4M3)}
+
+
+class Fp8UnsupportedError(RuntimeError):
+    """FP8 was asked for on a device without FP8 tensor cores."""
+
+
+# --- Triton kernels -------------------------------------------------------------------------------
+@triton.jit
+def _round_to_fp8_grid(v, MANT: tl.constexpr, EMIN: tl.constexpr):
+    # v fp32 within ±fp8_max → the nearest fp8 value (ties to even), still fp32. The fp8 spacing at |v| is
+    # ulp = 2^(max(e, EMIN) − MANT), e = v's binary exponent (subnormals share the smallest normal's spacing).
+    # a + 2^23·ulp lies in a binade of fp32 whose spacing is exactly ulp, so the fp32 add rounds a to a multiple of
+    # ulp, ties to even (2^23·ulp is an even multiple), and the subtraction is exact.
+    a = tl.abs(v)
+    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    e = tl.maximum(e, EMIN + 127)
+    big = ((e - MANT + 23) << 23).to(tl.float32, bitcast=True)  # 2^23 · ulp
+    r = (a + big) - big
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_values(x, s, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    v = tl.math.div_rn(x, s)
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    return _round_to_fp8_grid(v, MANT, EMIN)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_q_ptr, amax_qt_ptr, R, C, stride_r, stride_c, TENSORWISE: tl.constexpr,
+                 WANT_Q: tl.constexpr, WANT_QT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Pass 1 over x [R, C]: one tile per program; its amax goes by atomic max into the tensor's amax (tensorwise),
+    # or into each row's (for q) and each column's (for qᵀ). Max is order-free: the result is deterministic.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask, cmask = rows < R, cols < C
+    offs = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+    a = tl.abs(tl.load(x_ptr + offs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32))
+    if TENSORWISE:
+        tl.atomic_max(amax_q_ptr, tl.max(tl.max(a, axis=1), axis=0))
+    else:
+        if WANT_Q:
+            tl.atomic_max(amax_q_ptr + rows, tl.max(a, axis=1), mask=rmask)
+        if WANT_QT:
+            tl.atomic_max(amax_qt_ptr + cols, tl.max(a, axis=0), mask=cmask)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, amax_q_ptr, amax_qt_ptr, q_ptr, s_q_ptr, qt_ptr, s_qt_ptr, R, C, R_PAD, stride_r, stride_c,
+                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
+                 TENSORWISE: tl.constexpr, WANT_Q: tl.constexpr, WANT_QT: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    # Pass 2: scales from the amaxes, then q [R, C] (row scales, or the tensor's) and/or qᵀ [C, R_PAD] (column
+    # scales, or the tensor's), the transposed copy zero-filled in rows R..R_PAD (the grid covers them).
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask, cmask = rows < R, cols < C
+    offs = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+    x = tl.load(x_ptr + offs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    if TENSORWISE:
+        s = tl.math.div_rn(tl.maximum(tl.load(amax_q_ptr), EPS), FP8_MAX)
+        if (pid_r == 0) & (pid_c == 0):
+            tl.store(s_q_ptr, s)
+        s_tile = tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + s
+    if WANT_Q:
+        if TENSORWISE:
+            s_q = s_tile
+        else:
+            s_rows = tl.math.div_rn(tl.maximum(tl.load(amax_q_ptr + rows, mask=rmask, other=0.0), EPS), FP8_MAX)
+            tl.store(s_q_ptr + rows, s_rows, mask=rmask & (pid_c == 0))
+            s_q = tl.broadcast_to(s_rows[:, None], (BLOCK_R, BLOCK_C))
+        q = _quantize_values(x, s_q, FP8_MAX, MANT, EMIN)
+        q_offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if WANT_QT:
+        if TENSORWISE:
+            s_qt = s_tile
+        else:
+            s_cols = tl.math.div_rn(tl.maximum(tl.load(amax_qt_ptr + cols, mask=cmask, other=0.0), EPS), FP8_MAX)
+            tl.store(s_qt_ptr + cols, s_cols, mask=cmask & (pid_r == 0))
+            s_qt = tl.broadcast_to(s_cols[None, :], (BLOCK_R, BLOCK_C))
+        qt = _quantize_values(x, s_qt, FP8_MAX, MANT, EMIN)
+        qt_offs = cols[None, :].to(tl.int64) * R_PAD + rows[:, None]
+        tl.store(qt_ptr + qt_offs, qt.to(qt_ptr.dtype.element_ty), mask=(rows[:, None] < R_PAD) & cmask[None, :])
+
+
+# --- launchers ------------------------------------------------------------------------------------
+_BLOCK_R, _BLOCK_C = 64, 64
+
+
+class Fp8Quantized(NamedTuple):
+    """What `quantize` made; None where not asked for. Tensorwise: scale is scale_t, one fp32 value [1]."""
+
+    q: torch.Tensor | None  # [R, C] fp8: rows scaled by scale
+    scale: torch.Tensor | None  # [R] fp32 (rowwise) or [1]
+    qt: torch.Tensor | None  # [C, R_pad] fp8: the transposed copy, columns of v scaled by scale_t, zero rows ≥ R
+    scale_t: torch.Tensor | None  # [C] fp32 (rowwise) or [1]
+
+
+def quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, rows: bool = True, cols: bool = False,
+             pad_to: int = 1) -> Fp8Quantized:
+    """Quantise v [R, C] (any float dtype, any strides) to fp8 in two passes over v.
+
+    rows: q [R, C] with one scale per row (rowwise) or per tensor. cols: qᵀ [C, R_pad] (R_pad = R rounded up to
+    `pad_to`, zero-filled) with one scale per column of v (rowwise) or the tensor's: v's columns quantised and
+    written transposed, the layout a GEMM that contracts over R wants. Both from the same two passes.
+    """
+    if v.dim() != 2 or not v.is_floating_point():
+        raise ValueError(f"fp8 quantize: expected a 2-D float tensor, got {v.dtype} {tuple(v.shape)}")
+    if fp8_dtype not in FORMATS:
+        raise ValueError(f"fp8 quantize: fp8_dtype must be one of {list(FORMATS)}, got {fp8_dtype}")
+    if not (rows or cols):
+        raise ValueError("fp8 quantize: ask for rows, cols or both")
+    r, c = v.shape
+    r_pad = triton.cdiv(r, pad_to) * pad_to
+    fmax, mant, emin = FORMATS[fp8_dtype]
+    dev = v.device
+    amax_q = torch.zeros(1 if not rowwise else (r if rows else 1), dtype=torch.float32, device=dev)
+    amax_qt = amax_q if not rowwise else torch.zeros(c if cols else 1, dtype=torch.float32, device=dev)
+    q = torch.empty(r, c, dtype=fp8_dtype, device=dev) if rows else None
+    qt = torch.empty(c, r_pad, dtype=fp8_dtype, device=dev) if cols else None
+    s_q = torch.empty(amax_q.shape, dtype=torch.float32, device=dev) if (rows or not rowwise) else None
+    s_qt = s_q if not rowwise else (torch.empty(c, dtype=torch.float32, device=dev) if cols else None)
+    if r == 0 or c == 0:
+        if s_q is not None:
+            s_q.fill_(AMAX_EPS / fmax)
+        if s_qt is not None:
+            s_qt.fill_(AMAX_EPS / fmax)
+        if qt is not None:
+            qt.zero_()
+        return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
+    dummy = amax_q  # an unused pointer argument
+    sr, sc = v.stride()
+    _amax_kernel[(triton.cdiv(r, _BLOCK_R), triton.cdiv(c, _BLOCK_C))](
+        v, amax_q, amax_qt, r, c, sr, sc, TENSORWISE=not rowwise, WANT_Q=rows, WANT_QT=cols, BLOCK_R=_BLOCK_R,
+        BLOCK_C=_BLOCK_C, num_warps=4)
+    grid_rows = r_pad if cols else r
+    _cast_kernel[(triton.cdiv(grid_rows, _BLOCK_R), triton.cdiv(c, _BLOCK_C))](
+        v, amax_q, amax_qt, q if q is not None else dummy, s_q if s_q is not None else dummy,
+        qt if qt is not None else dummy, s_qt if s_qt is not None else dummy, r, c, r_pad, sr, sc,
+        FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, TENSORWISE=not rowwise, WANT_Q=rows, WANT_QT=cols,
+        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
+    return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
+
+
+def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rowwise: bool,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """(a · s_a)(b_t · s_b)ᵀ: a [m, k] and b_t [n, k] row-major fp8 (b_t.t() is the column-major operand), scales
+    [m] and [n] (rowwise) or [1] → [m, n] in out_dtype. The bias is added in the epilogue only for a bf16/fp16 output
+    (the op takes none with fp32), else after."""
+    m, n = a.shape[0], b_t.shape[0]
+    sa, sb = (scale_a.view(m, 1), scale_b.view(1, n)) if rowwise else (scale_a.view(()), scale_b.view(()))
+    in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_epilogue else None,
+                         out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if bias is not None and not in_epilogue:
+        y += bias.to(out_dtype)
+    return y
+
+
+# torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the Triton quantisers
+# are launched eagerly inside them, as every kernel of this package is). Absent outputs are empty tensors.
+@torch.library.custom_op("atelier::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
+                   out_dtype: torch.dtype, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor]:
+    """x [M, K], weight [N, K] → (y [M, N], xᵀ_q [K, M₁₆] for dW (empty unless need_wgrad), its scales, Wᵀ_q [K, N]
+    for dX, its scales)."""
+    rc = RECIPES[recipe]
+    xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=need_wgrad, pad_to=PAD)
+    wq = quantize(weight, rc.forward_dtype, rc.rowwise, rows=True, cols=True)
+    y = _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rc.rowwise, out_dtype, bias, FAST_ACCUM_FORWARD)
+    empty = x.new_empty(0, dtype=torch.float32)
+    if not need_wgrad:
+        return y, x.new_empty(0, dtype=rc.forward_dtype), empty, wq.qt, wq.scale_t
+    return y, xq.qt, xq.scale_t, wq.qt, wq.scale_t
+
+
+@fp8_linear_fwd.register_fake
+def _(x, weight, bias, recipe, out_dtype, need_wgrad):
+    rc = RECIPES[recipe]
+    m, k = x.shape
+    n = weight.shape[0]
+    m16 = triton.cdiv(m, PAD) * PAD
+    sk = k if rc.rowwise else 1
+    xqt = x.new_empty(k, m16, dtype=rc.forward_dtype) if need_wgrad else x.new_empty(0, dtype=rc.forward_dtype)
+    xs = x.new_empty(sk, dtype=torch.float32) if need_wgrad else x.new_empty(0, dtype=torch.float32)
+    return (x.new_empty(m, n, dtype=out_dtype), xqt, xs, x.new_empty(k, n, dtype=rc.forward_dtype),
+            x.new_empty(sk, dtype=torch.float32))
+
+
+@torch.library.custom_op("atelier::fp8_linear_bwd", mutates_args=())
+def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xt_scale: torch.Tensor, wqt: torch.Tensor,
+                   wt_scale: torch.Tensor, recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                   b_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy [M, N] → (dX [M, K] in x_dtype, dW [N, K] in w_dtype, d(bias) [N] in b_dtype); unneeded ones empty."""
+    rc = RECIPES[recipe]
+    m, n = dy.shape
+    k = wqt.shape[0]
+    dx = dy.new_empty(0, dtype=x_dtype)
+    dw = dy.new_empty(0, dtype=w_dtype)
+    db = dy.new_empty(0, dtype=b_dtype)
+    if need_x or need_w:
+        dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=need_w, pad_to=PAD)
+        if need_x:
+            dx = _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, x_dtype)  # [M, K]
+        if need_w:
+            dw = _scaled_mm(dq.qt, xqt, dq.scale_t, xt_scale, rc.rowwise, w_dtype)  # [N, K], contracts M₁₆
+    if need_b:
+        db = dy.sum(0, dtype=torch.float32).to(b_dtype)
+    return dx, dw, db
+
+
+@fp8_linear_bwd.register_fake
+def _(dy, xqt, xt_scale, wqt, wt_scale, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b):
+    m, n = dy.shape
+    k = wqt.shape[0]
+    return (dy.new_empty((m, k) if need_x else (0,), dtype=x_dtype),
+            dy.new_empty((n, k) if need_w else (0,), dtype=w_dtype),
+            dy.new_empty((n,) if need_b else (0,), dtype=b_dtype))
+
+
+@torch.library.custom_op("atelier::fp8_frozen_fwd", mutates_args=())
+def fp8_frozen_fwd(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] (any float dtype) and the frozen W_q [N, K] → y [M, N] in out_dtype."""
+    rc = RECIPES[recipe]
+    xq = quantize(x, rc.forward_dtype, rc.rowwise)
+    return _scaled_mm(xq.q, wq, xq.scale, w_scale, rc.rowwise, out_dtype, bias, FAST_ACCUM_FORWARD)
+
+
+@fp8_frozen_fwd.register_fake
+def _(x, wq, w_scale, bias, recipe, out_dtype):
+    return x.new_empty(x.shape[0], wq.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("atelier::fp8_frozen_bwd", mutates_args=())
+def fp8_frozen_bwd(dy: torch.Tensor, wqt: torch.Tensor, wt_scale: torch.Tensor, recipe: str,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """dy [M, N] and the frozen Wᵀ_q [K, N] (per input channel) → dX = dY W [M, K] in out_dtype."""
+    rc = RECIPES[recipe]
+    dq = quantize(dy, rc.grad_dtype, rc.rowwise)
+    return _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, out_dtype)
+
+
+@fp8_frozen_bwd.register_fake
+def _(dy, wqt, wt_scale, recipe, out_dtype):
+    return dy.new_empty(dy.shape[0], wqt.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("atelier::fp8_lora_fwd", mutates_args=())
+def fp8_lora_fwd(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None, p: float,
+                 recipe: str, base_dtype: torch.dtype, adapter_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, I] → (y [T, O] = fp8 base + s·(dropout(x) Aᵀ) Bᵀ in base_dtype, u = dropout(x) Aᵀ [T, r])."""
+    with torch.autocast(x.device.type, enabled=False):
+        y = fp8_frozen_fwd(x, wq, w_scale, bias, recipe, base_dtype)
+        u = add_adapter_(y, x, lora_a, lora_b, scale, mask, p, base_dtype, adapter_dtype)
+    return y, u
+
+
+@fp8_lora_fwd.register_fake
+def _(x, wq, w_scale, bias, lora_a, lora_b, scale, mask, p, recipe, base_dtype, adapter_dtype):
+    return (x.new_empty(x.shape[0], wq.shape[0], dtype=base_dtype),
+            x.new_empty(x.shape[0], lora_a.shape[0], dtype=adapter_dtype))
+
+
+@torch.library.custom_op("atelier::fp8_lora_bwd", mutates_args=())
+def fp8_lora_bwd(dy: torch.Tensor, x: torch.Tensor, wqt: torch.Tensor, wt_scale: torch.Tensor, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float, recipe: str,
+                 need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy [T, O] → (dx [T, I] in x.dtype, dA, dB in the adapters' dtypes); unneeded ones empty. No dW."""
+    with torch.autocast(x.device.type, enabled=False):
+        dx_base = fp8_frozen_bwd(dy, wqt, wt_scale, recipe, dy.dtype) if need_x else None  # dY W through FP8
+        return adapter_backward(dy, dx_base, x, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b)
+
+
+@fp8_lora_bwd.register_fake
+def _(dy, x, wqt, wt_scale, lora_a, lora_b, u, mask, scale, p, recipe, need_x, need_a, need_b):
+    return (torch.empty_like(x) if need_x else x.new_empty(0), torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
+            torch.empty_like(lora_b) if need_b else lora_b.new_empty(0))
+
+
+# FlopCounterMode cannot look inside a custom op: state the matmul FLOPs (2·m·n·k per GEMM; the ops' own inner
+# calls are not counted twice, FlopCounterMode counts the outermost op). Tensor arguments arrive as shapes.
+@register_flop_formula(torch.ops.atelier.fp8_linear_fwd)
+def _fwd_flops(x, weight, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x[0] * x[1] * weight[0]
+
+
+@register_flop_formula(torch.ops.atelier.fp8_linear_bwd)
+def _bwd_flops(dy, xqt, xt_scale, wqt, wt_scale, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b,
+               out_shape=None, **kwargs) -> int:
+    per = 2 * dy[0] * dy[1] * wqt[0]
+    return per * (int(need_x) + int(need_w))
+
+
+@register_flop_formula(torch.ops.atelier.fp8_frozen_fwd)
+def _frozen_fwd_flops(x, wq, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x[0] * x[1] * wq[0]
+
+
+@register_flop_formula(torch.ops.atelier.fp8_frozen_bwd)
+def _frozen_bwd_flops(dy, wqt, *args, out_shape=None, **kwargs) -> int:
+    return 2 * dy[0] * dy[1] * wqt[0]
+
+
+@register_flop_formula(torch.ops.atelier.fp8_lora_fwd)
+def _lora_fwd_flops(x, wq, w_scale, bias, lora_a, lora_b, *args, out_shape=None, **kwargs) -> int:
+    (t, i), o, r = x, wq[0], lora_a[0]
+    return 2 * t * i * o + 2 * t * i * r + 2 * t * r * o
+
+
+@register_flop_formula(torch.ops.atelier.fp8_lora_bwd)
+def _lora_bwd_flops(dy, x, wqt, wt_scale, lora_a, lora_b, u, mask, scale, p, recipe, need_x, need_a, need_b,
+                    out_shape=None, **kwargs) -> int:
+    (t, i), o, r = x, dy[1], lora_a[0]
+    flops = 2 * t * o * r if (need_x or need_a) else 0  # g = s·dy B
+    flops += 2 * o * t * r if need_b else 0  # dB
+    flops += 2 * r * t * i if need_a else 0  # dA
+    flops += 2 * t * o * i + 2 * t * r * i if need_x else 0  # dy W (FP8) + g A
+    return flops
+
+
+# --- autograd.Function ----------------------------------------------------------------------------
+class Float8LinearFunction(torch.autograd.Function):
+    """x [M, K], weight [N, K] (trainable), bias [N] | None, recipe, out_dtype → y [M, N]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: str, out_dtype: torch.dtype):  # noqa: D102
+        need_w = ctx.needs_input_grad[1]
+        y, xqt, xt_scale, wqt, wt_scale = fp8_linear_fwd(x, weight, bias, recipe, out_dtype, need_w)
+        ctx.save_for_backward(xqt, xt_scale, wqt, wt_scale)
+        ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
+        ctx.out_dtype = out_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        xqt, xt_scale, wqt, wt_scale = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx, dw, db = fp8_linear_bwd(dy.to(ctx.out_dtype).contiguous(), xqt, xt_scale, wqt, wt_scale, ctx.recipe,
+                                    *ctx.dtypes, need_x, need_w, need_b)
+        return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
+
+
+class Fp8FrozenLinearFunction(torch.autograd.Function):
+    """x [M, K], the frozen W's fp8 copies, bias [N] | None (frozen), recipe, out_dtype → y [M, N]; dX only."""
+
+    @staticmethod
+    def forward(ctx, x, wq, w_scale, wqt, wt_scale, bias, recipe: str, out_dtype: torch.dtype):  # noqa: D102
+        y = fp8_frozen_fwd(x, wq, w_scale, bias, recipe, out_dtype)
+        ctx.save_for_backward(wqt, wt_scale)
+        ctx.recipe, ctx.x_dtype, ctx.out_dtype = recipe, x.dtype, out_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        wqt, wt_scale = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_frozen_bwd(dy.to(ctx.out_dtype).contiguous(), wqt, wt_scale, ctx.recipe, ctx.x_dtype)
+        return dx, None, None, None, None, None, None, None
+
+
+class Fp8FrozenLoRAFunction(torch.autograd.Function):
+    """x [T, I], the frozen W's fp8 copies, bias | None, lora_a [r, I], lora_b [O, r], scale, mask, p, recipe → y."""
+
+    @staticmethod
+    def forward(ctx, x, wq, w_scale, wqt, wt_scale, bias, lora_a, lora_b, scale: float, mask, p: float,
+                recipe: str):  # noqa: D102
+        cb, ca = _compute_dtypes(x, lora_a)
+        y, u = fp8_lora_fwd(x, wq, w_scale, bias, lora_a, lora_b, scale, mask, p, recipe, cb, ca)
+        ctx.save_for_backward(x, wqt, wt_scale, lora_a, lora_b, u, mask)
+        ctx.scale, ctx.p, ctx.recipe, ctx.base_dtype = scale, p, recipe, cb
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, wqt, wt_scale, lora_a, lora_b, u, mask = ctx.saved_tensors
+        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6], ctx.needs_input_grad[7]
+        dx, da, db = fp8_lora_bwd(dy.to(ctx.base_dtype).contiguous(), x, wqt, wt_scale, lora_a, lora_b, u, mask,
+                                  ctx.scale, ctx.p, ctx.recipe, need_x, need_a, need_b)
+        return ((dx if need_x else None), None, None, None, None, None, (da if need_a else None),
+                (db if need_b else None), None, None, None, None)
+
+
+# --- public ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fp8FrozenWeight:
+    """A frozen weight's two fp8 copies (quantize_frozen_weight), made once and reused every step."""
+
+    recipe: str
+    q: torch.Tensor  # [N, K]: per output channel (rowwise) or per tensor, for y = x Wᵀ
+    scale: torch.Tensor  # [N] or [1] fp32
+    qt: torch.Tensor  # [K, N]: W per input channel (rowwise) or the transposed copy, for dX = dY W
+    scale_t: torch.Tensor  # [K] or [1] fp32
+
+
+def quantize_frozen_weight(weight: torch.Tensor, recipe: str) -> Fp8FrozenWeight:
+    """W [N, K] → both fp8 copies a frozen base needs, from one pair of passes over W (no autograd)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8: recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    rc = RECIPES[recipe]
+    with torch.no_grad():
+        wq = quantize(weight.detach(), rc.forward_dtype, rc.rowwise, rows=True, cols=True)
+    return Fp8FrozenWeight(recipe, wq.q, wq.scale, wq.qt, wq.scale_t)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `device` has FP8 tensor cores (CUDA compute capability >= 8.9). The CPU runs the reference."""
+    return device.type != "cuda" or _capability(device.index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise Fp8UnsupportedError, naming the config key and the device, where FP8 tensor cores are missing."""
+    device = torch.device(device)
+    if fp8_supported(device):
+        return
+    major, minor = _capability(device.index)
+    raise Fp8UnsupportedError(
+        f"{PRECISION_KEY} needs FP8 tensor cores (CUDA compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+        f"Ada, Hopper or newer); {device} ({torch.cuda.get_device_name(device)}) has compute capability "
+        f"{major}.{minor}. Use train.precision = \"bf16\" on this GPU.")
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _use_scaled_mm(impl: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The fast path, unless asked for the reference or the shape does not fit _scaled_mm (K, N multiples of 16)."""
+    if impl == "ref" or (impl == "auto" and not x.is_cuda):
+        return False
+    n, k = weight.shape
+    if k % PAD or n % PAD:
+        return False
+    if x.is_cuda and not torch.compiler.is_compiling():
+        check_fp8_device(x.device)
+    return True
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"fp8 linear: impl must be one of {IMPLS}, got {impl!r}")
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 linear: recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"fp8 linear: expected x [..., K], weight [N, K], bias [N]; got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, recipe: str = "rowwise",
+               impl: str = "auto") -> torch.Tensor:
+    """y = x Wᵀ + b with both operands and every gradient GEMM in FP8 (trainable W). x [..., K] → [..., N]."""
+    _check(x, weight, bias, recipe, impl)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2, out_dtype = x.reshape(-1, k), _out_dtype(x)
+    if _use_scaled_mm(impl, x, weight):
+        y = Float8LinearFunction.apply(x2, weight, bias, recipe, out_dtype)
+    else:
+        y = _Fp8LinearRef.apply(x2, weight, bias, recipe).to(out_dtype)
+    return y.view(*lead, weight.shape[0])
+
+
+def fp8_frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, frozen: Fp8FrozenWeight | None,
+                      recipe: str = "rowwise", impl: str = "auto") -> torch.Tensor:
+    """x Wᵀ + b over a frozen W whose fp8 copies `frozen` holds (quantize_frozen_weight; None: the reference path
+    only). dX through FP8, no dW. x [..., K] → [..., N]."""
+    _check(x, weight, bias, recipe, impl)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2, out_dtype = x.reshape(-1, k), _out_dtype(x)
+    if _use_scaled_mm(impl, x, weight):
+        _check_frozen(frozen, weight, recipe)
+        y = Fp8FrozenLinearFunction.apply(x2, frozen.q, frozen.scale, frozen.qt, frozen.scale_t, bias, recipe,
+                                          out_dtype)
+    else:
+        y = _Fp8FrozenRef.apply(x2, weight, bias, recipe).to(out_dtype)
+    return y.view(*lead, weight.shape[0])
+
+
+def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, frozen: Fp8FrozenWeight | None,
+                    lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, dropout: float = 0.0,
+                    recipe: str = "rowwise", impl: str = "auto") -> torch.Tensor:
+    """fp8_frozen_linear(x, W, b) + scale · (dropout(x) Aᵀ) Bᵀ, the adapter as kernels.lora_linear computes it.
+
+    x [..., I] → [..., O] in the base compute dtype. `dropout` is the probability applied now (0 in eval).
+    """
+    _check(x, weight, bias, recipe, impl)
+    if lora_a.dim() != 2 or lora_a.shape[1] != weight.shape[1] or lora_b.shape != (weight.shape[0], lora_a.shape[0]):
+        raise ValueError(f"fp8 lora linear: expected lora_a [r, I], lora_b [O, r] for weight {tuple(weight.shape)}; "
+                         f"got {tuple(lora_a.shape)}, {tuple(lora_b.shape)}")
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("fp8 lora linear: the base weight and bias must be frozen (requires_grad=False)")
+    lead, i = x.shape[:-1], x.shape[-1]
+    mask = dropout_mask(x, dropout)
+    x2, m2 = x.reshape(-1, i), None if mask is None else mask.reshape(-1, i)
+    if _use_scaled_mm(impl, x, weight):
+        _check_frozen(frozen, weight, recipe)
+        y = Fp8FrozenLoRAFunction.apply(x2, frozen.q, frozen.scale, frozen.qt, frozen.scale_t, bias, lora_a, lora_b,
+                                        float(scale), m2, float(dropout), recipe)
+    else:
+        y = fp8_lora_linear_ref(x2, weight, bias, lora_a, lora_b, scale, m2, dropout, recipe)
+    return y.view(*lead, weight.shape[0])
+
+
+def _check_frozen(frozen: Fp8FrozenWeight | None, weight: torch.Tensor, recipe: str) -> None:
+    if frozen is None or frozen.recipe != recipe or frozen.q.shape != weight.shape or frozen.q.device != weight.device:
+        got = None if frozen is None else (frozen.recipe, tuple(frozen.q.shape), str(frozen.q.device))
+        raise ValueError(f"fp8 frozen linear: needs the weight's fp8 copies (quantize_frozen_weight(weight, {recipe!r})) "
+                         f"for weight {tuple(weight.shape)} on {weight.device}; got {got}")
+
+
+# --- reference ------------------------------------------------------------------------------------
+def quantize_ref(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch: v [R, C] → (q [R, C] fp8, scale [R] (rowwise, one per row) or [1] fp32), torch's own cast."""
+    fmax = FORMATS[fp8_dtype][0]
+    vf = v.detach().float()
+    amax = vf.abs().amax(dim=1) if rowwise else vf.abs().amax().reshape(1)
+    s = amax.clamp(min=AMAX_EPS) / fmax
+    q = (vf / (s[:, None] if rowwise else s)).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, s
+
+
+def fake_quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, dim: int = 1) -> torch.Tensor:
+    """q · s in fp32: v [R, C] quantised and dequantised with one scale per row (dim=1: the groups run along
+    the rows), per column (dim=0), or per tensor (rowwise False)."""
+    if dim == 0:
+        return fake_quantize(v.t(), fp8_dtype, rowwise, 1).t()
+    q, s = quantize_ref(v, fp8_dtype, rowwise)
+    return q.float() * (s[:, None] if rowwise else s)
+
+
+class _Fp8LinearRef(torch.autograd.Function):
+    """Fake-quantised trainable linear in fp32: the FP8 GEMMs' operands (same recipe), dequantised → y fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: str):  # noqa: D102
+        rc = RECIPES[recipe]
+        with torch.autocast(x.device.type, enabled=False):
+            y = fake_quantize(x, rc.forward_dtype, rc.rowwise) @ fake_quantize(weight, rc.forward_dtype, rc.rowwise).t()
+            if bias is not None:
+                y = y + bias.float()
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.has_bias = recipe, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight = ctx.saved_tensors
+        rc = RECIPES[ctx.recipe]
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:  # contracts N: dY per row, W per input channel (its columns)
+                dx = (fake_quantize(dy, rc.grad_dtype, rc.rowwise)
+                      @ fake_quantize(weight, rc.forward_dtype, rc.rowwise, dim=0)).to(x.dtype)
+            if ctx.needs_input_grad[1]:  # contracts M: dY per output channel, x per input channel (both columns)
+                dw = (fake_quantize(dy, rc.grad_dtype, rc.rowwise, dim=0).t()
+                      @ fake_quantize(x, rc.forward_dtype, rc.rowwise, dim=0)).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy.float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+class _Fp8FrozenRef(torch.autograd.Function):
+    """Fake-quantised frozen linear in fp32 (no dW): y = q(x) q(W)ᵀ (+ b); dX = q(dY) q(W per input channel)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: str):  # noqa: D102
+        rc = RECIPES[recipe]
+        with torch.autocast(x.device.type, enabled=False):
+            y = fake_quantize(x, rc.forward_dtype, rc.rowwise) @ fake_quantize(weight, rc.forward_dtype, rc.rowwise).t()
+            if bias is not None:
+                y = y + bias.float()
+        ctx.save_for_backward(weight)
+        ctx.recipe, ctx.x_dtype = recipe, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        (weight,) = ctx.saved_tensors
+        rc = RECIPES[ctx.recipe]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            with torch.autocast(dy.device.type, enabled=False):
+                dx = (fake_quantize(dy, rc.grad_dtype, rc.rowwise)
+                      @ fake_quantize(weight, rc.forward_dtype, rc.rowwise, dim=0)).to(ctx.x_dtype)
+        return dx, None, None, None
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   recipe: str = "rowwise") -> torch.Tensor:
+    """The reference of fp8_linear: fake quantisation in fp32, cast to the compute dtype. x [..., K] → [..., N]."""
+    return fp8_linear(x, weight, bias, recipe, impl="ref")
+
+
+def fp8_lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                        lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None = None, p: float = 0.0,
+                        recipe: str = "rowwise") -> torch.Tensor:
+    """Fake-quantised frozen base + kernels.lora_linear's fp32 adapter term, summed in fp32, cast once to the base
+    compute dtype. mask: the bool keep-mask of dropout (None for p = 0)."""
+    out_dtype = _compute_dtypes(x, lora_a)[0]
+    with torch.autocast(x.device.type, enabled=False):
+        y = _Fp8FrozenRef.apply(x, weight, bias, recipe) + lora_adapter_ref(x, lora_a, lora_b, scale, mask, p)
+    return y.to(out_dtype)
