@@ -243,10 +243,11 @@ def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_
     m, n = a.shape[0], b_t.shape[0]
     sa, sb = (scale_a.view(m, 1), scale_b.view(1, n)) if rowwise else (scale_a.view(()), scale_b.view(()))
     in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_epilogue else None,
-                         out_dtype=out_dtype, use_fast_accum=fast_accum)
-    if bias is not None and not in_epilogue:
-        y += bias.to(out_dtype)
+    with torch.autocast(a.device.type, enabled=False):  # CPU autocast would round the fp32 scales to bf16
+        y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_epilogue else None,
+                             out_dtype=out_dtype, use_fast_accum=fast_accum)
+        if bias is not None and not in_epilogue:
+            y += bias.to(out_dtype)
     return y
 
 

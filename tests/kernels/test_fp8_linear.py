@@ -1,0 +1,434 @@
+"""FP8 linears: the Triton quantisers against torch's cast, every Function's output and gradient against the
+fake-quantised reference, the 16-multiple fallback, no dW for frozen bases, the error against fp32, the device
+check; on a GPU the _scaled_mm path against the reference in bf16."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import atelier_studio.kernels.fp8_linear as fp8
+from atelier_studio.kernels.fp8_linear import (
+    E4M3,
+    E5M2,
+    RECIPES,
+    fake_quantize,
+    fp8_frozen_linear,
+    fp8_linear,
+    fp8_lora_linear,
+    fp8_lora_linear_ref,
+    quantize,
+    quantize_frozen_weight,
+    quantize_ref,
+)
+from tests.kernels._compare import assert_close
+
+U32 = 2.0**-24  # fp32 unit roundoff
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed: int, scale: float = 1.0, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=device)
+
+
+# --- quantisers ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("shape", [(1, 16), (37, 50), (130, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_equals_torch_cast(fp8_dtype, rowwise, shape, dtype):
+    """Scales bit-equal to amax / fp8_max; values equal torch's RNE cast of clamp(v / s); qᵀ zero-padded to 16."""
+    v = _randn(*shape, seed=sum(shape), scale=3.0, dtype=dtype)
+    out = quantize(v, fp8_dtype, rowwise, rows=True, cols=True, pad_to=16)
+    q, s = quantize_ref(v, fp8_dtype, rowwise)
+    qt, st = quantize_ref(v.t(), fp8_dtype, rowwise)
+    assert torch.equal(out.scale, s) and torch.equal(out.scale_t, st)
+    assert out.q.dtype == fp8_dtype and torch.equal(out.q.float(), q.float())
+    r = shape[0]
+    assert out.qt.shape == (shape[1], math.ceil(r / 16) * 16)
+    assert torch.equal(out.qt[:, :r].float(), qt.float()) and not out.qt[:, r:].float().any()
+
+
+def test_quantize_reads_any_strides():
+    """A transposed view quantises as its contiguous copy does (x.t() is how the column quantisation is fed)."""
+    v = _randn(48, 40, seed=3)
+    a, b = quantize(v.t(), E4M3, True), quantize(v.t().contiguous(), E4M3, True)
+    assert torch.equal(a.q.float(), b.q.float()) and torch.equal(a.scale, b.scale)
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every non-negative finite E4M3 value, from its definition: subnormals m·2^-9, normals (1 + m/8)·2^(e-7)."""
+    sub = [m * 2.0**-9 for m in range(8)]
+    normal = [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8)]
+    return torch.tensor([x for x in sub + normal if x <= 448.0], dtype=torch.float64)
+
+
+def test_rounding_rule_from_first_principles():
+    """Midpoints between neighbouring E4M3 values round to the one with an even mantissa, points just off a
+    midpoint to the nearer one (up into the next binade too): checked against the grid built from the format."""
+    grid = _e4m3_grid()
+    lo, hi = grid[:-1], grid[1:]
+    mid = (lo + hi) / 2
+    even = torch.where((torch.arange(len(lo)) % 2) == 0, lo, hi)  # codes alternate even/odd along the grid
+    nudge = (hi - lo) / 8
+    vals = torch.cat([mid, mid - nudge, mid + nudge, grid])
+    want = torch.cat([even, lo, hi, grid])
+    vals = torch.cat([vals, -vals, torch.tensor([448.0])]).float()  # 448: sets the scale to exactly 1
+    want = torch.cat([want, -want, torch.tensor([448.0], dtype=torch.float64)])
+    out = quantize(vals[None, :], E4M3, rowwise=True)
+    assert out.scale.item() == 1.0
+    assert torch.equal(out.q.double()[0], want)
+
+
+def test_all_zero_rows_get_a_finite_scale():
+    out = quantize(torch.zeros(3, 32), E4M3, rowwise=True, rows=True, cols=True)
+    assert torch.isfinite(out.scale).all() and (out.scale > 0).all() and not out.q.float().any()
+
+
+# --- functions against the reference --------------------------------------------------------------------------------
+def _dot_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on |fl(a bᵀ) − fl'(a bᵀ)| between two fp32 evaluations of the same dequantised products in
+    different orders (and with the scales applied before or after the sum): (2K + 8)·u·(|a| |b|ᵀ)."""
+    k = a.shape[1]
+    return (2 * k + 8) * U32 * (a.abs().double() @ b.abs().double().t())
+
+
+def _run(fn, x, w, b, dy, **kw):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    y = fn(x, w, b, **kw)
+    y.backward(dy)
+    return y, x.grad, w.grad, (b.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("m", [1, 19, 64])
+def test_trainable_matches_reference(recipe, m):
+    """Output, dX, dW, d(bias) of the _scaled_mm Function against the fake-quantised reference, fp32, M = 1,
+    19 (not a multiple of 16: dW's padded copies), 64; x 3-D."""
+    k, n = 48, 32
+    x, w, b = _randn(1, m, k, seed=1), _randn(n, k, seed=2, scale=0.2), _randn(n, seed=3)
+    dy = _randn(1, m, n, seed=4)
+    fast = _run(fp8_linear, x, w, b, dy, recipe=recipe, impl="scaled_mm")
+    ref = _run(fp8_linear, x, w, b, dy, recipe=recipe, impl="ref")
+    rc = RECIPES[recipe]
+    x2, dy2 = x.reshape(m, k), dy.reshape(m, n)
+    qx, qw = fake_quantize(x2, rc.forward_dtype, rc.rowwise), fake_quantize(w, rc.forward_dtype, rc.rowwise)
+    qdy = fake_quantize(dy2, rc.grad_dtype, rc.rowwise)
+    bounds = {"y": _dot_bound(qx, qw) + U32 * 8 * b.abs(),
+              "dx": _dot_bound(qdy, fake_quantize(w, rc.forward_dtype, rc.rowwise, dim=0).t()),
+              "dw": _dot_bound(fake_quantize(dy2, rc.grad_dtype, rc.rowwise, dim=0).t(),
+                               fake_quantize(x2, rc.forward_dtype, rc.rowwise, dim=0).t()),
+              "db": m * U32 * 2 * dy2.abs().sum(0)}
+    for name, a, r in zip(("y", "dx", "dw", "db"), fast, ref):
+        diff = (a.double() - r.double()).reshape(bounds[name].shape).abs()
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert (diff <= bounds[name] + 1e-30).all(), f"{recipe} {name}: max excess {(diff - bounds[name]).max():.3e}"
+
+
+def test_trainable_under_bf16_autocast_fp32_master():
+    """Full fine-tuning's dtypes: fp32 weight and x, bf16 autocast → y bf16, dX/dW/db fp32, as nn.Linear gives.
+    bf16 output: the reference rounds x Wᵀ + b once; _scaled_mm takes the bias in bf16 and the CPU one rounds the
+    product and the sum to bf16 in its epilogue: a few roundings of at most 2^-8 relative to the product, the bias
+    and the sum each (they can cancel), bounded here by 2^-6 (|x Wᵀ| + |b|) + 2^-7 |y|."""
+    x, w, b, dy = _randn(24, 32, seed=5), _randn(16, 32, seed=6, scale=0.3), _randn(16, seed=7), _randn(24, 16, seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = _run(fp8_linear, x, w, b, dy.bfloat16(), impl="scaled_mm")
+        ref = _run(fp8_linear, x, w, b, dy.bfloat16(), impl="ref")
+    assert [t.dtype for t in fast] == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
+    yr, bd = ref[0].double(), b.double()
+    bound = 2.0**-6 * ((yr - bd).abs() + bd.abs()) + 2.0**-7 * yr.abs()
+    assert ((fast[0].double() - ref[0].double()).abs() <= bound + 1e-6).all(), "y (bf16)"
+    for name, a, r in zip(("dx", "dw", "db"), fast[1:], ref[1:]):
+        assert a.dtype == r.dtype
+        assert_close(a, r, atol=1e-5, rtol=1e-5, what=name)  # fp32 outputs: accumulation order only
+
+
+@pytest.mark.parametrize("k, n", [(20, 32), (32, 24), (7, 5)])
+def test_shapes_off_16_fall_back_to_the_reference(k, n, monkeypatch):
+    """K or N not a multiple of 16 (what _scaled_mm needs): the reference Function runs, even when asked for
+    scaled_mm; it is the same code as impl="ref", so the results are identical."""
+    monkeypatch.setattr(fp8.Float8LinearFunction, "apply", _refuse)
+    monkeypatch.setattr(fp8.Fp8FrozenLoRAFunction, "apply", _refuse)
+    x, w, b, dy = _randn(3, k, seed=9), _randn(n, k, seed=10), _randn(n, seed=11), _randn(3, n, seed=12)
+    fast = _run(fp8_linear, x, w, b, dy, impl="scaled_mm")
+    ref = _run(fp8_linear, x, w, b, dy, impl="ref")
+    for a, r in zip(fast, ref):
+        assert torch.equal(a, r)
+    a, bb = _randn(4, k, seed=13), _randn(n, 4, seed=14)
+    y = fp8_lora_linear(x, w, None, None, a, bb, 2.0, impl="scaled_mm")
+    assert torch.equal(y, fp8_lora_linear_ref(x, w, None, a, bb, 2.0))
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the _scaled_mm Function ran for a shape it cannot take")
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_frozen_lora_matches_reference(recipe, adapter_dtype):
+    """The FP8 frozen base + adapter Function: y, dX, dA, dB against the fake-quantised base + lora_linear's fp32
+    adapter; the base weight gets no gradient. bf16 base (LoRA's), fp32 or bf16 adapters, no autocast: y in bf16
+    (one bf16 rounding on each side: 2^-7 relative), the grads in their dtypes (bf16 ones: a few bf16 roundings)."""
+    t, i, o, r = 21, 64, 48, 8
+    w, bias = _randn(o, i, seed=20, scale=0.1, dtype=torch.bfloat16), _randn(o, seed=21, dtype=torch.bfloat16)
+    frozen = quantize_frozen_weight(w, recipe)
+    x = _randn(t, i, seed=22, dtype=torch.bfloat16)
+    a0, b0 = _randn(r, i, seed=23, scale=0.1, dtype=adapter_dtype), _randn(o, r, seed=24, scale=0.1, dtype=adapter_dtype)
+    dy = _randn(t, o, seed=25, dtype=torch.bfloat16)
+    outs = []
+    for impl in ("scaled_mm", "ref"):
+        xx, a, b = (v.clone().requires_grad_() for v in (x, a0, b0))
+        y = fp8_lora_linear(xx, w, bias, frozen, a, b, 1.5, recipe=recipe, impl=impl)
+        y.backward(dy)
+        outs.append((y, xx.grad, a.grad, b.grad))
+    tol = 2.0**-7 if adapter_dtype == torch.float32 else 2.0**-5
+    for name, f, rr in zip(("y", "dx", "dA", "dB"), *outs):
+        assert f.dtype == rr.dtype, name
+        assert_close(f, rr, atol=tol * rr.abs().max().item(), rtol=2.0**-7, what=f"{recipe} {name}")
+    assert w.grad is None and bias.grad is None
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_frozen_linear_matches_reference_and_has_no_dw(recipe):
+    """The adapter-less frozen base (a linear LoRA does not target): y and dX against the reference in fp32;
+    FLOPs of forward + backward are the two GEMMs (2·2MNK), never a third for dW."""
+    m, k, n = 19, 32, 48
+    w = _randn(n, k, seed=30)
+    frozen = quantize_frozen_weight(w, recipe)
+    x0, dy = _randn(m, k, seed=31), _randn(m, n, seed=32)
+    res = []
+    for impl in ("scaled_mm", "ref"):
+        x = x0.clone().requires_grad_()
+        with FlopCounterMode(display=False) as fc:
+            y = fp8_frozen_linear(x, w, None, frozen, recipe, impl)
+            y.backward(dy)
+        res.append((y, x.grad, fc.get_total_flops()))
+    (yf, dxf, flops), (yr, dxr, _) = res
+    assert flops == 2 * (2 * m * n * k)
+    rc = RECIPES[recipe]
+    assert (yf - yr).abs().le(_dot_bound(fake_quantize(x0, rc.forward_dtype, rc.rowwise),
+                                         fake_quantize(w, rc.forward_dtype, rc.rowwise))).all()
+    wt = fake_quantize(w, rc.forward_dtype, rc.rowwise, dim=0)
+    assert (dxf - dxr).abs().le(_dot_bound(fake_quantize(dy, rc.grad_dtype, rc.rowwise), wt.t())).all()
+    assert w.grad is None
+
+
+def test_frozen_copies_are_both_layouts():
+    """quantize_frozen_weight: W per output channel [N, K] and W per input channel transposed [K, N] (rowwise);
+    one scale and the transposed copy (tensorwise)."""
+    w = _randn(48, 32, seed=40, dtype=torch.bfloat16)
+    f = quantize_frozen_weight(w, "rowwise")
+    q, s = quantize_ref(w, E4M3, True)
+    qt, st = quantize_ref(w.t(), E4M3, True)
+    assert torch.equal(f.q.float(), q.float()) and torch.equal(f.scale, s) and f.scale.shape == (48,)
+    assert torch.equal(f.qt.float(), qt.float()) and torch.equal(f.scale_t, st) and f.scale_t.shape == (32,)
+    g = quantize_frozen_weight(w, "tensorwise")
+    assert g.scale.shape == (1,) and torch.equal(g.scale, g.scale_t) and torch.equal(g.qt.float(), g.q.float().t())
+
+
+# --- error against fp32 ---------------------------------------------------------------------------------------------
+# Per element, rounding to fp8 is off by at most half a spacing: 2^-4 relative (E4M3, 3 mantissa bits) or 2^-3
+# (E5M2). A product of two quantised values is then off by about δ_a + δ_b relative; summed over K terms with
+# independent signs, the error of one output grows as √K while Σ|a_i b_i| grows as K. So the RMS error over the
+# outputs is below (δ_a + δ_b) · RMS(Σ_i |a_i b_i|) / √K; the test allows a full spacing, δ = 2^-3 (E4M3) and
+# 2^-2 (E5M2), twice the worst case per element (Gaussian inputs measure about 1/4 of this bound). It also
+# checks that the error is not far below it: the GEMM really ran on quantised operands, not in bf16.
+DELTA = {E4M3: 2.0**-3, E5M2: 2.0**-2}
+
+
+def _rms(t: torch.Tensor) -> float:
+    return t.double().pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_error_against_fp32_within_the_fp8_bound(recipe):
+    m, k, n = 96, 256, 64
+    x, w, dy = _randn(m, k, seed=50), _randn(n, k, seed=51, scale=0.05), _randn(m, n, seed=52)
+    y, dx, dw, _ = _run(fp8_linear, x, w, None, dy, recipe=recipe, impl="scaled_mm")
+    rc = RECIPES[recipe]
+    fwd, grad = rc.forward_dtype, rc.grad_dtype
+    checks = [("y", y, x, w.t(), fwd, fwd), ("dx", dx, dy, w, grad, fwd), ("dw", dw, dy.t(), x, grad, fwd)]
+    for name, got, a, b, da, db in checks:
+        exact = a.double() @ b.double()
+        bound = (DELTA[da] + DELTA[db]) * _rms(a.abs().double() @ b.abs().double()) / math.sqrt(a.shape[1])
+        err = _rms(got.double() - exact)
+        assert err <= bound, f"{recipe} {name}: RMS error {err:.3e} above the fp8 bound {bound:.3e}"
+        assert err >= bound / 20, f"{recipe} {name}: RMS error {err:.3e} too small for fp8 operands ({bound:.3e})"
+
+
+# --- device check ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device of a chosen compute capability, on any machine (the capability lookup is patched)."""
+    def make(cap):
+        fp8._capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cap)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    yield make
+    fp8._capability.cache_clear()
+
+
+def test_gpu_without_fp8_is_refused_by_name(fake_gpu):
+    fake_gpu((8, 0))
+    with pytest.raises(fp8.Fp8UnsupportedError) as e:
+        fp8.check_fp8_device(torch.device("cuda:0"))
+    msg = str(e.value)
+    assert 'train.precision = "fp8"' in msg and "cuda:0" in msg and "A100" in msg and "8.0" in msg and "8.9" in msg
+    assert not fp8.fp8_supported(torch.device("cuda:0")) and fp8.fp8_supported(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cap", [(8, 9), (9, 0), (10, 0)])
+def test_fp8_gpus_pass(fake_gpu, cap):
+    fake_gpu(cap)
+    fp8.check_fp8_device(torch.device("cuda:0"))
+
+
+def test_bad_arguments_are_named():
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    with pytest.raises(ValueError, match="recipe"):
+        fp8_linear(x, w, recipe="blockwise")
+    with pytest.raises(ValueError, match="impl"):
+        fp8_linear(x, w, impl="cublas")
+    with pytest.raises(ValueError, match="weight"):
+        fp8_linear(x, torch.randn(16, 8))
+    with pytest.raises(ValueError, match="fp8 copies"):
+        fp8_frozen_linear(x, w, None, None, impl="scaled_mm")
+    with pytest.raises(ValueError, match="frozen"):
+        fp8_lora_linear(x, w.requires_grad_(), None, None, torch.randn(2, 16), torch.randn(16, 2), 1.0)
+
+
+# --- custom ops and the GPU build -----------------------------------------------------------------------------------
+UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def test_custom_ops_pass_opcheck():
+    """Fake (meta) implementations, autograd registration and AOT dispatch of the atelier::fp8_* ops (opcheck's
+    schema test is left out: its checker multiplies outputs, which CPU torch cannot do for fp8 tensors)."""
+    x, w, b = torch.randn(19, 32), torch.randn(16, 32), torch.randn(16)
+    for recipe in RECIPES:
+        torch.library.opcheck(fp8.fp8_linear_fwd, (x, w, b, recipe, torch.float32, True), test_utils=UTILS)
+        _, xqt, xs, wqt, ws = fp8.fp8_linear_fwd(x, w, b, recipe, torch.float32, True)
+        dy = torch.randn(19, 16)
+        torch.library.opcheck(fp8.fp8_linear_bwd, (dy, xqt, xs, wqt, ws, recipe, torch.float32, torch.float32,
+                                                   torch.float32, True, True, True), test_utils=UTILS)
+        f = quantize_frozen_weight(w, recipe)
+        torch.library.opcheck(fp8.fp8_frozen_fwd, (x, f.q, f.scale, b, recipe, torch.float32), test_utils=UTILS)
+        torch.library.opcheck(fp8.fp8_frozen_bwd, (dy, f.qt, f.scale_t, recipe, torch.float32), test_utils=UTILS)
+
+
+_COMPILE_FOR_HOPPER = r"""
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import atelier_studio.kernels.fp8_linear as m
+
+target = GPUTarget("cuda", 90, 32)
+for src_ty, dst_ty in (("bf16", "fp8e4nv"), ("fp32", "fp8e5")):
+    for tw, wq, wqt in itertools.product((True, False), repeat=3):
+        if not (wq or wqt):
+            continue
+        const = dict(TENSORWISE=tw, WANT_Q=wq, WANT_QT=wqt, BLOCK_R=64, BLOCK_C=64)
+        sig = {"x_ptr": "*" + src_ty, "amax_q_ptr": "*fp32", "amax_qt_ptr": "*fp32", "R": "i32", "C": "i32",
+               "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const}}
+        triton.compile(ASTSource(m._amax_kernel, sig, const), target=target)
+        fmt = {"fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}[dst_ty]
+        const2 = dict(const, FP8_MAX=fmt[0], MANT=fmt[1], EMIN=fmt[2], EPS=m.AMAX_EPS)
+        sig2 = {"x_ptr": "*" + src_ty, "amax_q_ptr": "*fp32", "amax_qt_ptr": "*fp32", "q_ptr": "*" + dst_ty,
+                "s_q_ptr": "*fp32", "qt_ptr": "*" + dst_ty, "s_qt_ptr": "*fp32", "R": "i32", "C": "i32",
+                "R_PAD": "i32", "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const2}}
+        ptx = triton.compile(ASTSource(m._cast_kernel, sig2, const2), target=target).asm["ptx"]
+        assert "cvt.rn.satfinite" in ptx, "the fp8 store is not a round-to-nearest saturating cast"
+print("ok")
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """The Triton kernels build for sm_90 (through PTX and ptxas) on this CPU machine, every constexpr variant:
+    the interpreter never lowers them, so this is what catches a kernel that would fail only on the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gpu_quantize_equals_torch_cast(fp8_dtype, rowwise):
+    v = _randn(4429, 1536, seed=60, scale=2.0, dtype=torch.bfloat16, device="cuda")
+    out = quantize(v, fp8_dtype, rowwise, rows=True, cols=True, pad_to=16)
+    q, s = quantize_ref(v, fp8_dtype, rowwise)
+    qt, st = quantize_ref(v.t(), fp8_dtype, rowwise)
+    assert torch.equal(out.scale, s) and torch.equal(out.scale_t, st)
+    assert torch.equal(out.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(out.qt[:, :4429].view(torch.uint8), qt.view(torch.uint8)) and not out.qt[:, 4429:].float().any()
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("m, k, n", [(2664, 1536, 1536), (4096, 1024, 3072), (1, 64, 32)])
+def test_gpu_trainable_matches_reference(recipe, m, k, n):
+    """FP8 tensor cores (fast accumulation in the forward) against the fp32 fake-quantised reference, bf16 autocast
+    over fp32 master weights: the same quantised operands, so only accumulation and the bf16 output rounding differ:
+    within 2^-6 of each output's scale Σ|a||b| / √K plus one bf16 ulp (fast accumulation keeps fewer bits)."""
+    x, w, b = (_randn(m, k, seed=61, device="cuda"), _randn(n, k, seed=62, scale=0.05, device="cuda"),
+               _randn(n, seed=63, device="cuda"))
+    dy = _randn(m, n, seed=64, dtype=torch.bfloat16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = _run(fp8_linear, x, w, b, dy, recipe=recipe, impl="scaled_mm")
+        ref = _run(fp8_linear, x, w, b, dy, recipe=recipe, impl="ref")
+    for name, a, r in zip(("y", "dx", "dw", "db"), fast, ref):
+        assert a.dtype == r.dtype, name
+        scale = r.float().abs().max().item()
+        assert_close(a, r, atol=2.0**-6 * scale, rtol=2.0**-7, what=f"{recipe} {name} {m}x{k}x{n}")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_frozen_lora_matches_reference(recipe):
+    t, i, o, r = 4096, 4096, 1024, 16
+    w = _randn(o, i, seed=70, scale=0.02, dtype=torch.bfloat16, device="cuda")
+    frozen = quantize_frozen_weight(w, recipe)
+    x0 = _randn(t, i, seed=71, dtype=torch.bfloat16, device="cuda")
+    a0, b0 = _randn(r, i, seed=72, scale=0.02, device="cuda"), _randn(o, r, seed=73, scale=0.02, device="cuda")
+    dy = _randn(t, o, seed=74, dtype=torch.bfloat16, device="cuda")
+    outs = []
+    for impl in ("scaled_mm", "ref"):
+        x, a, b = (v.clone().requires_grad_() for v in (x0, a0, b0))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fp8_lora_linear(x, w, None, frozen, a, b, 2.0, recipe=recipe, impl=impl)
+        y.backward(dy)
+        outs.append((y, x.grad, a.grad, b.grad))
+    for name, f, rr in zip(("y", "dx", "dA", "dB"), *outs):
+        scale = rr.float().abs().max().item()
+        assert_close(f, rr, atol=2.0**-6 * scale, rtol=2.0**-6, what=f"{recipe} {name}")
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_compiled_module_matches_eager():
+    from atelier_studio.pipeline.float8 import Float8Linear
+
+    lin = Float8Linear.from_linear(torch.nn.Linear(1024, 2048, device="cuda"), "rowwise")
+    x = _randn(3000, 1024, seed=80, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = lin(x)
+        compiled = torch.compile(lin)(x)
+    assert torch.equal(eager, compiled)
