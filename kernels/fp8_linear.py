@@ -255,31 +255,30 @@ def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_
 # are launched eagerly inside them, as every kernel of this package is). Absent outputs are empty tensors.
 @torch.library.custom_op("atelier::fp8_linear_fwd", mutates_args=())
 def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-                   out_dtype: torch.dtype, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor, torch.Tensor]:
+                   out_dtype: torch.dtype, need_xgrad: bool, need_wgrad: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K], weight [N, K] → (y [M, N], xᵀ_q [K, M₁₆] for dW (empty unless need_wgrad), its scales, Wᵀ_q [K, N]
-    for dX, its scales)."""
+    for dX (empty unless need_xgrad), its scales)."""
     rc = RECIPES[recipe]
     xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=need_wgrad, pad_to=PAD)
-    wq = quantize(weight, rc.forward_dtype, rc.rowwise, rows=True, cols=True)
+    wq = quantize(weight, rc.forward_dtype, rc.rowwise, rows=True, cols=need_xgrad)
     y = _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rc.rowwise, out_dtype, bias, FAST_ACCUM_FORWARD)
-    empty = x.new_empty(0, dtype=torch.float32)
-    if not need_wgrad:
-        return y, x.new_empty(0, dtype=rc.forward_dtype), empty, wq.qt, wq.scale_t
-    return y, xq.qt, xq.scale_t, wq.qt, wq.scale_t
+    empty_q, empty_s = x.new_empty(0, dtype=rc.forward_dtype), x.new_empty(0, dtype=torch.float32)
+    return (y, xq.qt if need_wgrad else empty_q, xq.scale_t if need_wgrad else empty_s,
+            wq.qt if need_xgrad else empty_q, wq.scale_t if need_xgrad else empty_s)
 
 
 @fp8_linear_fwd.register_fake
-def _(x, weight, bias, recipe, out_dtype, need_wgrad):
+def _(x, weight, bias, recipe, out_dtype, need_xgrad, need_wgrad):
     rc = RECIPES[recipe]
     m, k = x.shape
     n = weight.shape[0]
     m16 = triton.cdiv(m, PAD) * PAD
     sk = k if rc.rowwise else 1
-    xqt = x.new_empty(k, m16, dtype=rc.forward_dtype) if need_wgrad else x.new_empty(0, dtype=rc.forward_dtype)
-    xs = x.new_empty(sk, dtype=torch.float32) if need_wgrad else x.new_empty(0, dtype=torch.float32)
-    return (x.new_empty(m, n, dtype=out_dtype), xqt, xs, x.new_empty(k, n, dtype=rc.forward_dtype),
-            x.new_empty(sk, dtype=torch.float32))
+    q, s = rc.forward_dtype, torch.float32
+    return (x.new_empty(m, n, dtype=out_dtype), x.new_empty((k, m16) if need_wgrad else (0,), dtype=q),
+            x.new_empty((sk,) if need_wgrad else (0,), dtype=s), x.new_empty((k, n) if need_xgrad else (0,), dtype=q),
+            x.new_empty((sk,) if need_xgrad else (0,), dtype=s))
 
 
 @torch.library.custom_op("atelier::fp8_linear_bwd", mutates_args=())
@@ -422,8 +421,8 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: str, out_dtype: torch.dtype):  # noqa: D102
-        need_w = ctx.needs_input_grad[1]
-        y, xqt, xt_scale, wqt, wt_scale = fp8_linear_fwd(x, weight, bias, recipe, out_dtype, need_w)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        y, xqt, xt_scale, wqt, wt_scale = fp8_linear_fwd(x, weight, bias, recipe, out_dtype, need_x, need_w)
         ctx.save_for_backward(xqt, xt_scale, wqt, wt_scale)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
         ctx.out_dtype = out_dtype
@@ -498,7 +497,9 @@ def quantize_frozen_weight(weight: torch.Tensor, recipe: str) -> Fp8FrozenWeight
     rc = RECIPES[recipe]
     with torch.no_grad():
         wq = quantize(weight.detach(), rc.forward_dtype, rc.rowwise, rows=True, cols=True)
-    return Fp8FrozenWeight(recipe, wq.q, wq.scale, wq.qt, wq.scale_t)
+    # tensorwise: one scale for both; a copy, as dynamo cannot trace a Function given one tensor twice
+    scale_t = wq.scale_t.clone() if wq.scale_t is wq.scale else wq.scale_t
+    return Fp8FrozenWeight(recipe, wq.q, wq.scale, wq.qt, scale_t)
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -5,7 +5,8 @@ one by `Float8Linear.from_linear`, which keeps the very same Parameter objects (
 weight built before the swap still refers to them). The forward depends on the weight:
 - trainable: kernels.fp8_linear.fp8_linear, every operand quantised each step (x, W, dY), dX and dW in FP8;
 - frozen (requires_grad False, e.g. a linear a LoRA run does not target): fp8_frozen_linear over fp8 copies of the
-  weight made once, on the first forward or at `refresh_fp8_weight()`, and rebuilt after every load_state_dict.
+  weight made once: at the swap when the weight is frozen then, else on the first frozen forward; rebuilt after
+  every load_state_dict and by `refresh_fp8_weight()` (call it after changing a frozen weight in place).
   They are non-persistent buffers: a state dict holds exactly the nn.Linear's weight and bias, as before.
 The recipe ("rowwise" or "tensorwise") and the kernel choice (`impl`: auto | scaled_mm | ref) are plain attributes.
 
@@ -60,6 +61,8 @@ class Float8Linear(nn.Linear):
         for name in _BUFFERS:
             new.register_buffer(name, None, persistent=False)
         new.register_load_state_dict_post_hook(_after_load)
+        if not new.weight.requires_grad and impl != "ref":
+            new.refresh_fp8_weight()  # now, not inside a first (perhaps compiled) forward
         return new
 
     def drop_fp8_weight(self) -> None:
@@ -90,8 +93,10 @@ class Float8Linear(nn.Linear):
 
 
 def _after_load(module, incompatible_keys) -> None:
-    """load_state_dict post hook (a module-level function, so the model still pickles)."""
+    """load_state_dict post hook (a module-level function, so the model still pickles): new weights, new copies."""
     module.drop_fp8_weight()
+    if not module.weight.requires_grad and module.impl != "ref":
+        module.refresh_fp8_weight()
 
 
 def check_precision(train: TrainConfig, device: torch.device, distributed: bool) -> None:

@@ -317,8 +317,10 @@ def test_custom_ops_pass_opcheck():
     schema test is left out: its checker multiplies outputs, which CPU torch cannot do for fp8 tensors)."""
     x, w, b = torch.randn(19, 32), torch.randn(16, 32), torch.randn(16)
     for recipe in RECIPES:
-        torch.library.opcheck(fp8.fp8_linear_fwd, (x, w, b, recipe, torch.float32, True), test_utils=UTILS)
-        _, xqt, xs, wqt, ws = fp8.fp8_linear_fwd(x, w, b, recipe, torch.float32, True)
+        for need_x, need_w in ((True, True), (False, True), (True, False)):
+            torch.library.opcheck(fp8.fp8_linear_fwd, (x, w, b, recipe, torch.float32, need_x, need_w),
+                                  test_utils=UTILS)
+        _, xqt, xs, wqt, ws = fp8.fp8_linear_fwd(x, w, b, recipe, torch.float32, True, True)
         dy = torch.randn(19, 16)
         torch.library.opcheck(fp8.fp8_linear_bwd, (dy, xqt, xs, wqt, ws, recipe, torch.float32, torch.float32,
                                                    torch.float32, True, True, True), test_utils=UTILS)

@@ -186,3 +186,25 @@ def test_precision_fp8_refusals_name_the_key(monkeypatch):
     check_precision(cfg, torch.device("cpu"), distributed=False)
     with pytest.raises(ConfigError, match="no linear"):
         apply_precision(nn.Sequential(nn.LayerNorm(4)), cfg)
+
+
+def test_compiled_fp8_modules_equal_eager():
+    """torch.compile(fullgraph=True) of each FP8 module runs the same custom ops (opaque to the compiler), so its
+    output and every gradient equal eager's bit for bit: trainable, frozen, and LoRA over a tensorwise base."""
+    torch.manual_seed(0)
+    lora = LoRALinear(nn.Linear(32, 48), LoraArgs(rank=4), impl="fused")
+    nn.init.normal_(lora.lora_B.weight)
+    modules = [Float8Linear.from_linear(nn.Linear(32, 48), "rowwise", impl="scaled_mm"),
+               Float8Linear.from_linear(nn.Linear(32, 48).requires_grad_(False), "tensorwise", impl="scaled_mm"),
+               Float8LoRALinear.from_lora(lora, "tensorwise")]
+    x = torch.randn(19, 32)
+    for mod in modules:
+        outs = []
+        for fn in (mod, torch.compile(mod, fullgraph=True)):
+            xx = x.clone().requires_grad_()
+            y = fn(xx)
+            y.square().sum().backward()
+            outs.append([y.detach(), xx.grad] + [p.grad for p in mod.parameters() if p.requires_grad])
+            for p in mod.parameters():
+                p.grad = None
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), type(mod).__name__
