@@ -12,6 +12,8 @@ Quantisation, one rule for every operand: for a group of values v (the whole ten
   the fp8 grid in fp32 arithmetic before the cast (exactly the RNE rule), so the cast itself never rounds: the
   kernels give the same bits on the GPU and under TRITON_INTERPRET=1, whose own fp8 cast mis-rounds values that
   round up into the next binade. Values equal `quantize_ref` (torch's own fp8 cast) exactly.
+  Kernels: rowwise q alone (x and dY of a frozen base) in one pass, a program owning whole rows; anything that
+  needs a tensor's amax or the transposed copy in two (tile amaxes by atomic max, then the cast).
 
 Recipes (torchtitan's float8 recipes; torchao names them the same):
   "tensorwise": x and W in E4M3, dY in E5M2 (gradients need range more than precision), one scale per tensor.
@@ -176,8 +178,35 @@ def _cast_kernel(x_ptr, amax_q_ptr, amax_qt_ptr, q_ptr, s_q_ptr, qt_ptr, s_qt_pt
         tl.store(qt_ptr + qt_offs, qt.to(qt_ptr.dtype.element_ty), mask=(rows[:, None] < R_PAD) & cmask[None, :])
 
 
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_r, stride_c, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                       EMIN: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Rowwise q only (no transposed copy): a program owns BLOCK_R whole rows, so one kernel finds their amaxes and
+    # casts them; the second walk over the rows mostly hits L2 (the tile just read), where the two-pass kernels
+    # above read x twice from memory.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    row_off = rows[:, None].to(tl.int64) * stride_r
+    amax = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + row_off + cols[None, :].to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    s = tl.math.div_rn(tl.maximum(amax, EPS), FP8_MAX)
+    tl.store(s_ptr + rows, s, mask=rmask)
+    s_tile = tl.broadcast_to(s[:, None], (BLOCK_R, BLOCK_C))
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + row_off + cols[None, :].to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
+        q = _quantize_values(x, s_tile, FP8_MAX, MANT, EMIN)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
+
 # --- launchers ------------------------------------------------------------------------------------
-_BLOCK_R, _BLOCK_C = 64, 64
+_BLOCK_R, _BLOCK_C = 64, 64  # the two-pass kernels' tile
+_ROWS_BLOCK_R, _ROWS_BLOCK_C = 8, 512  # the one-pass rowwise kernel's
 
 
 class Fp8Quantized(NamedTuple):
@@ -221,8 +250,13 @@ def quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, rows: bool 
         if qt is not None:
             qt.zero_()
         return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
-    dummy = amax_q  # an unused pointer argument
     sr, sc = v.stride()
+    if rowwise and rows and not cols and sc == 1:  # row-major rows only: the one-pass kernel
+        _quant_rows_kernel[(triton.cdiv(r, _ROWS_BLOCK_R),)](
+            v, q, s_q, r, c, sr, sc, FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, BLOCK_R=_ROWS_BLOCK_R,
+            BLOCK_C=_ROWS_BLOCK_C, num_warps=4)
+        return Fp8Quantized(q, s_q, None, None)
+    dummy = amax_q  # an unused pointer argument
     _amax_kernel[(triton.cdiv(r, _BLOCK_R), triton.cdiv(c, _BLOCK_C))](
         v, amax_q, amax_qt, r, c, sr, sc, TENSORWISE=not rowwise, WANT_Q=rows, WANT_QT=cols, BLOCK_R=_BLOCK_R,
         BLOCK_C=_BLOCK_C, num_warps=4)
@@ -242,13 +276,29 @@ def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_
     (the op takes none with fp32), else after."""
     m, n = a.shape[0], b_t.shape[0]
     sa, sb = (scale_a.view(m, 1), scale_b.view(1, n)) if rowwise else (scale_a.view(()), scale_b.view(()))
-    in_epilogue = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    mm_dtype = out_dtype
+    if rowwise and out_dtype == torch.float32 and a.is_cuda and not _rowwise_fp32_output(a.device):
+        mm_dtype = torch.bfloat16  # this build's rowwise kernel has no fp32 output: bf16 (2^-9), then widened
+    in_epilogue = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(a.device.type, enabled=False):  # CPU autocast would round the fp32 scales to bf16
-        y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(out_dtype) if in_epilogue else None,
-                             out_dtype=out_dtype, use_fast_accum=fast_accum)
+        y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(mm_dtype) if in_epilogue else None,
+                             out_dtype=mm_dtype, use_fast_accum=fast_accum).to(out_dtype)
         if bias is not None and not in_epilogue:
             y += bias.to(out_dtype)
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_fp32_output(device: torch.device) -> bool:
+    """Whether _scaled_mm with row scales gives an fp32 output on `device` (cuBLAS >= 12.9 on Hopper does; the
+    CUTLASS fallback of older builds may not): one 16³ probe per device, its error swallowed on purpose."""
+    a = torch.zeros(16, 16, device=device).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device), scale_b=torch.ones(1, 16, device=device),
+                         out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 # torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the Triton quantisers

@@ -59,6 +59,19 @@ def test_quantize_equals_torch_cast(fp8_dtype, rowwise, shape, dtype):
     assert torch.equal(out.qt[:, :r].float(), qt.float()) and not out.qt[:, r:].float().any()
 
 
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [(1, 16), (37, 50), (130, 1100)])
+def test_rowwise_rows_only_one_pass_kernel(fp8_dtype, shape):
+    """Rowwise without the transposed copy runs the one-pass kernel (rows longer than its 512-column block too):
+    the same bits as torch's cast and as the two-pass kernels' q."""
+    v = _randn(*shape, seed=7 + shape[1], scale=2.0, dtype=torch.bfloat16)
+    one = quantize(v, fp8_dtype, True, rows=True, cols=False)
+    two = quantize(v, fp8_dtype, True, rows=True, cols=True)
+    q, s = quantize_ref(v, fp8_dtype, True)
+    assert one.qt is None and torch.equal(one.scale, s) and torch.equal(one.q.float(), q.float())
+    assert torch.equal(two.scale, s) and torch.equal(two.q.float(), q.float())
+
+
 def test_quantize_reads_any_strides():
     """A transposed view quantises as its contiguous copy does (x.t() is how the column quantisation is fed)."""
     v = _randn(48, 40, seed=3)
@@ -352,6 +365,12 @@ for src_ty, dst_ty in (("bf16", "fp8e4nv"), ("fp32", "fp8e5")):
                 "R_PAD": "i32", "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const2}}
         ptx = triton.compile(ASTSource(m._cast_kernel, sig2, const2), target=target).asm["ptx"]
         assert "cvt.rn.satfinite" in ptx, "the fp8 store is not a round-to-nearest saturating cast"
+    fmt = {"fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}[dst_ty]
+    const3 = dict(FP8_MAX=fmt[0], MANT=fmt[1], EMIN=fmt[2], EPS=m.AMAX_EPS, BLOCK_R=8, BLOCK_C=512)
+    sig3 = {"x_ptr": "*" + src_ty, "q_ptr": "*" + dst_ty, "s_ptr": "*fp32", "R": "i32", "C": "i32",
+            "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const3}}
+    ptx = triton.compile(ASTSource(m._quant_rows_kernel, sig3, const3), target=target).asm["ptx"]
+    assert "cvt.rn.satfinite" in ptx
 print("ok")
 """
 
