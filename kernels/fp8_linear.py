@@ -24,14 +24,15 @@ Recipes (torchtitan's float8 recipes; torchao names them the same):
      dW = dYᵀ x  contracts M:  dY per output channel [N],      x per input channel [K]  (both over tokens).
   In both, each GEMM is  out = (q_a q_bᵀ) · s_a s_bᵀ  with fp32 accumulation: torch._scaled_mm(a [m, k] row-major,
   b [k, n] column-major, scale_a [m, 1] | scalar, scale_b [1, n] | scalar). The forward GEMM uses the tensor cores'
-  fast accumulation (torchao's default for the output GEMM); the two gradient GEMMs accumulate exactly.
+  fast accumulation (torchao's default for the output GEMM); the two gradient GEMMs accumulate in full fp32.
 
 Trainable linear (full fine-tuning, the MMDiT), Float8LinearFunction:
   forward: q(x) and q(W) as above → y (+ b inside the GEMM's epilogue when y is bf16, after it otherwise).
   Saved: the fp8 operands the backward needs, made by the same kernel passes that quantise x and W for the forward:
     x quantised for dW (per input channel, or the transposed copy for tensorwise) as xᵀ [K, M₁₆] (1 byte per
-    element instead of x's 2 or 4), W quantised for dX as Wᵀ [K, N], and their scales. Nothing in x's dtype.
-  backward: dY is quantised once per GEMM operand layout (one read pass gives both):
+    element instead of x's 2 or 4), W quantised for dX as Wᵀ [K, N], and their scales (each only when that
+    gradient is needed). Nothing in x's dtype.
+  backward: one quantisation of dY (its two passes) gives both layouts its GEMMs need:
     dX = q(dY) · q(W)  in x.dtype;  dW = q(dY)ᵀ · q(x)  in weight.dtype (fp32 master weights get fp32 grads);
     d(bias) = Σ_rows dY accumulated in fp32, in bias.dtype.
   dW contracts over tokens, and CUDA's _scaled_mm needs every dimension of its second operand to be a multiple
@@ -72,7 +73,7 @@ IMPLS = ("auto", "scaled_mm", "ref")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # amax floor: an all-zero group gets a finite scale (its values quantise to 0)
 PAD = 16  # _scaled_mm on CUDA: K, N and the contracted token dim of dW are multiples of this
-FAST_ACCUM_FORWARD = True  # the forward GEMM's fast accumulation (torchao's default); gradient GEMMs never
+FAST_ACCUM_FORWARD = True  # the forward GEMM's fast accumulation (torchao's default); the gradient GEMMs' never
 # fp8 dtype → (fp8_max, mantissa bits, exponent of the smallest normal)
 FORMATS = {E4M3: (448.0, 3, -6), E5M2: (57344.0, 2, -14)}
 MIN_CAPABILITY = (8, 9)
