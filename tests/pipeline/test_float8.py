@@ -208,3 +208,24 @@ def test_compiled_fp8_modules_equal_eager():
             for p in mod.parameters():
                 p.grad = None
         assert all(torch.equal(a, b) for a, b in zip(*outs)), type(mod).__name__
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_leaves_fp8_gradients_unchanged(mode):
+    """FP8 first, then activation checkpointing (the trainers' order): recomputing a block re-quantises the same
+    values, and selective AC keeps the fp8 forward ops' outputs (pipeline.policies' save list): the loss and every
+    gradient equal the un-checkpointed FP8 model's bit for bit (the _scaled_mm path on CPU)."""
+    from atelier_studio.pipeline.policies import _SAVE_OPS, apply_activation_checkpointing
+
+    assert torch.ops.atelier.fp8_linear_fwd.default in _SAVE_OPS and torch.ops.atelier.fp8_lora_fwd.default in _SAVE_OPS
+    results = []
+    for ac in ("none", mode):
+        model = _tiny_qwen3()
+        apply_fp8(model, "rowwise", impl="scaled_mm")
+        apply_activation_checkpointing(model, ac)
+        ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+        hidden = model(ids, torch.arange(24)[None], torch.tensor([0, 24], dtype=torch.int32), 24)
+        loss = nn.functional.cross_entropy((hidden @ model.lm_head_weight.t())[0, :-1], ids[0, 1:])
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
