@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from atelier_studio.pipeline.cli import main
+from atelier_studio.flows.cli import main
 from tests.designer.test_train import train_args, train_losses
 
 

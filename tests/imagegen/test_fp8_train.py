@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from atelier_studio.pipeline.cli import main
+from atelier_studio.flows.cli import main
 from tests.imagegen._world import build_world, cli_args
 from tests.imagegen.test_task import train_losses
 
