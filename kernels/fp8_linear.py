@@ -3,17 +3,8 @@
 Shapes: M rows (tokens; leading dims flattened), K in-features, N out-features.
   x [M, K], weight W [N, K], bias [N] | None → y = x Wᵀ + b [M, N].
 
-Quantisation, one rule for every operand: for a group of values v (the whole tensor, or one row),
-  amax = max |v|,   s = max(amax, 1e-12) / fp8_max      (fp32, correctly rounded: the dequantisation scale),
-  q = fp8(clamp(v / s, −fp8_max, fp8_max))             (v / s correctly rounded in fp32, then rounded to the
-                                                        nearest fp8 value, ties to even; the clamp saturates),
-  v ≈ q · s.  E4M3 (float8_e4m3fn): fp8_max 448, 3 mantissa bits, smallest normal 2^-6, so |q·s − v| ≤ 2^-4 |v|
-  in the normal range; E5M2 (float8_e5m2): 57344, 2 bits, 2^-14, error ≤ 2^-3 |v|. The Triton kernels round to
-  the fp8 grid in fp32 arithmetic before the cast (exactly the RNE rule), so the cast itself never rounds: the
-  kernels give the same bits on the GPU and under TRITON_INTERPRET=1, whose own fp8 cast mis-rounds values that
-  round up into the next binade. Values equal `quantize_ref` (torch's own fp8 cast) exactly.
-  Kernels: rowwise q alone (x and dY of a frozen base) in one pass, a program owning whole rows; anything that
-  needs a tensor's amax or the transposed copy in two (tile amaxes by atomic max, then the cast).
+Quantisation: kernels/fp8_quant.py (one rule for every operand: s = max(amax, 1e-12) · fp32(1/fp8_max) per tensor or
+per row, q = fp8(clamp(v / s)), RNE; q and the transposed copy qᵀ from the same passes).
 
 Recipes (torchtitan's float8 recipes; torchao names them the same):
   "tensorwise": x and W in E4M3, dY in E5M2 (gradients need range more than precision), one scale per tensor.
@@ -25,6 +16,14 @@ Recipes (torchtitan's float8 recipes; torchao names them the same):
   In both, each GEMM is  out = (q_a q_bᵀ) · s_a s_bᵀ  with fp32 accumulation: torch._scaled_mm(a [m, k] row-major,
   b [k, n] column-major, scale_a [m, 1] | scalar, scale_b [1, n] | scalar). The forward GEMM uses the tensor cores'
   fast accumulation (torchao's default for the output GEMM); the two gradient GEMMs accumulate in full fp32.
+  Variants that only benchmarks use (bench/fp8_linear.py measures what they would buy; the trainers offer the two
+  above): "<recipe>-fastgrad" (fast accumulation in dX and dW too) and "rowwise-e5m2grad" (dY in E5M2).
+
+What _scaled_mm needs (PyTorch's CUDA checks): mat1 [m, k] with k a multiple of 16, mat2 [k, n] with k and n
+multiples of 16; m is free. So y = x Wᵀ and dX = dY W take any token count M (K and N must be multiples of 16),
+and only dW = dYᵀ x, which contracts over M, needs M padded: its two operands are the transposed copies, which the
+quantiser writes with M₁₆ = M rounded up to 16 columns, zero-filled in the same pass (zeros add nothing). There is
+no padding copy anywhere, whatever M is.
 
 Trainable linear (full fine-tuning, the MMDiT), Float8LinearFunction:
   forward: q(x) and q(W) as above → y (+ b inside the GEMM's epilogue when y is bf16, after it otherwise).
@@ -35,14 +34,13 @@ Trainable linear (full fine-tuning, the MMDiT), Float8LinearFunction:
   backward: one quantisation of dY (its two passes) gives both layouts its GEMMs need:
     dX = q(dY) · q(W)  in x.dtype;  dW = q(dY)ᵀ · q(x)  in weight.dtype (fp32 master weights get fp32 grads);
     d(bias) = Σ_rows dY accumulated in fp32, in bias.dtype.
-  dW contracts over tokens, and CUDA's _scaled_mm needs every dimension of its second operand to be a multiple
-  of 16: the transposed copies are written into M₁₆ = M rounded up to 16 columns, zero-padded (zeros add nothing).
 Frozen base (LoRA), Fp8FrozenLoRAFunction and Fp8FrozenLinearFunction:
   the weight is quantised ONCE (quantize_frozen_weight, at load): W per output channel [N, K] for the forward and
   W per input channel, stored transposed [K, N], for dX (tensorwise: one scale, the transposed copy). Per step only
   x (per row or per tensor) and dY are quantised; dX goes through FP8, there is no dW. The adapters stay in the
   adapter dtype through kernels/lora_linear.py's own code (add_adapter_ / adapter_backward):
   y = fp8_base(x) + s · (dropout(x) Aᵀ) Bᵀ, with dA, dB and the adapter's share of dX exactly as lora_linear's.
+Projections that read one x (q/k/v, gate/up): kernels/fp8_group.py quantises x once for all of them.
 
 Dtypes: y in the compute dtype (autocast's when it is on, else x.dtype); x and W are quantised straight from their
 own dtypes (an fp32 master weight is never rounded to bf16 first).
@@ -60,24 +58,32 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from torch.utils.flop_counter import register_flop_formula
 
+from atelier_studio.kernels.fp8_quant import (  # noqa: F401  (AMAX_EPS, FORMATS, Fp8Quantized: part of this API)
+    AMAX_EPS,
+    E4M3,
+    E5M2,
+    FORMATS,
+    Fp8Quantized,
+    fake_quantize,
+    quantize,
+    quantize_ref,
+)
 from atelier_studio.kernels.lora_linear import _compute_dtypes, adapter_backward, add_adapter_, dropout_mask, lora_adapter_ref
 
 IMPLS = ("auto", "scaled_mm", "ref")
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_EPS = 1e-12  # amax floor: an all-zero group gets a finite scale (its values quantise to 0)
 PAD = 16  # _scaled_mm on CUDA: K, N and the contracted token dim of dW are multiples of this
-FAST_ACCUM_FORWARD = True  # the forward GEMM's fast accumulation (torchao's default); the gradient GEMMs' never
-# fp8 dtype → (fp8_max, mantissa bits, exponent of the smallest normal)
-FORMATS = {E4M3: (448.0, 3, -6), E5M2: (57344.0, 2, -14)}
+FAST_ACCUM_FORWARD = True  # the forward GEMM's fast accumulation (torchao's default)
 MIN_CAPABILITY = (8, 9)
 PRECISION_KEY = 'train.precision = "fp8"'
+
+
+def padded(m: int) -> int:
+    """m rounded up to a multiple of PAD: the token columns of the transposed copies dW contracts over."""
+    return -(-m // PAD) * PAD
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,16 @@ class Fp8Recipe:
     rowwise: bool  # one scale per row of each operand (along the non-contracted axis); else one per tensor
     forward_dtype: torch.dtype  # x and W
     grad_dtype: torch.dtype  # dY
+    grad_fast_accum: bool = False  # fast (reduced-precision) accumulation in the dX and dW GEMMs too
 
 
+TRAIN_RECIPES = ("tensorwise", "rowwise")  # what [train] fp8_recipe offers
 RECIPES = {"tensorwise": Fp8Recipe("tensorwise", False, E4M3, E5M2),
-           "rowwise": Fp8Recipe("rowwise", True, E4M3, E4M3)}
+           "rowwise": Fp8Recipe("rowwise", True, E4M3, E4M3),
+           # benchmark variants (module docstring)
+           "tensorwise-fastgrad": Fp8Recipe("tensorwise-fastgrad", False, E4M3, E5M2, True),
+           "rowwise-fastgrad": Fp8Recipe("rowwise-fastgrad", True, E4M3, E4M3, True),
+           "rowwise-e5m2grad": Fp8Recipe("rowwise-e5m2grad", True, E4M3, E5M2)}
 
 
 class Fp8UnsupportedError(RuntimeError):
@@ -99,177 +111,10 @@ class Fp8UnsupportedError(RuntimeError):
 
 
 # --- Triton kernels -------------------------------------------------------------------------------
-@triton.jit
-def _round_to_fp8_grid(v, MANT: tl.constexpr, EMIN: tl.constexpr):
-    # v fp32 within ±fp8_max → the nearest fp8 value (ties to even), still fp32. The fp8 spacing at |v| is
-    # ulp = 2^(max(e, EMIN) − MANT), e = v's binary exponent (subnormals share the smallest normal's spacing).
-    # a + 2^23·ulp lies in a binade of fp32 whose spacing is exactly ulp, so the fp32 add rounds a to a multiple of
-    # ulp, ties to even (2^23·ulp is an even multiple), and the subtraction is exact.
-    a = tl.abs(v)
-    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
-    e = tl.maximum(e, EMIN + 127)
-    big = ((e - MANT + 23) << 23).to(tl.float32, bitcast=True)  # 2^23 · ulp
-    r = (a + big) - big
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def _quantize_values(x, s, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
-    v = tl.math.div_rn(x, s)
-    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    return _round_to_fp8_grid(v, MANT, EMIN)
-
-
-@triton.jit
-def _amax_kernel(x_ptr, amax_q_ptr, amax_qt_ptr, R, C, stride_r, stride_c, TENSORWISE: tl.constexpr,
-                 WANT_Q: tl.constexpr, WANT_QT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Pass 1 over x [R, C]: one tile per program; its amax goes by atomic max into the tensor's amax (tensorwise),
-    # or into each row's (for q) and each column's (for qᵀ). Max is order-free: the result is deterministic.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask, cmask = rows < R, cols < C
-    offs = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-    a = tl.abs(tl.load(x_ptr + offs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32))
-    if TENSORWISE:
-        tl.atomic_max(amax_q_ptr, tl.max(tl.max(a, axis=1), axis=0))
-    else:
-        if WANT_Q:
-            tl.atomic_max(amax_q_ptr + rows, tl.max(a, axis=1), mask=rmask)
-        if WANT_QT:
-            tl.atomic_max(amax_qt_ptr + cols, tl.max(a, axis=0), mask=cmask)
-
-
-@triton.jit
-def _cast_kernel(x_ptr, amax_q_ptr, amax_qt_ptr, q_ptr, s_q_ptr, qt_ptr, s_qt_ptr, R, C, R_PAD, stride_r, stride_c,
-                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
-                 TENSORWISE: tl.constexpr, WANT_Q: tl.constexpr, WANT_QT: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    # Pass 2: scales from the amaxes, then q [R, C] (row scales, or the tensor's) and/or qᵀ [C, R_PAD] (column
-    # scales, or the tensor's), the transposed copy zero-filled in rows R..R_PAD (the grid covers them).
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask, cmask = rows < R, cols < C
-    offs = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-    x = tl.load(x_ptr + offs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    if TENSORWISE:
-        s = tl.math.div_rn(tl.maximum(tl.load(amax_q_ptr), EPS), FP8_MAX)
-        if (pid_r == 0) & (pid_c == 0):
-            tl.store(s_q_ptr, s)
-        s_tile = tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + s
-    if WANT_Q:
-        if TENSORWISE:
-            s_q = s_tile
-        else:
-            s_rows = tl.math.div_rn(tl.maximum(tl.load(amax_q_ptr + rows, mask=rmask, other=0.0), EPS), FP8_MAX)
-            tl.store(s_q_ptr + rows, s_rows, mask=rmask & (pid_c == 0))
-            s_q = tl.broadcast_to(s_rows[:, None], (BLOCK_R, BLOCK_C))
-        q = _quantize_values(x, s_q, FP8_MAX, MANT, EMIN)
-        q_offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-        tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-    if WANT_QT:
-        if TENSORWISE:
-            s_qt = s_tile
-        else:
-            s_cols = tl.math.div_rn(tl.maximum(tl.load(amax_qt_ptr + cols, mask=cmask, other=0.0), EPS), FP8_MAX)
-            tl.store(s_qt_ptr + cols, s_cols, mask=cmask & (pid_r == 0))
-            s_qt = tl.broadcast_to(s_cols[None, :], (BLOCK_R, BLOCK_C))
-        qt = _quantize_values(x, s_qt, FP8_MAX, MANT, EMIN)
-        qt_offs = cols[None, :].to(tl.int64) * R_PAD + rows[:, None]
-        tl.store(qt_ptr + qt_offs, qt.to(qt_ptr.dtype.element_ty), mask=(rows[:, None] < R_PAD) & cmask[None, :])
-
-
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, C, stride_r, stride_c, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-                       EMIN: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Rowwise q only (no transposed copy): a program owns BLOCK_R whole rows, so one kernel finds their amaxes and
-    # casts them; the second walk over the rows mostly hits L2 (the tile just read), where the two-pass kernels
-    # above read x twice from memory.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    row_off = rows[:, None].to(tl.int64) * stride_r
-    amax = tl.zeros((BLOCK_R,), tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        m = rmask[:, None] & (cols[None, :] < C)
-        x = tl.load(x_ptr + row_off + cols[None, :].to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    s = tl.math.div_rn(tl.maximum(amax, EPS), FP8_MAX)
-    tl.store(s_ptr + rows, s, mask=rmask)
-    s_tile = tl.broadcast_to(s[:, None], (BLOCK_R, BLOCK_C))
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        m = rmask[:, None] & (cols[None, :] < C)
-        x = tl.load(x_ptr + row_off + cols[None, :].to(tl.int64) * stride_c, mask=m, other=0.0).to(tl.float32)
-        q = _quantize_values(x, s_tile, FP8_MAX, MANT, EMIN)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+# (in kernels/fp8_quant.py: the quantisers are shared with kernels/fp8_group.py)
 
 
 # --- launchers ------------------------------------------------------------------------------------
-_BLOCK_R, _BLOCK_C = 64, 64  # the two-pass kernels' tile
-_ROWS_BLOCK_R, _ROWS_BLOCK_C = 8, 512  # the one-pass rowwise kernel's
-
-
-class Fp8Quantized(NamedTuple):
-    """What `quantize` made; None where not asked for. Tensorwise: scale is scale_t, one fp32 value [1]."""
-
-    q: torch.Tensor | None  # [R, C] fp8: rows scaled by scale
-    scale: torch.Tensor | None  # [R] fp32 (rowwise) or [1]
-    qt: torch.Tensor | None  # [C, R_pad] fp8: the transposed copy, columns of v scaled by scale_t, zero rows ≥ R
-    scale_t: torch.Tensor | None  # [C] fp32 (rowwise) or [1]
-
-
-def quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, rows: bool = True, cols: bool = False,
-             pad_to: int = 1) -> Fp8Quantized:
-    """Quantise v [R, C] (any float dtype, any strides) to fp8 in two passes over v.
-
-    rows: q [R, C] with one scale per row (rowwise) or per tensor. cols: qᵀ [C, R_pad] (R_pad = R rounded up to
-    `pad_to`, zero-filled) with one scale per column of v (rowwise) or the tensor's: v's columns quantised and
-    written transposed, the layout a GEMM that contracts over R wants. Both from the same two passes.
-    """
-    if v.dim() != 2 or not v.is_floating_point():
-        raise ValueError(f"fp8 quantize: expected a 2-D float tensor, got {v.dtype} {tuple(v.shape)}")
-    if fp8_dtype not in FORMATS:
-        raise ValueError(f"fp8 quantize: fp8_dtype must be one of {list(FORMATS)}, got {fp8_dtype}")
-    if not (rows or cols):
-        raise ValueError("fp8 quantize: ask for rows, cols or both")
-    r, c = v.shape
-    r_pad = triton.cdiv(r, pad_to) * pad_to
-    fmax, mant, emin = FORMATS[fp8_dtype]
-    dev = v.device
-    amax_q = torch.zeros(1 if not rowwise else (r if rows else 1), dtype=torch.float32, device=dev)
-    amax_qt = amax_q if not rowwise else torch.zeros(c if cols else 1, dtype=torch.float32, device=dev)
-    q = torch.empty(r, c, dtype=fp8_dtype, device=dev) if rows else None
-    qt = torch.empty(c, r_pad, dtype=fp8_dtype, device=dev) if cols else None
-    s_q = torch.empty(amax_q.shape, dtype=torch.float32, device=dev) if (rows or not rowwise) else None
-    s_qt = s_q if not rowwise else (torch.empty(c, dtype=torch.float32, device=dev) if cols else None)
-    if r == 0 or c == 0:
-        if s_q is not None:
-            s_q.fill_(AMAX_EPS / fmax)
-        if s_qt is not None:
-            s_qt.fill_(AMAX_EPS / fmax)
-        if qt is not None:
-            qt.zero_()
-        return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
-    sr, sc = v.stride()
-    if rowwise and rows and not cols and sc == 1:  # row-major rows only: the one-pass kernel
-        _quant_rows_kernel[(triton.cdiv(r, _ROWS_BLOCK_R),)](
-            v, q, s_q, r, c, sr, sc, FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, BLOCK_R=_ROWS_BLOCK_R,
-            BLOCK_C=_ROWS_BLOCK_C, num_warps=4)
-        return Fp8Quantized(q, s_q, None, None)
-    dummy = amax_q  # an unused pointer argument
-    _amax_kernel[(triton.cdiv(r, _BLOCK_R), triton.cdiv(c, _BLOCK_C))](
-        v, amax_q, amax_qt, r, c, sr, sc, TENSORWISE=not rowwise, WANT_Q=rows, WANT_QT=cols, BLOCK_R=_BLOCK_R,
-        BLOCK_C=_BLOCK_C, num_warps=4)
-    grid_rows = r_pad if cols else r
-    _cast_kernel[(triton.cdiv(grid_rows, _BLOCK_R), triton.cdiv(c, _BLOCK_C))](
-        v, amax_q, amax_qt, q if q is not None else dummy, s_q if s_q is not None else dummy,
-        qt if qt is not None else dummy, s_qt if s_qt is not None else dummy, r, c, r_pad, sr, sc,
-        FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, TENSORWISE=not rowwise, WANT_Q=rows, WANT_QT=cols,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
-    return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
-
-
 def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rowwise: bool,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
     """(a · s_a)(b_t · s_b)ᵀ: a [m, k] and b_t [n, k] row-major fp8 (b_t.t() is the column-major operand), scales
@@ -324,7 +169,7 @@ def _(x, weight, bias, recipe, out_dtype, need_xgrad, need_wgrad):
     rc = RECIPES[recipe]
     m, k = x.shape
     n = weight.shape[0]
-    m16 = triton.cdiv(m, PAD) * PAD
+    m16 = padded(m)
     sk = k if rc.rowwise else 1
     q, s = rc.forward_dtype, torch.float32
     return (x.new_empty(m, n, dtype=out_dtype), x.new_empty((k, m16) if need_wgrad else (0,), dtype=q),
@@ -347,9 +192,10 @@ def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xt_scale: torch.Tensor, 
     if need_x or need_w:
         dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=need_w, pad_to=PAD)
         if need_x:
-            dx = _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, x_dtype)  # [M, K]
+            dx = _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, x_dtype, fast_accum=rc.grad_fast_accum)
         if need_w:
-            dw = _scaled_mm(dq.qt, xqt, dq.scale_t, xt_scale, rc.rowwise, w_dtype)  # [N, K], contracts M₁₆
+            dw = _scaled_mm(dq.qt, xqt, dq.scale_t, xt_scale, rc.rowwise, w_dtype,  # [N, K], contracts M₁₆
+                             fast_accum=rc.grad_fast_accum)
     if need_b:
         db = dy.sum(0, dtype=torch.float32).to(b_dtype)
     return dx, dw, db
@@ -384,7 +230,7 @@ def fp8_frozen_bwd(dy: torch.Tensor, wqt: torch.Tensor, wt_scale: torch.Tensor, 
     """dy [M, N] and the frozen Wᵀ_q [K, N] (per input channel) → dX = dY W [M, K] in out_dtype."""
     rc = RECIPES[recipe]
     dq = quantize(dy, rc.grad_dtype, rc.rowwise)
-    return _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, out_dtype)
+    return _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, out_dtype, fast_accum=rc.grad_fast_accum)
 
 
 @fp8_frozen_bwd.register_fake
@@ -664,25 +510,6 @@ def _check_frozen(frozen: Fp8FrozenWeight | None, weight: torch.Tensor, recipe: 
 
 
 # --- reference ------------------------------------------------------------------------------------
-def quantize_ref(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch: v [R, C] → (q [R, C] fp8, scale [R] (rowwise, one per row) or [1] fp32), torch's own cast."""
-    fmax = FORMATS[fp8_dtype][0]
-    vf = v.detach().float()
-    amax = vf.abs().amax(dim=1) if rowwise else vf.abs().amax().reshape(1)
-    s = amax.clamp(min=AMAX_EPS) / fmax
-    q = (vf / (s[:, None] if rowwise else s)).clamp(-fmax, fmax).to(fp8_dtype)
-    return q, s
-
-
-def fake_quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, dim: int = 1) -> torch.Tensor:
-    """q · s in fp32: v [R, C] quantised and dequantised with one scale per row (dim=1: the groups run along
-    the rows), per column (dim=0), or per tensor (rowwise False)."""
-    if dim == 0:
-        return fake_quantize(v.t(), fp8_dtype, rowwise, 1).t()
-    q, s = quantize_ref(v, fp8_dtype, rowwise)
-    return q.float() * (s[:, None] if rowwise else s)
-
-
 class _Fp8LinearRef(torch.autograd.Function):
     """Fake-quantised trainable linear in fp32: the FP8 GEMMs' operands (same recipe), dequantised → y fp32."""
 
