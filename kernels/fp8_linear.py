@@ -159,9 +159,12 @@ def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=need_wgrad, pad_to=PAD)
     wq = quantize(weight, rc.forward_dtype, rc.rowwise, rows=True, cols=need_xgrad)
     y = _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rc.rowwise, out_dtype, bias, FAST_ACCUM_FORWARD)
-    empty_q, empty_s = x.new_empty(0, dtype=rc.forward_dtype), x.new_empty(0, dtype=torch.float32)
-    return (y, xq.qt if need_wgrad else empty_q, xq.scale_t if need_wgrad else empty_s,
-            wq.qt if need_xgrad else empty_q, wq.scale_t if need_xgrad else empty_s)
+    def empty(dtype: torch.dtype) -> torch.Tensor:  # one per absent output: a custom op's outputs must not alias
+        return x.new_empty(0, dtype=dtype)
+
+    q8, f32 = rc.forward_dtype, torch.float32
+    return (y, xq.qt if need_wgrad else empty(q8), xq.scale_t if need_wgrad else empty(f32),
+            wq.qt if need_xgrad else empty(q8), wq.scale_t if need_xgrad else empty(f32))
 
 
 @fp8_linear_fwd.register_fake
@@ -281,8 +284,8 @@ def _fwd_flops(x, weight, *args, out_shape=None, **kwargs) -> int:
 @register_flop_formula(torch.ops.atelier.fp8_linear_bwd)
 def _bwd_flops(dy, xqt, xt_scale, wqt, wt_scale, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b,
                out_shape=None, **kwargs) -> int:
-    per = 2 * dy[0] * dy[1] * wqt[0]
-    return per * (int(need_x) + int(need_w))
+    k = wqt[0] if need_x else xqt[0]  # K from whichever saved copy exists (Wᵀ [K, N] or xᵀ [K, M₁₆])
+    return 2 * dy[0] * dy[1] * k * (int(need_x) + int(need_w))
 
 
 @register_flop_formula(torch.ops.atelier.fp8_frozen_fwd)

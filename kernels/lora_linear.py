@@ -172,23 +172,62 @@ def _rank_slices(lora_bs: list[torch.Tensor]) -> list[slice]:
     return out
 
 
+def add_group_adapters_(ys: list[torch.Tensor], x: torch.Tensor, lora_as: Sequence[torch.Tensor],
+                        lora_bs: Sequence[torch.Tensor], scales: Sequence[float], base_dtype: torch.dtype,
+                        adapter_dtype: torch.dtype) -> torch.Tensor:
+    """ys[i] [T, O_i] (the bases' outputs, in base_dtype) += s_i · u_i B_iᵀ in place, with u = x [A_0; …]ᵀ [T, Σ r_i]
+    from one matmul (one pass over x for every adapter); returns u. No dropout. Call with autocast off. Shared by
+    the bf16 group here and the fp8 group (kernels/fp8_group.py)."""
+    cb, ca = base_dtype, adapter_dtype
+    u = x.to(ca) @ torch.cat([a.to(ca) for a in lora_as]).t()  # [T, Σr]
+    for y, b, s, cols in zip(ys, lora_bs, scales, _rank_slices(list(lora_bs))):
+        if ca == cb:
+            torch.addmm(y, u[:, cols], b.to(ca).t(), alpha=s, out=y)
+        else:
+            y += ((u[:, cols] @ b.to(ca).t()) * s).to(cb)
+    return u
+
+
+def group_adapter_backward(dys: Sequence[torch.Tensor], dx_base: torch.Tensor | None, x: torch.Tensor,
+                           lora_as: Sequence[torch.Tensor], lora_bs: Sequence[torch.Tensor], u: torch.Tensor,
+                           scales: Sequence[float], need_x: bool, need_adapters: bool) -> list[torch.Tensor]:
+    """The adapters' share of a group's backward: [dx, dA_0, …, dA_{M−1}, dB_0, …], unneeded ones empty.
+
+    dx_base [T, I] is the bases' Σ dy_i W_i in dys' dtype (needed when need_x): g [A_0; …] is accumulated into it,
+    then it is cast to x.dtype. Call with autocast off.
+    """
+    cb, ca = dys[0].dtype, u.dtype
+    slices = _rank_slices(list(lora_bs))
+    dy_a = [dy.to(ca) for dy in dys]
+    g = torch.cat([(d @ b.to(ca)).mul_(s) for d, b, s in zip(dy_a, lora_bs, scales)], dim=1)  # [T, Σr]
+    if need_adapters:
+        da = g.t() @ x.to(ca)  # [Σr, I]: every adapter's dA in one matmul
+        das = [da[cols].to(a.dtype, copy=True) for a, cols in zip(lora_as, slices)]  # outputs must not alias
+        dbs = [(d.t() @ u[:, cols]).mul_(s).to(b.dtype) for d, b, s, cols in zip(dy_a, lora_bs, scales, slices)]
+    else:
+        das, dbs = [a.new_empty(0) for a in lora_as], [b.new_empty(0) for b in lora_bs]
+    dx = x.new_empty(0)
+    if need_x:
+        dx = dx_base
+        a_all = torch.cat([a.to(ca) for a in lora_as])  # [Σr, I]
+        if ca == cb:
+            torch.addmm(dx, g, a_all, out=dx)
+        else:
+            dx += (g @ a_all).to(cb)
+        dx = dx.to(x.dtype)
+    return [dx] + das + dbs
+
+
 @torch.library.custom_op("atelier::lora_group_fwd", mutates_args=())
 def lora_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], scales: list[float], base_dtype: torch.dtype,
                    adapter_dtype: torch.dtype) -> list[torch.Tensor]:
     """x [T, I] → [y_0 [T, O_0], …, y_{M−1}, u [T, Σ r_i]] (u = x [A_0; …]ᵀ in adapter_dtype)."""
-    cb, ca = base_dtype, adapter_dtype
+    cb = base_dtype
     with torch.autocast(x.device.type, enabled=False):
         xb = x.to(cb)
-        u = x.to(ca) @ torch.cat([a.to(ca) for a in lora_as]).t()  # [T, Σr]: one pass over x for every adapter
-        ys = []
-        for w, b, s, cols in zip(weights, lora_bs, scales, _rank_slices(lora_bs)):
-            y = F.linear(xb, w.to(cb))  # [T, O_i]
-            if ca == cb:
-                torch.addmm(y, u[:, cols], b.to(ca).t(), alpha=s, out=y)
-            else:
-                y += ((u[:, cols] @ b.to(ca).t()) * s).to(cb)
-            ys.append(y)
+        ys = [F.linear(xb, w.to(cb)) for w in weights]  # [T, O_i]
+        u = add_group_adapters_(ys, x, lora_as, lora_bs, scales, cb, adapter_dtype)
     return ys + [u]
 
 
@@ -204,29 +243,14 @@ def lora_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch
                    lora_bs: list[torch.Tensor], u: torch.Tensor, scales: list[float], need_x: bool,
                    need_adapters: bool) -> list[torch.Tensor]:
     """dy_i [T, O_i] → [dx [T, I], dA_0, …, dA_{M−1}, dB_0, …, dB_{M−1}]; unneeded ones empty."""
-    cb, ca = dys[0].dtype, u.dtype
-    slices = _rank_slices(lora_bs)
+    cb = dys[0].dtype
     with torch.autocast(x.device.type, enabled=False):
-        dy_a = [dy.to(ca) for dy in dys]
-        g = torch.cat([(d @ b.to(ca)).mul_(s) for d, b, s in zip(dy_a, lora_bs, scales)], dim=1)  # [T, Σr]
-        if need_adapters:
-            da = g.t() @ x.to(ca)  # [Σr, I]: every adapter's dA in one matmul
-            das = [da[cols].to(a.dtype, copy=True) for a, cols in zip(lora_as, slices)]  # outputs must not alias
-            dbs = [(d.t() @ u[:, cols]).mul_(s).to(b.dtype) for d, b, s, cols in zip(dy_a, lora_bs, scales, slices)]
-        else:
-            das, dbs = [a.new_empty(0) for a in lora_as], [b.new_empty(0) for b in lora_bs]
-        dx = x.new_empty(0)
+        dx_base = None
         if need_x:
-            dx = dys[0] @ weights[0].to(cb)  # [T, I]; the frozen W get no dW
+            dx_base = dys[0] @ weights[0].to(cb)  # [T, I]; the frozen W get no dW
             for dy, w in zip(dys[1:], weights[1:]):
-                torch.addmm(dx, dy, w.to(cb), out=dx)  # dx += dy_i W_i inside the matmul
-            a_all = torch.cat([a.to(ca) for a in lora_as])  # [Σr, I]
-            if ca == cb:
-                torch.addmm(dx, g, a_all, out=dx)
-            else:
-                dx += (g @ a_all).to(cb)
-            dx = dx.to(x.dtype)
-    return [dx] + das + dbs
+                torch.addmm(dx_base, dy, w.to(cb), out=dx_base)  # dx += dy_i W_i inside the matmul
+        return group_adapter_backward(dys, dx_base, x, lora_as, lora_bs, u, scales, need_x, need_adapters)
 
 
 @lora_group_bwd.register_fake
