@@ -7,8 +7,9 @@ A, B stay in their own dtype through kernels/lora_linear.py's code. The base get
 
 Everything a LoRALinear is stays: the same modules and Parameters (base_layer, lora_A, lora_B, dropout), PEFT key
 names, adapter saving and loading, merge_lora. The fp8 copies are non-persistent buffers (never in a state dict),
-rebuilt after a load_state_dict or by `refresh_fp8_weight()`. The layer never joins a shared-input group
-(designer.model.shared_input_linears): that op computes its bases in bf16.
+rebuilt after a load_state_dict or by `refresh_fp8_weight()`. Layers that read one x (q/k/v, gate/up) join a
+shared-input group (designer.model.shared_input_linears → kernels.fp8_group.fp8_lora_linear_group: x quantised once
+for their FP8 bases, one matmul x [A_0; …]ᵀ for their adapters) under LoRALinear's conditions (no bias, no dropout).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Float8LoRALinear(LoRALinear):
     """A LoRALinear whose frozen base runs in FP8 (module docstring); made from one by `from_lora`."""
 
     recipe: str
+    shared_input: bool  # joins a shared-input group when True; False runs it alone (benchmarks)
 
     @classmethod
     def from_lora(cls, lora: LoRALinear, recipe: str) -> "Float8LoRALinear":
@@ -38,6 +40,7 @@ class Float8LoRALinear(LoRALinear):
         torch.nn.Module.__init__(new)
         new.base_layer, new.lora_A, new.lora_B, new.dropout = lora.base_layer, lora.lora_A, lora.lora_B, lora.dropout
         new.scale, new.rank, new.impl, new.recipe = lora.scale, lora.rank, lora.impl, recipe
+        new.shared_input = True
         for name in _BUFFERS:
             new.register_buffer(name, None, persistent=False)
         new.register_load_state_dict_post_hook(_after_load)
@@ -62,7 +65,11 @@ class Float8LoRALinear(LoRALinear):
                                self.scale, p, self.recipe, _IMPL[self.impl])
 
     def shared_input_operands(self) -> SharedInputOperands | None:
-        return None  # runs alone: the group op's bases are bf16 matmuls
+        """This layer's part in an FP8 shared-input group, or None when it must run alone (a bias, dropout)."""
+        ops = super().shared_input_operands()
+        if ops is None or not self.shared_input:
+            return None
+        return SharedInputOperands(ops.weight, ops.lora_a, ops.lora_b, ops.scale, _IMPL[self.impl], self.fp8_weight())
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}"

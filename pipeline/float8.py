@@ -10,6 +10,10 @@ weight built before the swap still refers to them). The forward depends on the w
   They are non-persistent buffers: a state dict holds exactly the nn.Linear's weight and bias, as before.
 The recipe ("rowwise" or "tensorwise") and the kernel choice (`impl`: auto | scaled_mm | ref) are plain attributes.
 
+Projections that read one input (q/k/v, gate/up, the MMDiT's to_q/k/v and add_q/k/v) run as one group through
+`float8_group` / `shared_input_linears` (kernels/fp8_group.py): x is quantised once for all of them, with the same
+outputs and weight gradients as the members one by one (the models call it where their projections share x).
+
 The trainers apply `[train] precision` through check_precision (at the start: refuses what cannot run, naming the
 key) and apply_precision (on the loaded model, LoRA applied, before activation checkpointing, compile and FSDP).
 """
@@ -20,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from atelier_studio.kernels.fp8_group import fp8_frozen_linear_group, fp8_linear_group
 from atelier_studio.kernels.fp8_linear import (
     IMPLS,
     PRECISION_KEY,
@@ -42,6 +47,7 @@ class Float8Linear(nn.Linear):
 
     recipe: str
     impl: str
+    shared_input: bool  # joins a shared-input group (float8_group) when True; False runs it alone (benchmarks)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str, impl: str = "auto") -> "Float8Linear":
@@ -57,7 +63,7 @@ class Float8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new.recipe, new.impl = recipe, impl
+        new.recipe, new.impl, new.shared_input = recipe, impl, True
         for name in _BUFFERS:
             new.register_buffer(name, None, persistent=False)
         new.register_load_state_dict_post_hook(_after_load)
@@ -90,6 +96,30 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, impl={self.impl}"
+
+
+def float8_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor] | None:
+    """[m(x) for m in linears] as one FP8 group (x quantised once), or None when they cannot share: fewer than two,
+    not all Float8Linear (with shared_input on), or different recipes, kernel choices or weight dtypes, or
+    trainable and frozen mixed."""
+    if len(linears) < 2 or any(type(m) is not Float8Linear or not m.shared_input for m in linears):
+        return None
+    first = linears[0]
+    w0 = first.weight
+    if any(m.recipe != first.recipe or m.impl != first.impl or m.weight.dtype != w0.dtype
+           or m.weight.requires_grad != w0.requires_grad for m in linears):
+        return None
+    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    if w0.requires_grad:
+        return fp8_linear_group(x, weights, biases, first.recipe, first.impl)
+    frozens = [m.fp8_weight() if m.impl != "ref" else None for m in linears]
+    return fp8_frozen_linear_group(x, weights, biases, frozens, first.recipe, first.impl)
+
+
+def shared_input_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """[m(x) for m in linears]: one FP8 group where float8_group allows, else each layer on its own."""
+    grouped = float8_group(x, linears)
+    return grouped if grouped is not None else [m(x) for m in linears]
 
 
 def _after_load(module, incompatible_keys) -> None:

@@ -1,6 +1,7 @@
 """FP8 modules and the policy: Float8Linear and Float8LoRALinear keep the layer's Parameters and state dict, compute
 what kernels.fp8_linear computes, rebuild their frozen fp8 copies on load; apply_fp8 swaps what it should; the
-precision checks name `train.precision`."""
+models' shared-input projections run as FP8 groups with the members' outputs and gradients; the precision checks
+name `train.precision`."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,9 @@ from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.imagegen.task import FP8_SKIP
 from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
+import atelier_studio.designer.model as designer_model
+import atelier_studio.kernels.fp8_group as fp8_group
+import atelier_studio.pipeline.float8 as float8
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
 from atelier_studio.pipeline.policies import apply_fp8
 
@@ -63,7 +67,10 @@ def test_float8_lora_linear_keeps_the_lora_layer():
     f = Float8LoRALinear.from_lora(lora, "rowwise")
     assert set(vars(lora)) <= set(vars(f)) and f.base_layer is base and f.lora_A is lora.lora_A
     assert list(f.state_dict()) == list(lora.state_dict())
-    assert f.fp8_q is not None and f.shared_input_operands() is None
+    assert f.fp8_q is not None and f.shared_input_operands() is None  # a bias: it runs alone, as a LoRALinear does
+    g = Float8LoRALinear.from_lora(LoRALinear(nn.Linear(64, 48, bias=False), LoraArgs(rank=4)), "tensorwise")
+    ops = g.shared_input_operands()  # no bias, no dropout: it joins an FP8 group, with its fp8 copies
+    assert ops.fp8.q is g.fp8_q and ops.fp8.recipe == "tensorwise" and ops.impl == "auto" and ops.lora_a is g.lora_A.weight
     x = torch.randn(3, 5, 64)
     y = f(x)
     y.square().sum().backward()
@@ -229,3 +236,101 @@ def test_activation_checkpointing_leaves_fp8_gradients_unchanged(mode):
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _count_applies(monkeypatch, cls) -> list[int]:
+    calls = []
+    real = cls.apply
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cls, "apply", counting)
+    return calls
+
+
+def _qwen3_step(lora: bool) -> list[torch.Tensor]:
+    """One fp32 forward + backward of the tiny Qwen3 in FP8 on the _scaled_mm path: [loss, every gradient]."""
+    model = _tiny_qwen3()
+    if lora:
+        apply_lora(model, LoraArgs(rank=4))
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                nn.init.normal_(m.lora_B.weight, std=0.05)
+                m.impl = "fused"  # the layers' fast path (fp8: scaled_mm) on this CPU
+    apply_fp8(model, "rowwise", impl="scaled_mm")
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(19).repeat(2, 1)
+    hidden = model(ids, pos, torch.tensor([0, 19, 38], dtype=torch.int32), 19)
+    loss = nn.functional.cross_entropy((hidden @ model.lm_head_weight.t()).flatten(0, 1), ids.flatten())
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _close_after_backward(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    """The loss bit-equal (the groups' outputs are the members' bits); each gradient within 2^-14 of its largest
+    entry: the groups sum dX in another order than autograd (a few fp32 roundings of 2^-24 relative per sum),
+    and the backward carries those differences through a few more fp32 GEMMs, far below this."""
+    assert torch.equal(got[0], want[0]), f"{what}: loss"
+    for i, (g, w) in enumerate(zip(got[1:], want[1:])):
+        assert g.shape == w.shape
+        assert (g - w).abs().max() <= 2.0**-14 * w.abs().max(), f"{what}: gradient {i}"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_qwen3_projections_run_as_fp8_groups(monkeypatch, lora):
+    """Full fine-tuning and LoRA over FP8 bases: per block, q/k/v and gate/up run as one FP8 group each (x quantised
+    once); the loss and gradients are those of the layers one by one (grouping switched off)."""
+    cls = fp8_group.Fp8FrozenGroupFunction if lora else fp8_group.Float8LinearGroupFunction
+    calls = _count_applies(monkeypatch, cls)
+    grouped = _qwen3_step(lora)
+    assert len(calls) == 2 * 2  # 2 layers × (q/k/v, gate/up)
+    monkeypatch.setattr(designer_model, "float8_group", lambda x, linears: None)
+    monkeypatch.setattr(designer_model, "_groupable", lambda operands: False)
+    calls.clear()
+    alone = _qwen3_step(lora)
+    assert not calls
+    _close_after_backward(grouped, alone, "lora" if lora else "full")
+
+
+def test_mmdit_projections_run_as_fp8_groups(monkeypatch):
+    """The MMDiT's image to_q/k/v and text add_q/k/v (add_k/v only in the last block, which drops the text queries)
+    run as FP8 groups; the output and every gradient equal the layers one by one."""
+    calls = _count_applies(monkeypatch, fp8_group.Float8LinearGroupFunction)
+
+    def step():
+        torch.manual_seed(0)
+        model = MMDiT(MMDiTArgs(kernels="ref"))
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.1)
+        apply_fp8(model, "rowwise", FP8_SKIP, impl="scaled_mm")
+        g = torch.Generator().manual_seed(1)
+        out = model(torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 5, 48, generator=g),
+                    torch.randn(2, 40, generator=g), torch.tensor([500.0, 20.0]))
+        loss = out.square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+    grouped = step()
+    assert len(calls) == 2 * 2  # 2 blocks × (image q/k/v, text q/k/v or k/v)
+    monkeypatch.setattr(float8, "float8_group", lambda x, linears: None)
+    calls.clear()
+    alone = step()
+    assert not calls
+    _close_after_backward(grouped, alone, "mmdit")
+
+
+def test_float8_group_only_groups_what_can_share():
+    """Mixed recipes, trainable beside frozen, or a plain nn.Linear: no group (None), so the caller runs the layers
+    one by one."""
+    a, b = Float8Linear.from_linear(nn.Linear(32, 16), "rowwise"), Float8Linear.from_linear(nn.Linear(32, 16), "rowwise")
+    x = torch.randn(3, 32)
+    assert float8.float8_group(x, [a]) is None
+    assert float8.float8_group(x, [a, Float8Linear.from_linear(nn.Linear(32, 16), "tensorwise")]) is None
+    assert float8.float8_group(x, [a, Float8Linear.from_linear(nn.Linear(32, 16).requires_grad_(False), "rowwise")]) is None
+    assert float8.float8_group(x, [a, nn.Linear(32, 16)]) is None
+    ys = float8.float8_group(x, [a, b])
+    assert all(torch.equal(y, m(x)) for y, m in zip(ys, (a, b)))  # CPU "auto": the members' reference, one by one
+    lin = nn.Linear(32, 16)
+    assert all(torch.equal(y, m(x)) for y, m in zip(float8.shared_input_linears(x, [a, lin]), (a, lin)))
