@@ -40,6 +40,8 @@ Linear variants, forward + backward of y = x Wᵀ (bf16 x and W, dy bf16; quanti
                                                     weight quantisation is timed apart: weight_quant_ms)
   fp8-{tensorwise,rowwise}-fastgrad                 fast accumulation in the dX and dW GEMMs too (benchmark recipe)
   fp8-rowwise-e5m2grad                              dY in E5M2 with row scales (benchmark recipe)
+  fp8-rowwise-gwhp                                  dW = dYᵀ x in bf16 from the saved x: x and dY quantised by the
+                                                    one-pass row kernel, no transposed copies (benchmark recipe)
   torchao-tensorwise, torchao-rowwise               torchao.float8.convert_to_float8_training's Float8Linear,
   torchao-{tensorwise,rowwise}-compiled             eager and torch.compile'd (compiled only at each model's
                                                     largest shape unless --compile-all; never with --quick)
@@ -110,7 +112,7 @@ TINY_GROUPS = {"qwen3-8b": [("q, k, v", 40, 64, (64, 32, 32)), ("gate, up", 40, 
                "qwen3-1.7b": [("q, k, v", 24, 32, (32, 16, 16))],
                "sd3-medium-1024": [("add_q, add_k, add_v", 10, 32, (32,) * 3)]}
 TRAIN_RECIPES = ("tensorwise", "rowwise")
-BENCH_RECIPES = ("tensorwise-fastgrad", "rowwise-fastgrad", "rowwise-e5m2grad")
+BENCH_RECIPES = ("tensorwise-fastgrad", "rowwise-fastgrad", "rowwise-e5m2grad", "rowwise-gwhp")
 VARIANTS = ("bf16", "bf16-frozen", *(f"fp8-{r}" for r in TRAIN_RECIPES), *(f"fp8-{r}-frozen" for r in TRAIN_RECIPES),
             *(f"fp8-{r}" for r in BENCH_RECIPES), *(f"torchao-{r}" for r in TRAIN_RECIPES),
             *(f"torchao-{r}-compiled" for r in TRAIN_RECIPES))
@@ -254,12 +256,14 @@ def stages(variant: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, dev
             gemms = {"y": lambda: _scaled_mm(xq.q, fw.q, xq.scale, fw.scale, rw, torch.bfloat16, None, FAST_ACCUM_FORWARD),
                      "dx": lambda: _scaled_mm(dq.q, fw.qt, dq.scale, fw.scale_t, rw, torch.bfloat16, fast_accum=fast)}
         else:
-            xq, wq = quantize(x, f, rw, True, True, PAD), quantize(w, f, rw, True, True)
-            dq = quantize(dy, g, rw, True, True, PAD)
-            quants = {"x": (x, f, True, True), "w": (w, f, True, True), "dy": (dy, g, True, True)}
+            cols = not rc.dw_high_precision  # x's and dY's transposed copies, unless dW reads x itself
+            xq, wq = quantize(x, f, rw, True, cols, PAD), quantize(w, f, rw, True, True)
+            dq = quantize(dy, g, rw, True, cols, PAD)
+            quants = {"x": (x, f, True, cols), "w": (w, f, True, True), "dy": (dy, g, True, cols)}
             gemms = {"y": lambda: _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rw, torch.bfloat16, None, FAST_ACCUM_FORWARD),
                      "dx": lambda: _scaled_mm(dq.q, wq.qt, dq.scale, wq.scale_t, rw, torch.bfloat16, fast_accum=fast),
-                     "dw": lambda: _scaled_mm(dq.qt, xq.qt, dq.scale_t, xq.scale_t, rw, torch.bfloat16, fast_accum=fast)}
+                     "dw": (lambda: _scaled_mm(dq.qt, xq.qt, dq.scale_t, xq.scale_t, rw, torch.bfloat16, fast_accum=fast))
+                     if cols else (lambda: dy.t() @ x)}
         for name, (v, dtype, rows, cols) in quants.items():
             ms = device_ms(lambda v=v, dtype=dtype, rows=rows, cols=cols: quantize(v, dtype, rw, rows, cols, PAD), device)
             out["quant_ms"][name] = ms
@@ -312,7 +316,13 @@ def bench_shape(m: int, k: int, n: int, device: torch.device, variants: list[str
                 fn(xl).backward(dy)
 
             ts, host = timed(step, device, repeats, warmup)
-            parts = stages(variant, x, w, dy, device) if with_stages and not variant.startswith("torchao") else None
+            parts = None
+            if with_stages and not variant.startswith("torchao"):
+                try:
+                    parts = stages(variant, x, w, dy, device)
+                except Exception as e:  # the breakdown failing (a graph capture, say) keeps the timing
+                    traceback.print_exc()
+                    parts = {"failed": f"{type(e).__name__}: {str(e).strip()[:300]}"}
         except Exception as e:  # a peer that cannot run here is a result, recorded with its reason
             traceback.print_exc()
             msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
@@ -490,7 +500,9 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {', '.join(s['projections'])} | {shape} | {v} | {x['ms']:.3f} | {x['host_ms']:.3f} | "
                              f"{x['tflops']:.0f} | {_fmt(x.get('speedup_vs_bf16'), '.2f')} | {errs} |")
                 st = x.get("stages")
-                if st:
+                if st and "failed" in st:
+                    where.append(f"| {shape} | {v} | {x['ms']:.3f} | breakdown failed: {st['failed'][:80]} | | | |")
+                elif st:
                     gm, qm, qg = st["gemm_ms"], st["quant_ms"], st["quant_gbps"]
                     where.append(f"| {shape} | {v} | {x['ms']:.3f} | "
                                  + " / ".join(_fmt(gm.get(k)) for k in ("y", "dx", "dw")) + " | "

@@ -43,12 +43,17 @@ from atelier_studio.kernels.fp8_linear import (
     Fp8FrozenWeight,
     _check,
     _check_frozen,
+    _dw_k,
     _out_dtype,
     _scaled_mm,
     _use_scaled_mm,
+    autocast_off,
+    call_op,
+    custom_op,
     fp8_frozen_linear,
     fp8_linear,
     fp8_lora_linear,
+    high_precision_dw,
     padded,
     quantize,
 )
@@ -60,22 +65,24 @@ from atelier_studio.kernels.lora_linear import _compute_dtypes, add_group_adapte
 
 
 # --- launchers ------------------------------------------------------------------------------------
-# torch.library custom ops, opaque under torch.compile (as kernels/fp8_linear.py's). Absent outputs are empty.
-@torch.library.custom_op("atelier::fp8_group_fwd", mutates_args=())
+# torch.library custom ops, opaque under torch.compile, their bodies called directly in plain eager (kernels/
+# fp8_linear.py's custom_op / call_op). Absent outputs are empty.
+@custom_op("atelier::fp8_group_fwd")
 def fp8_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None], recipe: str,
                   out_dtype: torch.dtype, need_xgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
     """x [M, K], W_i [N_i, K] → [y_0 [M, N_0], …, y_{m−1}, xᵀ_q [K, M₁₆] for dW (empty unless need_wgrad), its
     scales, W_0ᵀ_q [K, N_0], …, W_{m−1}ᵀ_q for dX (empty unless need_xgrad), their scales …]."""
     rc = RECIPES[recipe]
-    xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=need_wgrad, pad_to=PAD)  # once for the group
+    x_cols = need_wgrad and not rc.dw_high_precision  # a high-precision dW reads x itself (the Function saves it)
+    xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=x_cols, pad_to=PAD)  # once for the group
     ys, wqts, wt_scales = [], [], []
     for w, b in zip(weights, biases):
         wq = quantize(w, rc.forward_dtype, rc.rowwise, rows=True, cols=need_xgrad)
         ys.append(_scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rc.rowwise, out_dtype, b, FAST_ACCUM_FORWARD))
         wqts.append(wq.qt if need_xgrad else x.new_empty(0, dtype=rc.forward_dtype))
         wt_scales.append(wq.scale_t if need_xgrad else x.new_empty(0, dtype=torch.float32))
-    xqt = xq.qt if need_wgrad else x.new_empty(0, dtype=rc.forward_dtype)
-    xt_scale = xq.scale_t if need_wgrad else x.new_empty(0, dtype=torch.float32)
+    xqt = xq.qt if x_cols else x.new_empty(0, dtype=rc.forward_dtype)
+    xt_scale = xq.scale_t if x_cols else x.new_empty(0, dtype=torch.float32)
     return ys + [xqt, xt_scale] + wqts + wt_scales
 
 
@@ -86,31 +93,35 @@ def _(x, weights, biases, recipe, out_dtype, need_xgrad, need_wgrad):
     sk = k if rc.rowwise else 1
     q, s = rc.forward_dtype, torch.float32
     ys = [x.new_empty(m, w.shape[0], dtype=out_dtype) for w in weights]
-    xs = [x.new_empty((k, padded(m)) if need_wgrad else (0,), dtype=q), x.new_empty((sk,) if need_wgrad else (0,), dtype=s)]
+    x_cols = need_wgrad and not rc.dw_high_precision
+    xs = [x.new_empty((k, padded(m)) if x_cols else (0,), dtype=q), x.new_empty((sk,) if x_cols else (0,), dtype=s)]
     wqts = [x.new_empty((k, w.shape[0]) if need_xgrad else (0,), dtype=q) for w in weights]
     wts = [x.new_empty((sk,) if need_xgrad else (0,), dtype=s) for _ in weights]
     return ys + xs + wqts + wts
 
 
-@torch.library.custom_op("atelier::fp8_group_bwd", mutates_args=())
+@custom_op("atelier::fp8_group_bwd")
 def fp8_group_bwd(dys: list[torch.Tensor], xqt: torch.Tensor, xt_scale: torch.Tensor, wqts: list[torch.Tensor],
                   wt_scales: list[torch.Tensor], recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype,
                   b_dtype: torch.dtype, need_x: bool, need_w: bool, need_bs: list[bool]) -> list[torch.Tensor]:
     """dy_i [M, N_i] → [dX [M, K] in x_dtype, dW_0 [N_0, K], …, dW_{m−1} in w_dtype, d(bias)_0, … in b_dtype];
-    unneeded ones empty."""
+    unneeded ones empty. xqt: x's fp8 copy for dW, or x itself [M, K] for a recipe with a high-precision dW."""
     rc = RECIPES[recipe]
     dx = None
     dws, dbs = [], []
+    dy_cols = need_w and not rc.dw_high_precision
     for dy, wqt, wts, need_b in zip(dys, wqts, wt_scales, need_bs):
         dw = dy.new_empty(0, dtype=w_dtype)
-        if need_x or need_w:
-            dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=need_w, pad_to=PAD)
+        if need_x or dy_cols:
+            dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=dy_cols, pad_to=PAD)
             if need_x:
                 part = _scaled_mm(dq.q, wqt, dq.scale, wts, rc.rowwise, x_dtype, fast_accum=rc.grad_fast_accum)
                 dx = part if dx is None else dx.add_(part)  # [M, K]: Σ_i dY_i W_i
-            if need_w:
+            if dy_cols:
                 dw = _scaled_mm(dq.qt, xqt, dq.scale_t, xt_scale, rc.rowwise, w_dtype,  # [N_i, K], contracts M₁₆
                                 fast_accum=rc.grad_fast_accum)
+        if need_w and rc.dw_high_precision:
+            dw = high_precision_dw(dy, xqt, w_dtype)
         dws.append(dw)
         dbs.append(dy.sum(0, dtype=torch.float32).to(b_dtype) if need_b else dy.new_empty(0, dtype=b_dtype))
     return [dx if dx is not None else dys[0].new_empty(0, dtype=x_dtype)] + dws + dbs
@@ -118,14 +129,14 @@ def fp8_group_bwd(dys: list[torch.Tensor], xqt: torch.Tensor, xt_scale: torch.Te
 
 @fp8_group_bwd.register_fake
 def _(dys, xqt, xt_scale, wqts, wt_scales, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_bs):
-    m, k = dys[0].shape[0], wqts[0].shape[0] if need_x else xqt.shape[0]
+    m, k = dys[0].shape[0], wqts[0].shape[0] if need_x else _dw_k(xqt, recipe)
     dx = dys[0].new_empty((m, k) if need_x else (0,), dtype=x_dtype)
     dws = [dy.new_empty((dy.shape[1], k) if need_w else (0,), dtype=w_dtype) for dy in dys]
     dbs = [dy.new_empty((dy.shape[1],) if nb else (0,), dtype=b_dtype) for dy, nb in zip(dys, need_bs)]
     return [dx] + dws + dbs
 
 
-@torch.library.custom_op("atelier::fp8_frozen_group_fwd", mutates_args=())
+@custom_op("atelier::fp8_frozen_group_fwd")
 def fp8_frozen_group_fwd(x: torch.Tensor, wqs: list[torch.Tensor], w_scales: list[torch.Tensor],
                          biases: list[torch.Tensor | None], lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor],
                          scales: list[float], recipe: str, base_dtype: torch.dtype,
@@ -133,7 +144,7 @@ def fp8_frozen_group_fwd(x: torch.Tensor, wqs: list[torch.Tensor], w_scales: lis
     """x [M, K], the frozen W_i,q [N_i, K] → [y_0 [M, N_0], …, y_{m−1} in base_dtype, u = x [A_0; …]ᵀ [M, Σ r_i] in
     adapter_dtype (empty without adapters)]."""
     rc = RECIPES[recipe]
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         xq = quantize(x, rc.forward_dtype, rc.rowwise)  # once for the group
         ys = [_scaled_mm(xq.q, wq, xq.scale, ws, rc.rowwise, base_dtype, b, FAST_ACCUM_FORWARD)
               for wq, ws, b in zip(wqs, w_scales, biases)]
@@ -149,7 +160,7 @@ def _(x, wqs, w_scales, biases, lora_as, lora_bs, scales, recipe, base_dtype, ad
         x.new_empty((x.shape[0], r) if lora_as else (0,), dtype=adapter_dtype)]
 
 
-@torch.library.custom_op("atelier::fp8_frozen_group_bwd", mutates_args=())
+@custom_op("atelier::fp8_frozen_group_bwd")
 def fp8_frozen_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, wqts: list[torch.Tensor],
                          wt_scales: list[torch.Tensor], lora_as: list[torch.Tensor], lora_bs: list[torch.Tensor],
                          u: torch.Tensor, scales: list[float], recipe: str, x_dtype: torch.dtype, need_x: bool,
@@ -160,7 +171,7 @@ def fp8_frozen_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, wqts: list[to
     # the bases' dX in the dtype the members alone give it: dy's (the adapters' share is added in it, then the
     # sum is cast to x's dtype, as fp8_lora_linear does) or, for bases alone, x's (as fp8_frozen_linear does)
     dx_dtype = dys[0].dtype if lora_as else x_dtype
-    with torch.autocast(dys[0].device.type, enabled=False):
+    with autocast_off(dys[0].device.type):
         dx = None
         if need_x:
             for dy, wqt, wts in zip(dys, wqts, wt_scales):
@@ -192,7 +203,7 @@ def _group_fwd_flops(x, weights, *args, out_shape=None, **kwargs) -> int:
 @register_flop_formula(torch.ops.atelier.fp8_group_bwd)
 def _group_bwd_flops(dys, xqt, xt_scale, wqts, wt_scales, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_bs,
                      out_shape=None, **kwargs) -> int:
-    k = wqts[0][0] if need_x else xqt[0]
+    k = wqts[0][0] if need_x else _dw_k(xqt, recipe)
     return sum(2 * dy[0] * dy[1] * k for dy in dys) * (int(need_x) + int(need_w))
 
 
@@ -227,8 +238,11 @@ class Float8LinearGroupFunction(torch.autograd.Function):
         m = len(params) // 2
         weights, biases = list(params[:m]), list(params[m:])
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:3 + m])
-        out = fp8_group_fwd(x, weights, biases, recipe, out_dtype, need_x, need_w)
-        ctx.save_for_backward(*out[m:])  # xᵀ_q, its scales, the W_iᵀ_q, their scales
+        out = call_op(fp8_group_fwd, x, weights, biases, recipe, out_dtype, need_x, need_w)
+        saved = list(out[m:])  # xᵀ_q, its scales, the W_iᵀ_q, their scales
+        if need_w and RECIPES[recipe].dw_high_precision:
+            saved[0] = x  # dW in high precision reads x itself
+        ctx.save_for_backward(*saved)
         present = [b for b in biases if b is not None]
         ctx.m, ctx.recipe, ctx.out_dtype = m, recipe, out_dtype
         ctx.dtypes = (x.dtype, weights[0].dtype, present[0].dtype if present else weights[0].dtype)
@@ -242,8 +256,8 @@ class Float8LinearGroupFunction(torch.autograd.Function):
         wqts, wt_scales = rest[:m], rest[m:]
         need_x, need_ws = ctx.needs_input_grad[0], ctx.needs_input_grad[3:3 + m]
         dys = [d.to(ctx.out_dtype).contiguous() for d in dys]
-        out = fp8_group_bwd(dys, xqt, xt_scale, list(wqts), list(wt_scales), ctx.recipe, *ctx.dtypes, need_x,
-                            any(need_ws), ctx.need_bs)
+        out = call_op(fp8_group_bwd, dys, xqt, xt_scale, list(wqts), list(wt_scales), ctx.recipe, *ctx.dtypes,
+                      need_x, any(need_ws), ctx.need_bs)
         dx, dws, dbs = out[0], out[1:1 + m], out[1 + m:]
         return (dx if need_x else None, None, None, *(dw if n else None for dw, n in zip(dws, need_ws)),
                 *(db if n else None for db, n in zip(dbs, ctx.need_bs)))
@@ -258,7 +272,7 @@ class Fp8FrozenGroupFunction(torch.autograd.Function):
         wqs, w_scales, wqts, wt_scales, biases = (list(tensors[i * m:(i + 1) * m]) for i in range(5))
         lora_as, lora_bs = list(tensors[5 * m:6 * m]), list(tensors[6 * m:])
         cb, ca = _compute_dtypes(x, lora_as[0]) if lora_as else (_out_dtype(x), x.dtype)
-        *ys, u = fp8_frozen_group_fwd(x, wqs, w_scales, biases, lora_as, lora_bs, list(scales), recipe, cb, ca)
+        *ys, u = call_op(fp8_frozen_group_fwd, x, wqs, w_scales, biases, lora_as, lora_bs, list(scales), recipe, cb, ca)
         saved_x = x if lora_as else x.new_empty(0)  # dA needs x; a base alone keeps nothing of x's dtype
         ctx.save_for_backward(saved_x, u, *wqts, *wt_scales, *lora_as, *lora_bs)
         ctx.m, ctx.recipe, ctx.scales, ctx.base_dtype, ctx.x_dtype = m, recipe, scales, cb, x.dtype
@@ -273,8 +287,8 @@ class Fp8FrozenGroupFunction(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         need_adapters = k > 0 and any(ctx.needs_input_grad[4 + 5 * m:])
         dys = [d.to(ctx.base_dtype).contiguous() for d in dys]
-        out = fp8_frozen_group_bwd(dys, x, list(wqts), list(wt_scales), list(lora_as), list(lora_bs), u,
-                                   list(ctx.scales), ctx.recipe, ctx.x_dtype, need_x, need_adapters)
+        out = call_op(fp8_frozen_group_bwd, dys, x, list(wqts), list(wt_scales), list(lora_as), list(lora_bs), u,
+                      list(ctx.scales), ctx.recipe, ctx.x_dtype, need_x, need_adapters)
         dx, das, dbs = out[0], out[1:1 + k], out[1 + k:]
         none = [None] * (5 * m)
         adapters = [*das, *dbs] if need_adapters else [None] * (2 * k)

@@ -17,7 +17,9 @@ Recipes (torchtitan's float8 recipes; torchao names them the same):
   b [k, n] column-major, scale_a [m, 1] | scalar, scale_b [1, n] | scalar). The forward GEMM uses the tensor cores'
   fast accumulation (torchao's default for the output GEMM); the two gradient GEMMs accumulate in full fp32.
   Variants that only benchmarks use (bench/fp8_linear.py measures what they would buy; the trainers offer the two
-  above): "<recipe>-fastgrad" (fast accumulation in dX and dW too) and "rowwise-e5m2grad" (dY in E5M2).
+  above): "<recipe>-fastgrad" (fast accumulation in dX and dW too), "rowwise-e5m2grad" (dY in E5M2), and
+  "rowwise-gwhp" (torchao's rowwise_with_gw_hp: dW = dYᵀ x in the compute dtype from the saved x, so neither x
+  nor dY needs a transposed copy: each is quantised by the one-pass row kernel, and the saved x is x itself).
 
 What _scaled_mm needs (PyTorch's CUDA checks): mat1 [m, k] with k a multiple of 16, mat2 [k, n] with k and n
 multiples of 16; m is free. So y = x Wᵀ and dX = dY W take any token count M (K and N must be multiples of 16),
@@ -53,13 +55,21 @@ dequantised, multiplied in fp32 by the reference autograd Functions: numerically
 fp32 accumulation order), "auto" (scaled_mm on CUDA, ref elsewhere, so a CPU run with precision "fp8" trains).
 Layers whose K or N is not a multiple of 16 (what _scaled_mm needs) take the reference on every device: they are
 tiny (embedders) and the reference computes the same numbers.
+
+Host cost (where the GEMMs are small, the host's issue time, not the GPU, sets the speed): the forward and backward
+are torch.library custom ops, so torch.compile keeps them opaque and selective activation checkpointing and
+FlopCounterMode see them; plain eager calls their Python bodies directly (call_op), skipping the dispatcher's
+Python layers, and autocast is only switched off where it is on.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.utils._python_dispatch
 from torch.utils.flop_counter import register_flop_formula
 
 from atelier_studio.kernels.fp8_quant import (  # noqa: F401  (AMAX_EPS, FORMATS, Fp8Quantized: part of this API)
@@ -81,6 +91,33 @@ MIN_CAPABILITY = (8, 9)
 PRECISION_KEY = 'train.precision = "fp8"'
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast disabled for a block (CPU autocast would round the fp32 scales to bf16); a no-op context where it
+    is off already (entering torch.autocast costs several µs of host time, and the ops below run per layer)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+
+
+_IN_DISPATCH_MODE = getattr(torch.utils._python_dispatch, "is_in_torch_dispatch_mode", None)
+
+
+def custom_op(name: str) -> Callable[[Callable], Any]:
+    """torch.library.custom_op(name, mutates_args=()) that keeps the op's Python body beside it, for call_op."""
+    def register(body: Callable) -> Any:
+        op = torch.library.custom_op(name, mutates_args=())(body)
+        op.atelier_body = body
+        return op
+    return register
+
+
+def call_op(op: Any, *args: Any) -> Any:
+    """op(*args): through the dispatcher under torch.compile or any TorchDispatchMode (FakeTensorMode, FlopCounterMode,
+    selective activation checkpointing: they must see the registered op), else its Python body called directly,
+    the same function without the dispatcher's Python layers (tens of µs of host time per call)."""
+    if _IN_DISPATCH_MODE is None or _IN_DISPATCH_MODE() or torch.compiler.is_compiling():
+        return op(*args)
+    return op.atelier_body(*args)
+
+
 def padded(m: int) -> int:
     """m rounded up to a multiple of PAD: the token columns of the transposed copies dW contracts over."""
     return -(-m // PAD) * PAD
@@ -95,6 +132,7 @@ class Fp8Recipe:
     forward_dtype: torch.dtype  # x and W
     grad_dtype: torch.dtype  # dY
     grad_fast_accum: bool = False  # fast (reduced-precision) accumulation in the dX and dW GEMMs too
+    dw_high_precision: bool = False  # dW = dYᵀ x in the compute dtype (x saved as is), not from fp8 copies
 
 
 TRAIN_RECIPES = ("tensorwise", "rowwise")  # what [train] fp8_recipe offers
@@ -103,7 +141,8 @@ RECIPES = {"tensorwise": Fp8Recipe("tensorwise", False, E4M3, E5M2),
            # benchmark variants (module docstring)
            "tensorwise-fastgrad": Fp8Recipe("tensorwise-fastgrad", False, E4M3, E5M2, True),
            "rowwise-fastgrad": Fp8Recipe("rowwise-fastgrad", True, E4M3, E4M3, True),
-           "rowwise-e5m2grad": Fp8Recipe("rowwise-e5m2grad", True, E4M3, E5M2)}
+           "rowwise-e5m2grad": Fp8Recipe("rowwise-e5m2grad", True, E4M3, E5M2),
+           "rowwise-gwhp": Fp8Recipe("rowwise-gwhp", True, E4M3, E4M3, dw_high_precision=True)}
 
 
 class Fp8UnsupportedError(RuntimeError):
@@ -126,7 +165,7 @@ def _scaled_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_
     if rowwise and out_dtype == torch.float32 and a.is_cuda and not _rowwise_fp32_output(a.device):
         mm_dtype = torch.bfloat16  # this build's rowwise kernel has no fp32 output: bf16 (2^-9), then widened
     in_epilogue = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
-    with torch.autocast(a.device.type, enabled=False):  # CPU autocast would round the fp32 scales to bf16
+    with autocast_off(a.device.type):
         y = torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb, bias=bias.to(mm_dtype) if in_epilogue else None,
                              out_dtype=mm_dtype, use_fast_accum=fast_accum).to(out_dtype)
         if bias is not None and not in_epilogue:
@@ -148,22 +187,24 @@ def _rowwise_fp32_output(device: torch.device) -> bool:
 
 
 # torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the Triton quantisers
-# are launched eagerly inside them, as every kernel of this package is). Absent outputs are empty tensors.
-@torch.library.custom_op("atelier::fp8_linear_fwd", mutates_args=())
+# are launched eagerly inside them, as every kernel of this package is); plain eager calls their bodies directly
+# (call_op). Absent outputs are empty tensors.
+@custom_op("atelier::fp8_linear_fwd")
 def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
                    out_dtype: torch.dtype, need_xgrad: bool, need_wgrad: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K], weight [N, K] → (y [M, N], xᵀ_q [K, M₁₆] for dW (empty unless need_wgrad), its scales, Wᵀ_q [K, N]
-    for dX (empty unless need_xgrad), its scales)."""
+    """x [M, K], weight [N, K] → (y [M, N], xᵀ_q [K, M₁₆] for dW (empty unless need_wgrad and the recipe takes dW
+    from fp8 copies), its scales, Wᵀ_q [K, N] for dX (empty unless need_xgrad), its scales)."""
     rc = RECIPES[recipe]
-    xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=need_wgrad, pad_to=PAD)
+    x_cols = need_wgrad and not rc.dw_high_precision
+    xq = quantize(x, rc.forward_dtype, rc.rowwise, rows=True, cols=x_cols, pad_to=PAD)
     wq = quantize(weight, rc.forward_dtype, rc.rowwise, rows=True, cols=need_xgrad)
     y = _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rc.rowwise, out_dtype, bias, FAST_ACCUM_FORWARD)
     def empty(dtype: torch.dtype) -> torch.Tensor:  # one per absent output: a custom op's outputs must not alias
         return x.new_empty(0, dtype=dtype)
 
     q8, f32 = rc.forward_dtype, torch.float32
-    return (y, xq.qt if need_wgrad else empty(q8), xq.scale_t if need_wgrad else empty(f32),
+    return (y, xq.qt if x_cols else empty(q8), xq.scale_t if x_cols else empty(f32),
             wq.qt if need_xgrad else empty(q8), wq.scale_t if need_xgrad else empty(f32))
 
 
@@ -175,45 +216,54 @@ def _(x, weight, bias, recipe, out_dtype, need_xgrad, need_wgrad):
     m16 = padded(m)
     sk = k if rc.rowwise else 1
     q, s = rc.forward_dtype, torch.float32
-    return (x.new_empty(m, n, dtype=out_dtype), x.new_empty((k, m16) if need_wgrad else (0,), dtype=q),
-            x.new_empty((sk,) if need_wgrad else (0,), dtype=s), x.new_empty((k, n) if need_xgrad else (0,), dtype=q),
+    x_cols = need_wgrad and not rc.dw_high_precision
+    return (x.new_empty(m, n, dtype=out_dtype), x.new_empty((k, m16) if x_cols else (0,), dtype=q),
+            x.new_empty((sk,) if x_cols else (0,), dtype=s), x.new_empty((k, n) if need_xgrad else (0,), dtype=q),
             x.new_empty((sk,) if need_xgrad else (0,), dtype=s))
 
 
-@torch.library.custom_op("atelier::fp8_linear_bwd", mutates_args=())
+@custom_op("atelier::fp8_linear_bwd")
 def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xt_scale: torch.Tensor, wqt: torch.Tensor,
                    wt_scale: torch.Tensor, recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype,
                    b_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dy [M, N] → (dX [M, K] in x_dtype, dW [N, K] in w_dtype, d(bias) [N] in b_dtype); unneeded ones empty."""
+    """dy [M, N] → (dX [M, K] in x_dtype, dW [N, K] in w_dtype, d(bias) [N] in b_dtype); unneeded ones empty.
+    xqt: x's fp8 copy for dW, or x itself [M, K] for a recipe that takes dW in high precision."""
     rc = RECIPES[recipe]
-    m, n = dy.shape
-    k = wqt.shape[0]
     dx = dy.new_empty(0, dtype=x_dtype)
     dw = dy.new_empty(0, dtype=w_dtype)
     db = dy.new_empty(0, dtype=b_dtype)
-    if need_x or need_w:
-        dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=need_w, pad_to=PAD)
+    dy_cols = need_w and not rc.dw_high_precision
+    if need_x or dy_cols:
+        dq = quantize(dy, rc.grad_dtype, rc.rowwise, rows=need_x, cols=dy_cols, pad_to=PAD)
         if need_x:
             dx = _scaled_mm(dq.q, wqt, dq.scale, wt_scale, rc.rowwise, x_dtype, fast_accum=rc.grad_fast_accum)
-        if need_w:
+        if dy_cols:
             dw = _scaled_mm(dq.qt, xqt, dq.scale_t, xt_scale, rc.rowwise, w_dtype,  # [N, K], contracts M₁₆
                              fast_accum=rc.grad_fast_accum)
+    if need_w and rc.dw_high_precision:
+        dw = high_precision_dw(dy, xqt, w_dtype)
     if need_b:
         db = dy.sum(0, dtype=torch.float32).to(b_dtype)
     return dx, dw, db
 
 
+def high_precision_dw(dy: torch.Tensor, x: torch.Tensor, w_dtype: torch.dtype) -> torch.Tensor:
+    """dW = dYᵀ x [N, K] in dy's (the compute) dtype, fp32 accumulation, cast to w_dtype: the "-gwhp" recipes'."""
+    with autocast_off(dy.device.type):
+        return (dy.t() @ x.to(dy.dtype)).to(w_dtype)
+
+
 @fp8_linear_bwd.register_fake
 def _(dy, xqt, xt_scale, wqt, wt_scale, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b):
     m, n = dy.shape
-    k = wqt.shape[0]
+    k = wqt.shape[0] if need_x else _dw_k(xqt, recipe)
     return (dy.new_empty((m, k) if need_x else (0,), dtype=x_dtype),
             dy.new_empty((n, k) if need_w else (0,), dtype=w_dtype),
             dy.new_empty((n,) if need_b else (0,), dtype=b_dtype))
 
 
-@torch.library.custom_op("atelier::fp8_frozen_fwd", mutates_args=())
+@custom_op("atelier::fp8_frozen_fwd")
 def fp8_frozen_fwd(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                    recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] (any float dtype) and the frozen W_q [N, K] → y [M, N] in out_dtype."""
@@ -227,7 +277,7 @@ def _(x, wq, w_scale, bias, recipe, out_dtype):
     return x.new_empty(x.shape[0], wq.shape[0], dtype=out_dtype)
 
 
-@torch.library.custom_op("atelier::fp8_frozen_bwd", mutates_args=())
+@custom_op("atelier::fp8_frozen_bwd")
 def fp8_frozen_bwd(dy: torch.Tensor, wqt: torch.Tensor, wt_scale: torch.Tensor, recipe: str,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """dy [M, N] and the frozen Wᵀ_q [K, N] (per input channel) → dX = dY W [M, K] in out_dtype."""
@@ -241,13 +291,13 @@ def _(dy, wqt, wt_scale, recipe, out_dtype):
     return dy.new_empty(dy.shape[0], wqt.shape[0], dtype=out_dtype)
 
 
-@torch.library.custom_op("atelier::fp8_lora_fwd", mutates_args=())
+@custom_op("atelier::fp8_lora_fwd")
 def fp8_lora_fwd(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None, p: float,
                  recipe: str, base_dtype: torch.dtype, adapter_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, I] → (y [T, O] = fp8 base + s·(dropout(x) Aᵀ) Bᵀ in base_dtype, u = dropout(x) Aᵀ [T, r])."""
-    with torch.autocast(x.device.type, enabled=False):
-        y = fp8_frozen_fwd(x, wq, w_scale, bias, recipe, base_dtype)
+    with autocast_off(x.device.type):
+        y = call_op(fp8_frozen_fwd, x, wq, w_scale, bias, recipe, base_dtype)
         u = add_adapter_(y, x, lora_a, lora_b, scale, mask, p, base_dtype, adapter_dtype)
     return y, u
 
@@ -258,13 +308,13 @@ def _(x, wq, w_scale, bias, lora_a, lora_b, scale, mask, p, recipe, base_dtype, 
             x.new_empty(x.shape[0], lora_a.shape[0], dtype=adapter_dtype))
 
 
-@torch.library.custom_op("atelier::fp8_lora_bwd", mutates_args=())
+@custom_op("atelier::fp8_lora_bwd")
 def fp8_lora_bwd(dy: torch.Tensor, x: torch.Tensor, wqt: torch.Tensor, wt_scale: torch.Tensor, lora_a: torch.Tensor,
                  lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float, recipe: str,
                  need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy [T, O] → (dx [T, I] in x.dtype, dA, dB in the adapters' dtypes); unneeded ones empty. No dW."""
-    with torch.autocast(x.device.type, enabled=False):
-        dx_base = fp8_frozen_bwd(dy, wqt, wt_scale, recipe, dy.dtype) if need_x else None  # dY W through FP8
+    with autocast_off(x.device.type):
+        dx_base = call_op(fp8_frozen_bwd, dy, wqt, wt_scale, recipe, dy.dtype) if need_x else None  # dY W, FP8
         return adapter_backward(dy, dx_base, x, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b)
 
 
@@ -284,8 +334,14 @@ def _fwd_flops(x, weight, *args, out_shape=None, **kwargs) -> int:
 @register_flop_formula(torch.ops.atelier.fp8_linear_bwd)
 def _bwd_flops(dy, xqt, xt_scale, wqt, wt_scale, recipe, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b,
                out_shape=None, **kwargs) -> int:
-    k = wqt[0] if need_x else xqt[0]  # K from whichever saved copy exists (Wᵀ [K, N] or xᵀ [K, M₁₆])
+    k = wqt[0] if need_x else _dw_k(xqt, recipe)  # K from whichever saved copy exists
     return 2 * dy[0] * dy[1] * k * (int(need_x) + int(need_w))
+
+
+def _dw_k(saved_x, recipe: str) -> int:
+    """K from what dW reads: xᵀ_q [K, M₁₆], or x [M, K] itself for a high-precision dW (a shape or a tensor)."""
+    shape = getattr(saved_x, "shape", saved_x)
+    return shape[1] if RECIPES[recipe].dw_high_precision else shape[0]
 
 
 @register_flop_formula(torch.ops.atelier.fp8_frozen_fwd)
@@ -322,7 +378,9 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: str, out_dtype: torch.dtype):  # noqa: D102
         need_x, need_w = ctx.needs_input_grad[:2]
-        y, xqt, xt_scale, wqt, wt_scale = fp8_linear_fwd(x, weight, bias, recipe, out_dtype, need_x, need_w)
+        y, xqt, xt_scale, wqt, wt_scale = call_op(fp8_linear_fwd, x, weight, bias, recipe, out_dtype, need_x, need_w)
+        if need_w and RECIPES[recipe].dw_high_precision:
+            xqt = x  # dW in high precision reads x itself
         ctx.save_for_backward(xqt, xt_scale, wqt, wt_scale)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
         ctx.out_dtype = out_dtype
@@ -332,8 +390,8 @@ class Float8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         xqt, xt_scale, wqt, wt_scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx, dw, db = fp8_linear_bwd(dy.to(ctx.out_dtype).contiguous(), xqt, xt_scale, wqt, wt_scale, ctx.recipe,
-                                    *ctx.dtypes, need_x, need_w, need_b)
+        dx, dw, db = call_op(fp8_linear_bwd, dy.to(ctx.out_dtype).contiguous(), xqt, xt_scale, wqt, wt_scale,
+                             ctx.recipe, *ctx.dtypes, need_x, need_w, need_b)
         return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
 
 
@@ -342,7 +400,7 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wq, w_scale, wqt, wt_scale, bias, recipe: str, out_dtype: torch.dtype):  # noqa: D102
-        y = fp8_frozen_fwd(x, wq, w_scale, bias, recipe, out_dtype)
+        y = call_op(fp8_frozen_fwd, x, wq, w_scale, bias, recipe, out_dtype)
         ctx.save_for_backward(wqt, wt_scale)
         ctx.recipe, ctx.x_dtype, ctx.out_dtype = recipe, x.dtype, out_dtype
         return y
@@ -352,7 +410,7 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
         wqt, wt_scale = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_frozen_bwd(dy.to(ctx.out_dtype).contiguous(), wqt, wt_scale, ctx.recipe, ctx.x_dtype)
+            dx = call_op(fp8_frozen_bwd, dy.to(ctx.out_dtype).contiguous(), wqt, wt_scale, ctx.recipe, ctx.x_dtype)
         return dx, None, None, None, None, None, None, None
 
 
@@ -363,7 +421,7 @@ class Fp8FrozenLoRAFunction(torch.autograd.Function):
     def forward(ctx, x, wq, w_scale, wqt, wt_scale, bias, lora_a, lora_b, scale: float, mask, p: float,
                 recipe: str):  # noqa: D102
         cb, ca = _compute_dtypes(x, lora_a)
-        y, u = fp8_lora_fwd(x, wq, w_scale, bias, lora_a, lora_b, scale, mask, p, recipe, cb, ca)
+        y, u = call_op(fp8_lora_fwd, x, wq, w_scale, bias, lora_a, lora_b, scale, mask, p, recipe, cb, ca)
         ctx.save_for_backward(x, wqt, wt_scale, lora_a, lora_b, u, mask)
         ctx.scale, ctx.p, ctx.recipe, ctx.base_dtype = scale, p, recipe, cb
         return y
@@ -372,7 +430,7 @@ class Fp8FrozenLoRAFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         x, wqt, wt_scale, lora_a, lora_b, u, mask = ctx.saved_tensors
         need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6], ctx.needs_input_grad[7]
-        dx, da, db = fp8_lora_bwd(dy.to(ctx.base_dtype).contiguous(), x, wqt, wt_scale, lora_a, lora_b, u, mask,
+        dx, da, db = call_op(fp8_lora_bwd, dy.to(ctx.base_dtype).contiguous(), x, wqt, wt_scale, lora_a, lora_b, u, mask,
                                   ctx.scale, ctx.p, ctx.recipe, need_x, need_a, need_b)
         return ((dx if need_x else None), None, None, None, None, None, (da if need_a else None),
                 (db if need_b else None), None, None, None, None)
@@ -537,7 +595,9 @@ class _Fp8LinearRef(torch.autograd.Function):
             if ctx.needs_input_grad[0]:  # contracts N: dY per row, W per input channel (its columns)
                 dx = (fake_quantize(dy, rc.grad_dtype, rc.rowwise)
                       @ fake_quantize(weight, rc.forward_dtype, rc.rowwise, dim=0)).to(x.dtype)
-            if ctx.needs_input_grad[1]:  # contracts M: dY per output channel, x per input channel (both columns)
+            if ctx.needs_input_grad[1] and rc.dw_high_precision:  # dYᵀ x, nothing quantised
+                dw = (dy.float().t() @ x.float()).to(weight.dtype)
+            elif ctx.needs_input_grad[1]:  # contracts M: dY per output channel, x per input channel (both columns)
                 dw = (fake_quantize(dy, rc.grad_dtype, rc.rowwise, dim=0).t()
                       @ fake_quantize(x, rc.forward_dtype, rc.rowwise, dim=0)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -28,9 +28,9 @@ Kernels, and the passes they make over v:
     so the result is deterministic), then one cast pass that writes q and qᵀ from the same read. Tensorwise, q and qᵀ
     hold the same values, quantised once and stored twice.
 Launch configurations (tile, warps): one fixed choice under the interpreter; on CUDA a small list, timed on the first
-call for each (kernel, dtypes, column count, power-of-two row bucket) and the fastest kept for the process (every
-configuration computes the same bits; `launch_configs()` lists the choices). Inside a CUDA-graph capture nothing is
-timed: an untuned key takes the list's first entry. The kernels are memory-bound: an H200 moves ~4.3 TB/s (read +
+call for each (kernel, dtypes, column count, power-of-two row bucket) of at least 4M elements and the fastest kept
+for the process (every configuration computes the same bits; `launch_configs()` lists the choices); smaller
+tensors, and an untuned key inside a CUDA-graph capture, take the list's first entry. The kernels are memory-bound: an H200 moves ~4.3 TB/s (read +
 write), so 64×128 to 128×128 tiles with 4 to 8 warps keep enough bytes in flight per multiprocessor.
 """
 from __future__ import annotations
@@ -66,6 +66,7 @@ INTERPRETER_CONFIGS = {"tiles": LaunchConfig(64, 64, 4), "rows": LaunchConfig(8,
 CUDA_CONFIGS = {"tiles": (LaunchConfig(64, 128, 4), LaunchConfig(128, 128, 8), LaunchConfig(128, 64, 4)),
                 "rows": (LaunchConfig(8, 512, 4), LaunchConfig(4, 1024, 4), LaunchConfig(16, 512, 8))}
 TUNE_REPS = 5  # timed launches per candidate configuration, after one warm-up (compile) launch
+TUNE_MIN_ELEMENTS = 1 << 22  # smaller tensors take the list's first entry untimed: their launch, not the kernel, costs
 _TUNED: dict[tuple, LaunchConfig] = {}
 
 
@@ -191,9 +192,10 @@ class Fp8Quantized(NamedTuple):
 
 
 def _config(kind: str, key: tuple, device: torch.device, run: Callable[[LaunchConfig], None],
-            given: LaunchConfig | None) -> LaunchConfig:
-    """The launch configuration for one kernel call: `given`, the interpreter's, or the tuned one on CUDA (timed
-    here on first use of `key`, each candidate once to compile and TUNE_REPS times under CUDA events)."""
+            given: LaunchConfig | None, numel: int) -> LaunchConfig:
+    """The launch configuration for one kernel call: `given`, the interpreter's, or on CUDA the tuned one (timed
+    here on first use of `key`, each candidate once to compile and TUNE_REPS times under CUDA events; tensors under
+    TUNE_MIN_ELEMENTS take the first candidate, which compiles nothing more)."""
     if given is not None:
         return given
     if device.type != "cuda":
@@ -202,13 +204,14 @@ def _config(kind: str, key: tuple, device: torch.device, run: Callable[[LaunchCo
     if cfg is not None:
         return cfg
     candidates = CUDA_CONFIGS[kind]
-    if torch.cuda.is_current_stream_capturing():
-        return candidates[0]  # no timing (or synchronising) inside a graph capture; an eager call tunes later
-    best, best_ms = candidates[0], float("inf")
+    if numel < TUNE_MIN_ELEMENTS or torch.cuda.is_current_stream_capturing():
+        return candidates[0]  # small, or inside a graph capture (no timing or synchronising there)
+    best, best_ms, failure = None, float("inf"), None
     for c in candidates:
         try:
             run(c)  # compiles; every configuration writes the same values, so running it is harmless
-        except OutOfResources:
+        except (OutOfResources, triton.CompilationError) as e:  # this build cannot run it: try the others
+            failure = e
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -219,13 +222,23 @@ def _config(kind: str, key: tuple, device: torch.device, run: Callable[[LaunchCo
         ms = start.elapsed_time(end)
         if ms < best_ms:
             best, best_ms = c, ms
+    if best is None:
+        raise RuntimeError(f"fp8 quantize: no launch configuration of {candidates} runs here") from failure
     _TUNED[key] = best
     return best
 
 
+_KEY_FIELDS = {"rows": ("kernel", "in", "out", "R_bucket", "C"),
+               "tiles": ("kernel", "rowwise", "q", "qt", "C_contiguous", "in", "out", "R_bucket", "C")}
+
+
 def launch_configs() -> dict[str, LaunchConfig]:
-    """The configurations tuned so far in this process: 'kernel flags dtypes R-bucket×C' → LaunchConfig."""
-    return {" ".join(str(k) for k in key): cfg for key, cfg in _TUNED.items()}
+    """The configurations tuned so far in this process: 'kernel=… rowwise=… … C=…' → LaunchConfig."""
+    out = {}
+    for key, cfg in _TUNED.items():
+        fields = _KEY_FIELDS["rows" if key[0] == "rows" else "tiles"]
+        out[" ".join(f"{f}={str(v).removeprefix('torch.')}" for f, v in zip(fields, key))] = cfg
+    return out
 
 
 def _row_bucket(r: int) -> int:
@@ -267,40 +280,38 @@ def quantize(v: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, rows: bool 
             qt.zero_()
         return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
     sr, sc = v.stride()
-    dtypes = (str(v.dtype), str(fp8_dtype))
     if rowwise and rows and not cols and sc == 1:  # row-major rows only: the one-pass kernel, no amax buffer
         def run_rows(cfg: LaunchConfig) -> None:
-            _quant_rows_kernel[(triton.cdiv(r, cfg.block_r),)](
+            _quant_rows_kernel[(-(-r // cfg.block_r),)](
                 v, q, s_q, r, c, sr, sc, FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, INV_MAX=inv,
                 BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
 
-        run_rows(_config("rows", ("rows", *dtypes, _row_bucket(r), c), dev, run_rows, config))
+        run_rows(_config("rows", ("rows", v.dtype, fp8_dtype, _row_bucket(r), c), dev, run_rows, config, r * c))
         return Fp8Quantized(q, s_q, None, None)
     # one zero-filled buffer holds every amax this call needs (one memset)
     n_q = 1 if not rowwise else (r if rows else 0)
     n_qt = 0 if not rowwise else (c if cols else 0)
     amax = torch.zeros(n_q + n_qt, dtype=torch.float32, device=dev)
-    amax_q = amax[:n_q] if n_q else amax
-    amax_qt = amax[n_q:] if n_qt else amax_q
+    amax_q = amax[:n_q] if n_q and n_qt else amax  # (views only where both share the buffer)
+    amax_qt = amax[n_q:] if n_q and n_qt else amax
     tw, grid_rows = not rowwise, (r_pad if cols else r)
-    flags = ("tensorwise" if tw else "rowwise", "q" if rows else "", "qt" if cols else "", "c1" if sc == 1 else "")
 
     def run_amax(cfg: LaunchConfig) -> None:
-        _amax_kernel[(triton.cdiv(r, cfg.block_r), triton.cdiv(c, cfg.block_c))](
+        _amax_kernel[(-(-r // cfg.block_r), -(-c // cfg.block_c))](
             v, amax_q, amax_qt, r, c, sr, sc, TENSORWISE=tw, WANT_Q=rows, WANT_QT=cols, BLOCK_R=cfg.block_r,
             BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
 
     def run_cast(cfg: LaunchConfig) -> None:
         dummy = amax  # an unused pointer argument
-        _cast_kernel[(triton.cdiv(grid_rows, cfg.block_r), triton.cdiv(c, cfg.block_c))](
+        _cast_kernel[(-(-grid_rows // cfg.block_r), -(-c // cfg.block_c))](
             v, amax_q, amax_qt, q if q is not None else dummy, s_q if s_q is not None else dummy,
             qt if qt is not None else dummy, s_qt if s_qt is not None else dummy, r, c, r_pad, sr, sc,
             FP8_MAX=fmax, MANT=mant, EMIN=emin, EPS=AMAX_EPS, INV_MAX=inv, TENSORWISE=tw, WANT_Q=rows, WANT_QT=cols,
             BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
 
-    bucket = (_row_bucket(r), c)
-    run_amax(_config("tiles", ("amax", *flags, *dtypes, *bucket), dev, run_amax, config))
-    run_cast(_config("tiles", ("cast", *flags, *dtypes, *bucket), dev, run_cast, config))
+    key = (rowwise, rows, cols, sc == 1, v.dtype, fp8_dtype, _row_bucket(r), c)  # cheap to build and hash
+    run_amax(_config("tiles", ("amax", *key), dev, run_amax, config, r * c))
+    run_cast(_config("tiles", ("cast", *key), dev, run_cast, config, r * c))
     return Fp8Quantized(q, s_q if rows else None, qt, s_qt if cols else None)
 
 

@@ -51,12 +51,13 @@ def _grads(fn, x0, params, dys):
     return [y.detach() for y in ys], x.grad, [p.grad if p is not None else None for p in leaves]
 
 
-@pytest.mark.parametrize("recipe", TRAIN_RECIPES)
+@pytest.mark.parametrize("recipe", [*TRAIN_RECIPES, "rowwise-gwhp"])
 @pytest.mark.parametrize("m_tokens", [19, 64])
 @pytest.mark.parametrize("bias", [True, False])
 def test_trainable_group_equals_the_members_alone(recipe, m_tokens, bias):
-    """q/k/v-like members (unequal N), x 3-D, M off 16 or not: y_i, dW_i, d(bias_i) bit-equal (the same quantised
-    operands into the same GEMM calls); dX is the same per-member products summed in another order."""
+    """q/k/v-like members (unequal N), x 3-D, M off 16 or not, and the benchmark recipe whose dW reads x itself:
+    y_i, dW_i, d(bias_i) bit-equal (the same operands into the same GEMM calls); dX is the same per-member
+    products summed in another order."""
     outs, k = (48, 16, 16), 32
     ws, bs = _members(outs, k, seed=1, bias=bias)
     x0 = _randn(1, m_tokens, k, seed=5)

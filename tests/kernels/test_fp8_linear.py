@@ -133,6 +133,56 @@ def test_every_launch_configuration_gives_the_same_bits(rowwise):
             assert torch.equal(out.scale, s) and torch.equal(out.q.float(), q.float()), cfg
 
 
+def test_tuner_keeps_the_fastest_configuration(monkeypatch):
+    """The CUDA tuner's choice, with the GPU simulated (each candidate's launch advances a clock that CUDA events
+    read): the fastest candidate is kept and reused without timing again; a candidate this build cannot run is
+    skipped; none runnable is an error naming them; small tensors and graph captures take the first entry."""
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = 0.0
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(fq, "_TUNED", {})
+    first, fast, broken = fq.CUDA_CONFIGS["tiles"]
+    cost = {first: 3.0, fast: 1.0}
+    runs = []
+
+    def run(cfg):
+        runs.append(cfg)
+        if cfg is broken:
+            raise fq.OutOfResources(1, 0, "shared memory")
+        clock[0] += cost[cfg]
+
+    cuda, big = torch.device("cuda"), fq.TUNE_MIN_ELEMENTS
+    assert fq._config("tiles", ("k",), cuda, run, None, big) is fast
+    assert runs.count(first) == runs.count(fast) == 1 + fq.TUNE_REPS and runs.count(broken) == 1
+    runs.clear()
+    assert fq._config("tiles", ("k",), cuda, run, None, big) is fast and not runs  # remembered
+    assert fq._config("tiles", ("small",), cuda, run, None, big - 1) is first and not runs
+    assert "k" in " ".join(fq.launch_configs())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fq._config("tiles", ("capture",), cuda, run, None, big) is first and not runs
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def nothing_runs(cfg):
+        raise fq.OutOfResources(1, 0, "shared memory")
+
+    with pytest.raises(RuntimeError, match="no launch configuration"):
+        fq._config("tiles", ("none",), cuda, nothing_runs, None, big)
+
+
 def test_empty_input_gets_the_all_zero_scale():
     """Zero rows: the scale an all-zero group gets (the amax floor's), and an all-zero padded transposed copy."""
     out = quantize(torch.zeros(0, 32), E4M3, rowwise=False, rows=True, cols=True, pad_to=16)
@@ -205,6 +255,8 @@ def test_trainable_matches_reference(recipe, m):
               "dw": _dot_bound(fake_quantize(dy2, rc.grad_dtype, rc.rowwise, dim=0).t(),
                                fake_quantize(x2, rc.forward_dtype, rc.rowwise, dim=0).t()),
               "db": m * U32 * 2 * dy2.abs().sum(0)}
+    if rc.dw_high_precision:  # dW = dYᵀ x, nothing quantised
+        bounds["dw"] = _dot_bound(dy2.t(), x2.t())
     for name, a, r in zip(("y", "dx", "dw", "db"), fast, ref):
         diff = (a.double() - r.double()).reshape(bounds[name].shape).abs()
         assert a.dtype == r.dtype and a.shape == r.shape, name
@@ -508,6 +560,9 @@ def test_gpu_quantize_equals_torch_cast(fp8_dtype, rowwise):
     assert torch.equal(out.scale, s) and torch.equal(out.scale_t, st)
     assert torch.equal(out.q.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(out.qt[:, :4429].view(torch.uint8), qt.view(torch.uint8)) and not out.qt[:, 4429:].float().any()
+    assert any("R_bucket=8192 C=1536" in k for k in fq.launch_configs())  # 6.8M elements: tuned
+    one = quantize(v, fp8_dtype, rowwise, rows=True, cols=False)  # (rowwise: the one-pass kernel)
+    assert torch.equal(one.scale, s) and torch.equal(one.q.view(torch.uint8), q.view(torch.uint8))
 
 
 @cuda
