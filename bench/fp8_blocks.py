@@ -74,7 +74,8 @@ def qwen3_block(variant: str, size: str, rows: int, tokens: int, device: torch.d
     from atelier_studio.kernels.rope import rope_cos_sin
 
     args = ModelArgs.from_size(size, vocab_size=256)
-    block = Block(args).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):  # made where it runs: no host-side init of an 8B block's weights
+        block = Block(args).to(torch.bfloat16)
     _init_(block, 0)
     if "-lora" in variant:
         block.requires_grad_(False)
@@ -109,7 +110,8 @@ def sd3_block(variant: str, overrides: dict[str, Any], batch: int, image: int, t
     from atelier_studio.imagegen.model import JointBlock, MMDiTArgs
 
     args = dataclasses.replace(MMDiTArgs(), **overrides)
-    block = JointBlock(args, context_pre_only=False, dual_attention=False).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):
+        block = JointBlock(args, context_pre_only=False, dual_attention=False).to(torch.bfloat16)
     _init_(block, 2)
     _fp8(block, variant, MMDIT_FP8_SKIP)
     g = torch.Generator(device=device).manual_seed(3)
