@@ -459,7 +459,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"## FP8 linears, forward + backward — {gpu}", "",
              f"bf16 matmul (8192³): {report['matmul_tflops_bf16']} TFLOP/s; fp8 _scaled_mm: "
              f"{report['matmul_tflops_fp8']}; torchao: {report['torchao'] or report['torchao_skipped']}; "
-             f"wall {report.get('wall_s', 0):.0f} s", ""]
+             f"wall {report.get('wall_s', 0):.0f} s ("
+             + ", ".join(f"{k} {v:.0f} s" for k, v in report.get("section_wall_s", {}).items()) + ")", ""]
     sections = report["sections"]
     if "components" in sections:
         lines += ["### Host cost per call (µs, tiny operands: the GPU is never the bottleneck)", "",
