@@ -112,11 +112,15 @@ def test_lora_linear_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("o,i", [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)])
+@pytest.mark.parametrize("tokens,o,i", [
+    pytest.param(300, 384, 512, id="small"),
+    *(pytest.param(8192, o, i, id=f"qwen3-8b-{o}x{i}", marks=pytest.mark.slow)
+      for o, i in ((4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)))])
 @pytest.mark.parametrize("ad_dtype", [torch.bfloat16, torch.float32])
-def test_lora_linear_bf16_real_shapes(o, i, ad_dtype):
-    """Qwen3-8B's linears (q/o, gate/up, down, k/v) on 8192 tokens, r=16, bf16 base, bf16 or fp32 adapter."""
-    make, dy = _leaves((8192,), i, o, 16, False, torch.bfloat16, ad_dtype, "cuda", seed=0)
+def test_lora_linear_bf16(tokens, o, i, ad_dtype):
+    """r=16, bf16 base, bf16 or fp32 adapter; the slow tier at Qwen3-8B's linears (q/o, gate/up, down, k/v) on
+    8192 tokens."""
+    make, dy = _leaves((tokens,), i, o, 16, False, torch.bfloat16, ad_dtype, "cuda", seed=0)
     out = []
     for fn, (bd, ad) in ((lambda *t: lora_linear(*t, impl="fused"), (torch.bfloat16, ad_dtype)),
                          (lora_linear_ref, (torch.float32, torch.float32)), (_eager, (torch.bfloat16, ad_dtype))):
@@ -225,12 +229,15 @@ def test_lora_linear_group_compiles_whole_and_matches_eager():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_lora_linear_group_bf16_qwen35_9b_projections():
-    """Qwen3.5-9B's Gated DeltaNet input projections (qkv 8192, z 4096, b 32, a 32 over D 4096) on 4096 tokens, r 16,
-    bf16 base and fp32 adapters under bf16 autocast (the bench's mixed setting): the group is as close to fp64 as
-    the same layers run alone."""
-    outs, scales = (8192, 4096, 32, 32), [2.0] * 4
-    x, ws, As, Bs, dys = _group_leaves(4096, 4096, outs, (16,) * 4, torch.float32, seed=15)
+@pytest.mark.parametrize("tokens,d,outs", [pytest.param(300, 512, (1024, 512, 32, 32), id="small"),
+                                           pytest.param(4096, 4096, (8192, 4096, 32, 32), id="qwen3.5-9b",
+                                                        marks=pytest.mark.slow)])
+def test_lora_linear_group_bf16_gated_deltanet_projections(tokens, d, outs):
+    """Gated DeltaNet input projections (qkv, z, b, a; the slow tier at Qwen3.5-9B's: 8192, 4096, 32, 32 over D 4096
+    on 4096 tokens), r 16, bf16 base and fp32 adapters under bf16 autocast (the bench's mixed setting): the group
+    is as close to fp64 as the same layers run alone."""
+    scales = [2.0] * 4
+    x, ws, As, Bs, dys = _group_leaves(tokens, d, outs, (16,) * 4, torch.float32, seed=15)
     ws = [w.to(torch.bfloat16) for w in ws]
     exp = _group_grads([lora_linear_ref(x.double(), w.double(), None, a.double(), b.double(), s)
                         for w, a, b, s in zip(ws, As, Bs, scales)], dys, x, As, Bs)
