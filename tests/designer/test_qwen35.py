@@ -310,9 +310,7 @@ def test_config_targets_are_the_lora_targets():
 def test_two_processes_equal_one(q35_world, tmp_path):
     """FSDP2 on two processes (gloo, CPU), each rank reading only its shard of the Qwen3.5 weights, with activation
     checkpointing: the same losses and adapter as one process on the same global batch."""
-    from safetensors.torch import load_file
-
-    from tests.designer.test_distributed import LORA, args, assert_same_losses, launch_two
+    from tests.designer.test_distributed import LORA, args, assert_same_losses, assert_same_safetensors, launch_two
 
     two = tmp_path / "two"
     launch_two({"lora": args(q35_world, two, *LORA, "--set", "train.micro_batch=1",
@@ -320,12 +318,9 @@ def test_two_processes_equal_one(q35_world, tmp_path):
     one = tmp_path / "one"
     assert main(args(q35_world, one, *LORA, "--set", "train.micro_batch=2")) == 0
     assert_same_losses(one, two, range(1, 5))
-    # Adam turns fp32 summation-order noise in near-zero gradients (in_proj_a's, through the decay) into
-    # ~2e-5 differences after 4 steps at lr 1e-2: atol 1e-4, ten times the Qwen3 test's
-    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (one, two))
-    assert sorted(a) == sorted(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    # the bounds of the Qwen3 test (tests/designer/test_distributed.py's docstring derives them): its lr 1e-3 keeps
+    # Adam from turning the rounding noise in in_proj_a's near-zero gradients into lr-sized steps
+    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors", two / "adapter" / "adapter_model.safetensors")
 
 
 def test_compiled_blocks_train_like_eager():
