@@ -13,7 +13,7 @@ and resumes of the 2-process checkpoint with 1 and with 2 processes.
 The bounds are the designer's (tests/designer/test_distributed.py derives them: two processes add the same
 gradients in another order, and 4 gentle steps keep that rounding-sized): losses and gradient norms 1e-5,
 weights 1e-5 + 1e-4 · |w|, which at lr 2e-3 is 0.5% of one Adam step. Measured: loss 4.8e-7, weights 2.3e-7
-(norm_out, whose gradient starts near zero behind AdaLN-Zero) on AVX-512 and on DEFAULT kernels with one thread.
+(norm_out.linear) on AVX-512 and on DEFAULT kernels with one thread.
 """
 
 from __future__ import annotations
