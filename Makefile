@@ -26,8 +26,7 @@ test: $(STAMP)
 # ATEN_CPU_CAPABILITY once, at import, so it is set here, before Python starts; --portable-numerics checks it.
 PORTABLE_TESTS := tests/kernels tests/designer tests/imagegen/test_model.py tests/imagegen/test_autoencoder.py \
 	tests/imagegen/test_distributed.py tests/pipeline/test_distributed.py tests/pipeline/test_policies.py \
-	tests/pipeline/test_trainer.py \
-	tests/data/test_packing.py
+	tests/pipeline/test_trainer.py tests/data/test_packing.py
 test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 		$(PY) -m pytest -q -m "not gpu" --portable-numerics $(PORTABLE_TESTS)
