@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from designer.hf import load_pretrained, save_pretrained
-from designer.lora import (LoraArgs, LoRALinear, apply_lora, load_peft_adapter, lora_parameters, merge_lora,
+from atelier_studio.designer.hf import load_pretrained, save_pretrained
+from atelier_studio.designer.lora import (LoraArgs, LoRALinear, apply_lora, load_peft_adapter, lora_parameters, merge_lora,
                            save_peft_adapter)
-from kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from tests.designer.test_model import load_hf, make_model_dir, rel_err, run_rows
 
 V = 89
@@ -148,8 +148,8 @@ def test_lora_layer_and_bad_adapters(tmp_path):
 def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
     """q/k/v, gate/up and Qwen3.5's four in_proj_* run as one lora_linear_group (fused impl) each; the loss and every
     adapter gradient equal the same model with every LoRA layer run alone."""
-    import kernels.lora_linear as kl
-    from designer.model import ModelArgs, Qwen3
+    import atelier_studio.kernels.lora_linear as kl
+    from atelier_studio.designer.model import ModelArgs, Qwen3
     from tests.designer.test_qwen35 import random_qwen35
 
     if family == "qwen3":
@@ -197,8 +197,8 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
                                           ("bias", False), ("eval with dropout", True), ("one layer alone", False)])
 def test_shared_input_linears_group_only_what_one_op_can_take(case, grouped, monkeypatch):
     """Layers that cannot share one lora_linear_group run one by one, with the same outputs and gradients."""
-    import kernels.lora_linear as kl
-    from designer.model import shared_input_linears
+    import atelier_studio.kernels.lora_linear as kl
+    from atelier_studio.designer.model import shared_input_linears
 
     calls: list[int] = []
     real = kl.lora_group_fwd

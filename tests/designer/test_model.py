@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from designer.hf import init_random, load_pretrained, save_pretrained
-from designer.model import SIZES, ModelArgs, Qwen3, num_params
-from kernels.cross_entropy import linear_cross_entropy
-from kernels.gated_delta_rule import CHUNK
+from atelier_studio.designer.hf import init_random, load_pretrained, save_pretrained
+from atelier_studio.designer.model import SIZES, ModelArgs, Qwen3, num_params
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.kernels.gated_delta_rule import CHUNK
 from tests.kernels._compare import assert_no_leak
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"
@@ -18,7 +18,7 @@ FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"
 
 # --- helpers shared by the designer tests ---------------------------------------------------------
 def make_tokenizer_dir(root: Path) -> Path:
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     return train_tokenizer([FIXTURE], 300, root / "tokenizer")
 
@@ -290,7 +290,7 @@ def check_flops_match_counter(model, vocab: int) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_train_flops_match_flop_counter(mode):
-    from designer.lora import LoraArgs, apply_lora
+    from atelier_studio.designer.lora import LoraArgs, apply_lora
 
     args = ModelArgs.from_size("tiny", 67, tie_embeddings=(mode == "full"), attention_impl="sdpa")
     model = Qwen3(args).init_weights(0)

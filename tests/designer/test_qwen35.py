@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from designer.hf import args_from_size, init_random, load_pretrained, save_pretrained
-from designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
-from designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
-from pipeline.cli import main
+from atelier_studio.designer.hf import args_from_size, init_random, load_pretrained, save_pretrained
+from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
+from atelier_studio.designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
+from atelier_studio.pipeline.cli import main
 from tests.designer.test_model import (FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, packing_terms,
                                        rel_err, run_rows)
 from tests.kernels._compare import assert_no_leak, assert_within_rounding
@@ -141,7 +141,7 @@ def test_config_round_trip_sizes_and_init(tmp_path):
 
 
 def test_cli_init_writes_a_loadable_tiny_model(tmp_path):
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([FIXTURE], 300, tmp_path / "tok")
     out = tmp_path / "m"
@@ -211,7 +211,7 @@ def test_train_flops():
 def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
     """FlopCounterMode sees the weight matmuls (mm) and the full-attention layer's SDPA (bmm) once the delta rule,
     whose FLOPs test_train_flops checks from the kernel's shapes, is swapped for a matmul-free stand-in."""
-    import designer.qwen35 as q35
+    import atelier_studio.designer.qwen35 as q35
     from tests.designer.test_model import check_flops_match_counter
 
     monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl, chunks: v * beta[..., None])
@@ -292,10 +292,10 @@ def test_training_reduces_the_loss(q35_world, tmp_path, mode):
 
 
 def test_a_cuda_run_without_fla_stops_before_loading(q35_world, monkeypatch):
-    import kernels.gated_delta_rule as gdr
-    from designer.config import DesignerConfig, ModelConfig
-    from designer.task import _check_delta_rule
-    from pipeline.config import ConfigError
+    import atelier_studio.kernels.gated_delta_rule as gdr
+    from atelier_studio.designer.config import DesignerConfig, ModelConfig
+    from atelier_studio.designer.task import _check_delta_rule
+    from atelier_studio.pipeline.config import ConfigError
 
     monkeypatch.setattr(gdr, "has_fla", lambda: False)
     cuda, model = torch.device("cuda"), q35_world / "model"
@@ -309,8 +309,8 @@ def test_a_cuda_run_without_fla_stops_before_loading(q35_world, monkeypatch):
 
 
 def test_config_targets_are_the_lora_targets():
-    from designer.config import LORA_TARGETS
-    from designer.lora import ALL_TARGETS
+    from atelier_studio.designer.config import LORA_TARGETS
+    from atelier_studio.designer.lora import ALL_TARGETS
 
     assert LORA_TARGETS == ALL_TARGETS
 
@@ -337,7 +337,7 @@ def test_compiled_blocks_train_like_eager():
     reference kernels read cu_seqlens on the host) gives the eager LoRA gradients, both layer kinds."""
     import copy
 
-    from pipeline.policies import compile_blocks
+    from atelier_studio.pipeline.policies import compile_blocks
 
     model = random_qwen35(3)
     apply_lora(model, LoraArgs(rank=4, alpha=8.0))
@@ -360,7 +360,7 @@ def test_compiled_blocks_train_like_eager():
 
 def _differently_packed_batches(device: str = "cpu") -> list:
     """Three micro-batches of 2 rows × 70 tokens, each packed from different documents (segment and chunk counts)."""
-    from data.packing import Batch
+    from atelier_studio.data.packing import Batch
 
     g = torch.Generator().manual_seed(10)
 
@@ -385,10 +385,10 @@ def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import designer.qwen35 as q35
-    from data.packing import compile_shape
-    from kernels.gated_delta_rule import chunk_index
-    from pipeline.policies import compile_blocks
+    import atelier_studio.designer.qwen35 as q35
+    from atelier_studio.data.packing import compile_shape
+    from atelier_studio.kernels.gated_delta_rule import chunk_index
+    from atelier_studio.pipeline.policies import compile_blocks
 
     monkeypatch.setattr(q35.PackedDocs, "of", classmethod(lambda cls, cu, impl: cls(cu, impl, chunk_index(cu))))
     model = random_qwen35(3)
@@ -420,7 +420,7 @@ def test_fast_path_matches_the_reference_in_bf16():
     the fp32 model (fp32 delta-rule reference, per-document SDPA). Its error must be bf16-sized: within a few
     times that of the reference path under the same autocast (which keeps the delta rule itself in fp32). A
     wrong kernel, or state leaking across the packed documents, is off by O(1)."""
-    from kernels.gated_delta_rule import has_fla
+    from atelier_studio.kernels.gated_delta_rule import has_fla
 
     if not has_fla():
         pytest.skip("needs fla-core (pip install fla-core)")
@@ -450,10 +450,10 @@ def test_the_layers_train_without_a_host_sync():
     """PackedDocs builds the delta rule's chunk index once per forward (its one host sync); after that the
     layers' forward and backward never wait on the GPU. (fla builds the index per call when not given one: a
     sync per layer and pass, which kept the 9B step's GPU idle between layers.)"""
-    from designer.model import PackedAttention
-    from designer.qwen35 import PackedDocs
-    from kernels.gated_delta_rule import has_fla
-    from kernels.rope import rope_cos_sin
+    from atelier_studio.designer.model import PackedAttention
+    from atelier_studio.designer.qwen35 import PackedDocs
+    from atelier_studio.kernels.gated_delta_rule import has_fla
+    from atelier_studio.kernels.rope import rope_cos_sin
 
     if not has_fla():
         pytest.skip("needs fla-core (pip install fla-core)")
@@ -495,9 +495,9 @@ def test_compiled_fla_blocks_match_eager_and_compile_once():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from data.packing import compile_shape
-    from kernels.gated_delta_rule import has_fla
-    from pipeline.policies import compile_blocks
+    from atelier_studio.data.packing import compile_shape
+    from atelier_studio.kernels.gated_delta_rule import has_fla
+    from atelier_studio.pipeline.policies import compile_blocks
 
     if not has_fla():
         pytest.skip("needs fla-core (pip install fla-core)")
@@ -532,8 +532,8 @@ def test_compiled_fla_blocks_match_eager_and_compile_once():
 def _decoded_hidden(model: Qwen35, seqs: list[list[int]], new: int) -> list[torch.Tensor]:
     """Each sequence's hidden states [len, D] through the decoding cache: its prompt (all but the last `new`
     tokens) prefilled with the others, left-padded, then its last tokens fed one a step."""
-    from designer.generate import KVCache, _left_padded
-    from designer.qwen35 import LinearAttentionState
+    from atelier_studio.designer.generate import KVCache, _left_padded
+    from atelier_studio.designer.qwen35 import LinearAttentionState
 
     device = model.lm_head_weight.device
     prompts = [x[:-new] for x in seqs]
@@ -582,7 +582,7 @@ def test_decoding_cache_equals_the_training_forward():
 def test_decoding_a_bf16_model_on_the_gpu_is_as_close_to_fp32_as_its_training_forward():
     """On the GPU the model is bf16 and trains through fla's chunk kernel, while decoding runs the fp32
     recurrence: measured against the fp32 model, decoding's error must be bf16-sized like the forward's."""
-    from kernels.gated_delta_rule import has_fla
+    from atelier_studio.kernels.gated_delta_rule import has_fla
 
     if not has_fla():
         pytest.skip("needs fla-core (pip install fla-core)")
@@ -601,7 +601,7 @@ def test_decoding_a_bf16_model_on_the_gpu_is_as_close_to_fp32_as_its_training_fo
 
 def test_padding_never_reaches_the_linear_attention_state():
     """A prompt decoded beside a much longer one (so behind many pads) gives the tokens it gives alone."""
-    from designer.generate import generate
+    from atelier_studio.designer.generate import generate
 
     model = random_qwen35(13)
     short, long = [7, 9], list(range(3, 60))
@@ -612,7 +612,7 @@ def test_padding_never_reaches_the_linear_attention_state():
 
 def test_batched_generation_equals_one_by_one_greedy():
     """Prompts of different lengths decoded together equal each decoded alone by re-running the whole forward."""
-    from designer.generate import generate, generate_greedy_ref
+    from atelier_studio.designer.generate import generate, generate_greedy_ref
 
     model = random_qwen35(4)
     prompts = [[5, 9, 12, 40, 7], [3, 3], [11, 60, 2 + 1, 8, 90, 14, 22]]
@@ -622,7 +622,7 @@ def test_batched_generation_equals_one_by_one_greedy():
 
 
 def test_generation_stops_at_eos_and_sampling_is_seeded():
-    from designer.generate import generate
+    from atelier_studio.designer.generate import generate
 
     model = random_qwen35(5)
     prompts = [[5, 9, 12], [3, 4, 6, 8]]
@@ -653,12 +653,12 @@ def test_kernels_on_equals_kernels_off(monkeypatch):
     the interpreter) and the references give the same packed loss and gradients in fp32."""
     import importlib
 
-    from kernels.cross_entropy import linear_cross_entropy
+    from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 
     launched: dict[str, int] = {}
     for module, launcher in (("rmsnorm", "rmsnorm_fwd"), ("rope", "rope_apply"), ("swiglu", "swiglu_fwd"),
                              ("causal_conv1d", "conv_fwd"), ("gated_rmsnorm", "gated_rmsnorm_fwd")):
-        mod = importlib.import_module(f"kernels.{module}")
+        mod = importlib.import_module(f"atelier_studio.kernels.{module}")
         real = getattr(mod, launcher)
         monkeypatch.setattr(mod, launcher, lambda *a, _r=real, _k=launcher, **kw: launched.update({_k: 1}) or _r(*a, **kw))
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 import webdataset as wds
 
-from data.buckets import LatentDataset, image_to_tensor, resize_and_crop
-from data.shards import ShardReader, ShardError, read_latent_shards
-from imagegen.autoencoder import PixelCodec
-from imagegen.cache import CACHE_META, cache_latents
-from imagegen.config import ImagegenConfig
-from imagegen.text import TextEncoder
-from pipeline.config import load_config
+from atelier_studio.data.buckets import LatentDataset, image_to_tensor, resize_and_crop
+from atelier_studio.data.shards import ShardReader, ShardError, read_latent_shards
+from atelier_studio.imagegen.autoencoder import PixelCodec
+from atelier_studio.imagegen.cache import CACHE_META, cache_latents
+from atelier_studio.imagegen.config import ImagegenConfig
+from atelier_studio.imagegen.text import TextEncoder
+from atelier_studio.pipeline.config import load_config
 from tests.imagegen._world import DEMO, build_world, config_overrides
 
 
@@ -92,7 +92,7 @@ def test_each_rank_writes_its_own_slice_and_the_last_merges(world, tmp_path, mon
 
 
 def test_cache_without_image_shards_is_named(world, tmp_path):
-    from pipeline.config import ConfigError
+    from atelier_studio.pipeline.config import ConfigError
 
     with pytest.raises(ConfigError, match="data.image_shards"):
         cache_latents(_cfg(world, "data.image_shards="), tmp_path / "x")

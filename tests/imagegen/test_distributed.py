@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.cli import main
+from atelier_studio.pipeline.cli import main
 from tests.imagegen._world import ROOT, build_world, cli_args
 
 pytestmark = pytest.mark.multigpu

@@ -9,8 +9,8 @@ from diffusers import SD3Transformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from imagegen.hf import INDEX_NAME, WEIGHTS_NAME, init_random, load_pretrained, save_pretrained
-from imagegen.model import SIZES, MMDiT, MMDiTArgs
+from atelier_studio.imagegen.hf import INDEX_NAME, WEIGHTS_NAME, init_random, load_pretrained, save_pretrained
+from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs
 
 SD3_TINY = MMDiTArgs(num_layers=2, num_heads=2, head_dim=16, joint_attention_dim=24, caption_projection_dim=32,
                      pooled_projection_dim=20, sample_size=16, pos_embed_max_size=16)
@@ -299,7 +299,7 @@ def test_pinned_sdpa_backend_gives_the_same_model_and_compiles():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_with_kernels_give_the_eager_reference_gradients():
     """Per-block compile (pipeline/policies) around the Triton custom ops vs eager references, bf16 autocast."""
-    from pipeline.policies import compile_blocks
+    from atelier_studio.pipeline.policies import compile_blocks
 
     args = dataclasses.replace(SD35_TINY, num_heads=4, head_dim=64, caption_projection_dim=256)
     ref = reference(args).cuda()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.attention import packed_causal_attention, packed_causal_attention_ref
+from atelier_studio.kernels.attention import packed_causal_attention, packed_causal_attention_ref
 from tests.kernels._compare import assert_close
 
 
@@ -107,7 +107,7 @@ def test_fast_paths_match_ref_on_cuda(impl):
     ge = torch.autograd.grad(oe, (qe, ke, ve), do.double())
     # the baseline is eager attention IN bf16 (transformers' eager: bf16 matmuls, fp32 softmax), not the fp32
     # reference rounded at the end, whose gradients are nearly exact
-    from bench.attention import eager_attention
+    from atelier_studio.bench.attention import eager_attention
 
     ob = eager_attention(q, k, v, lens)
     gb = torch.autograd.grad(ob, (q, k, v), do)
@@ -117,7 +117,7 @@ def test_fast_paths_match_ref_on_cuda(impl):
 
 
 def test_rows_are_documents_only_when_every_row_is_one_document():
-    from kernels.attention import rows_are_documents
+    from atelier_studio.kernels.attention import rows_are_documents
 
     assert rows_are_documents(2, rows=2, row_len=64, max_seqlen=64)
     assert not rows_are_documents(3, rows=2, row_len=64, max_seqlen=64)  # a row holds two documents
@@ -126,7 +126,7 @@ def test_rows_are_documents_only_when_every_row_is_one_document():
 
 @pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2)])
 def test_causal_attention_rows_equals_packed_ref_with_grads(h, hkv):
-    from kernels.attention import causal_attention_rows
+    from atelier_studio.kernels.attention import causal_attention_rows
 
     b, t, dh = 3, 17, 16
     q, k, v = (x.float().requires_grad_() for x in _inputs([b * t], h, hkv, dh, torch.float64, seed=3))
@@ -147,14 +147,14 @@ def test_causal_attention_rows_equals_packed_ref_with_grads(h, hkv):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
     """The designer's PackedAttention sends one-document rows to causal SDPA; it agrees with varlen."""
-    from designer.model import PackedAttention
+    from atelier_studio.designer.model import PackedAttention
 
     b, t, h, hkv, dh = 2, 1024, 8, 2, 128
     q, k, v = (x.view(b, t, -1, dh).cuda().requires_grad_()
                for x in _inputs([b * t], h, hkv, dh, torch.bfloat16, seed=5))
     cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda")
     do = torch.randn(b, t, h, dh, device="cuda", dtype=torch.bfloat16)
-    import designer.model as model_mod
+    import atelier_studio.designer.model as model_mod
 
     calls = []
     real = model_mod.causal_attention_rows
@@ -178,8 +178,8 @@ def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_varlen_gqa_directly_matches_the_reference():
     """FlashVarlenGQA (aten's flash kernels with Hkv < H) on its own, whatever this torch's varlen_attn offers."""
-    from bench.attention import eager_attention
-    from kernels.attention import FlashVarlenGQA
+    from atelier_studio.bench.attention import eager_attention
+    from atelier_studio.kernels.attention import FlashVarlenGQA
 
     lens = [300, 17, 1, 211]
     q, k, v = (t.cuda().requires_grad_() for t in _inputs(lens, 32, 8, 128, torch.bfloat16, seed=7))

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
 from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

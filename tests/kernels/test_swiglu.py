@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.swiglu import swiglu, swiglu_ref
+from atelier_studio.kernels.swiglu import swiglu, swiglu_ref
 from tests.kernels._compare import assert_close, assert_error_within
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from designer.lora import LoraArgs, apply_lora
-from designer.model import ModelArgs, Qwen3
-from pipeline.config import DistributedConfig, TrainConfig
-from pipeline.policies import checkpoint_blocks
-from pipeline.distributed import (
+from atelier_studio.designer.lora import LoraArgs, apply_lora
+from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.pipeline.config import DistributedConfig, TrainConfig
+from atelier_studio.pipeline.policies import checkpoint_blocks
+from atelier_studio.pipeline.distributed import (
     DistContext,
     DistributedError,
     all_reduce_sum,
@@ -137,14 +137,14 @@ def test_local_rows_of_a_plain_tensor_is_all_of_it():
 def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
     import subprocess
 
-    from pipeline import cli
+    from atelier_studio.pipeline import cli
 
     seen = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: seen.append(cmd) or 0)
     assert cli.main(["designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3", "--nproc", "4"]) == 0
     cmd = seen[-1]
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "1", "--standalone",
-                       "-m", "pipeline.cli", "designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3"]
+                       "-m", "atelier_studio.pipeline.cli", "designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3"]
     assert cli.main(["imagegen", "train", "--config", "c.toml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
                      "--master-addr", "10.0.0.1", "--master-port", "29511"]) == 0
     assert seen[-1][3:13] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
@@ -152,7 +152,7 @@ def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
 
 
 def test_nproc_bad_values_are_named(clean_env, capsys):
-    from pipeline import cli
+    from atelier_studio.pipeline import cli
 
     assert cli.main(["designer", "train", "--config", "c.toml", "--nproc", "2", "--nnodes", "2",
                      "--node-rank", "2"]) == 2

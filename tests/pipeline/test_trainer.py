@@ -11,9 +11,9 @@ import signal
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
-from pipeline.config import OutputConfig, TrainConfig
-from pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
+from atelier_studio.pipeline.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
 from tests.kernels._compare import assert_within_rounding
 from tests.pipeline.toy_task import ToyTask
 
