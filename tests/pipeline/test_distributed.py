@@ -134,7 +134,7 @@ def test_local_rows_of_a_plain_tensor_is_all_of_it():
 def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
     import subprocess
 
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     seen = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: seen.append(cmd) or 0)
@@ -149,7 +149,7 @@ def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
 
 
 def test_nproc_bad_values_are_named(clean_env, capsys):
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     assert cli.main(["designer", "train", "--config", "c.toml", "--nproc", "2", "--nnodes", "2",
                      "--node-rank", "2"]) == 2
