@@ -30,6 +30,7 @@ C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import defaultdict
@@ -276,16 +277,18 @@ class BucketBatcher:
 
 
 class LatentDataset:
-    """Latent shards held in memory, indexable, with a bucket id per sample.
+    """A small latent shard set held in memory (an eval split), indexable, with a bucket id per sample.
 
-    `buckets` are the distinct (H, W) of the shards sorted by (W/H, H), unless given (then every
-    sample's bucket must be one of them). `batch(indices)` stacks one bucket's samples:
-    {latent [B,C,h,w], text_states [B,L,D], pooled [B,P], captions, keys, bucket (H, W)}.
+    Training sets stream instead (data/latent_stream.py). `limit` > 0 keeps the first `limit` samples in
+    shard order (reading stops there). `buckets` are the distinct (H, W) of the samples sorted by (W/H, H),
+    unless given (then every sample's bucket must be one of them). `batch(indices)` stacks one bucket's
+    samples: {latent [B,C,h,w], text_states [B,L,D], pooled [B,P], captions, keys, bucket (H, W)}.
     """
 
     def __init__(self, source: str | Path | Sequence[str | Path], buckets: Sequence[tuple[int, int]] | None = None,
-                 max_bad_fraction: float = 0.0):
-        self.samples = list(read_latent_shards(source, max_bad_fraction=max_bad_fraction, min_samples_for_check=1))
+                 max_bad_fraction: float = 0.0, limit: int = 0):
+        stream = read_latent_shards(source, max_bad_fraction=max_bad_fraction, min_samples_for_check=1)
+        self.samples = list(itertools.islice(stream, limit) if limit > 0 else stream)
         if not self.samples:
             raise ValueError(f"no latent samples in {source}")
         found = {tuple(s["bucket"]) for s in self.samples}
