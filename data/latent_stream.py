@@ -296,32 +296,49 @@ class StreamPlan:
             self.epoch, self.offset = self.epoch + 1, 0
 
     def _shard_slots(self, shard_id: int, start: int, end: int) -> Iterator[LatentRef | BadSample]:
-        path = self.shards.paths[shard_id]
-        index, detail = 0, ""
+        """Slots [start, end) of one shard. A tar that breaks is reported where it breaks: with the slots it
+        lost, or, when it breaks just after its last listed sample, just before that sample (so a position saved
+        after any sample has counted exactly what an uninterrupted pass counted by then)."""
+        path, listed = self.shards.paths[shard_id], self.shards.counts[shard_id]
+        broken: list[str] = []
+
+        def advance(samples: Iterator[TarSample]) -> TarSample | None:
+            try:
+                return next(samples)
+            except StopIteration:
+                return None
+            except TruncatedTar as exn:
+                broken.append(str(exn))
+                return None
+
         try:
-            with open(path, "rb") as f:
-                for sample in iter_tar_samples(f):
-                    if index >= end:
-                        return
-                    if index >= start:
-                        try:
-                            item: LatentRef | BadSample = _plan_ref(f, shard_id, path, sample)
-                        except BadSample as bad:
-                            item = bad
-                        self.offset += 1
-                        index += 1
-                        yield item
-                    else:
-                        index += 1
-        except TruncatedTar as exn:
-            detail = str(exn)
+            f = open(path, "rb")
         except FileNotFoundError:
             raise ShardError(f"shard not found: {path} (data.shards changed during the run?)") from None
+        with f:
+            samples = iter_tar_samples(f)
+            index, cur = 0, advance(samples)
+            while cur is not None and index < start:
+                index, cur = index + 1, advance(samples)
+            while cur is not None and index < end:
+                try:
+                    item: LatentRef | BadSample = _plan_ref(f, shard_id, path, cur)
+                except BadSample as bad:
+                    item = bad
+                except TruncatedTar as exn:  # a member's payload runs past the end of the file
+                    broken.append(str(exn))
+                    break
+                index += 1
+                cur = advance(samples) if index < end or end == listed else None
+                if cur is None and broken and index == end:
+                    yield BadSample("truncated tar", path, "?", broken[0])  # no slot of its own
+                self.offset += 1
+                yield item
         lost = end - max(index, start)
         if lost > 0:  # cut off, or fewer samples than the index lists: the rest of this share is gone
             self.offset += lost
-            yield BadSample("truncated tar", path, "?", detail or f"ends after {index} of {self.shards.counts[shard_id]}"
-                            f" samples listed in the index")
+            detail = broken[0] if broken else f"ends after {index} of the {listed} samples its index lists"
+            yield BadSample("truncated tar", path, "?", detail)
 
     def next_ref(self) -> LatentRef:
         """The next good sample's reference (bad ones are counted and skipped)."""
@@ -559,10 +576,12 @@ class LatentStream:
         s = self.shards
         buckets = f" in {len(s.buckets)} buckets" if s.buckets else ""
         plan = next(iter(self.plans.values()))
-        return (f"{s.total} samples{buckets} from {len(s.paths)} shards, streamed as {self.streams} streams of "
-                f"{self.chunk} images per global micro-batch of {self.cfg.global_batch} (streams {self.owned.start}.."
-                f"{self.owned.stop - 1} here), shuffle buffer {plan.shuffle_size}, {self.cfg.workers} loader workers; "
-                f"an epoch is ~{s.total // self.cfg.global_batch} global micro-batches")
+        mine = (f"stream {self.owned.start}" if len(self.owned) == 1 else
+                f"streams {self.owned.start}-{self.owned.stop - 1}")
+        return (f"{s.total} samples{buckets} from {len(s.paths)} shards as {self.streams} stream"
+                f"{'s' if self.streams > 1 else ''} of {self.chunk} images per global micro-batch of "
+                f"{self.cfg.global_batch} ({mine} here), shuffle buffer {plan.shuffle_size}, {self.cfg.workers} loader "
+                f"workers; an epoch is ~{s.total // self.cfg.global_batch} global micro-batches")
 
     def chunks(self) -> Iterator[list[dict]]:
         """Per global micro-batch, this rank's chunks (one per owned stream, in stream order), forever."""
@@ -574,6 +593,7 @@ class LatentStream:
                 got = next(it)
                 if isinstance(got, _Failure):
                     raise ShardError(got.message)
+                got["bucket"] = tuple(got["bucket"])  # the DataLoader hands tuples back as lists
                 if got["ordinal"] != want.ordinal or got["keys"] != [r.key for r in want.refs]:
                     raise RuntimeError(f"loader out of step with its plan: chunk {got['ordinal']} of stream "
                                        f"{got['stream']} vs {want.ordinal} of {want.stream}")

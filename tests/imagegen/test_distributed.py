@@ -6,7 +6,8 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   run        4 steps, checkpoints at 2 and 4, activation checkpointing on, sharded (meta-device) init
   cut        the same run stopped at step 2, then resumed with 2 processes to step 4
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
-and the tests run the one-process twins here (1 rank x micro_batch 8: the same images and draws each step)
+and the tests run the one-process twins here (1 rank x micro_batch 8 over the same 2 data streams: the same
+images and draws each step, as 2 chunks of 4)
 and compare losses and gradient norms (fp32, 1e-5), evaluation metrics, the exported transformer/ and ema/,
 and resumes of the 2-process checkpoint with 1 and with 2 processes.
 """
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.multigpu
 TOL = 1e-5
 COMMON = ("train.max_steps=4", "train.save_every=2", "train.eval_every=0", "train.warmup_steps=1", "train.lr=2e-3",
           "train.device=cpu", "text.caption_dropout=0.3", "ema.decay=0.9", "sample.every=2", "sample.steps=2",
-          "data.max_eval_images=13")  # 13: a short last eval batch, one rank's share empty in the 2-process run
+          "data.max_eval_images=13",  # 13: a short last eval batch, one rank's share empty in the 2-process run
+          "data.streams=2")  # the data is read as 2 streams on 1 process and on 2: the same batches
 TWO = ("train.micro_batch=4",)
 ONE = ("train.micro_batch=8",)
 
