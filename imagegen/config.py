@@ -87,7 +87,7 @@ class DataConfig:
     # streams images of each global micro-batch.
     streams: int = 0
     shuffle_buffer: int = 1000  # samples each stream shuffles among (references, not tensors: a few MB at most)
-    loader_workers: int = 2  # DataLoader processes per stream that read the tensors; 0 = in the training process
+    loader_workers: int = 2  # threads per stream that read the tensors ahead; 0 = read when the step asks
 
     def validate(self) -> None:
         if not self.shards:
