@@ -2,7 +2,7 @@
 
     python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
         [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
-        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny]
+        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
 L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
@@ -493,6 +493,18 @@ def write(report: dict[str, Any], out: Path) -> Path:
                         lambda path: ablation_chart(report, path))
 
 
+def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
+    """Print the loader's images/s at the config's sample shapes for 0..`workers` threads (no model, no report)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = model_args(cfg)
+    for w in sorted({0, workers}):
+        with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
+            r = loader_throughput(cfg, args, batches[-1], w, device, Path(tmp))
+        print(f"loader {cfg.resolution} px, batch {r['batch']}, {w} threads: {r['images_per_s']:.1f} images/s "
+              f"({r['images_per_s'] * r['bytes_per_image'] / 2**20:.0f} MiB/s) to {device}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
@@ -510,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Atelier's SDPA backend (MMDiTArgs.attention); the sdpa_* ablation rows measure each")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
+    p.add_argument("--loader-only", action="store_true",
+                   help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
     bad = [x for x in peers if x not in PEERS]
@@ -523,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.loader_workers < 0:
         p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
     cfg = CONFIGS[a.config]
+    if a.loader_only:
+        return loader_only(cfg, a.batches or list(cfg.batches), a.loader_workers)
     device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if a.tiny:
         cfg = tiny_config(cfg)
