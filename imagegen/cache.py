@@ -89,7 +89,7 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
     indexes = [read_index(d) for d in dirs]
     if any(i is None for i in indexes):
         return False
-    shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]}
+    shards = [{**s, "name": f"{d.name}/{s['name']}"}  # keeps each shard's count and bucket counts
               for d, i in zip(dirs, indexes) for s in i["shards"]]
     merged = {"kind": "latent", "shards": shards, "total": sum(s["count"] for s in shards)}
     atomic_write_text(out_dir / INDEX_NAME, json.dumps(merged, indent=1), what="merged shard index")

@@ -80,7 +80,14 @@ class DataConfig:
     max_bad_fraction: float = 0.01  # corrupt samples tolerated before the run stops
     num_workers: int = 0  # image-shard reader workers while caching
     cache_batch: int = 32  # images per autoencoder / text-encoder call while caching
-    max_eval_images: int = 256  # 0 = the whole eval set
+    max_eval_images: int = 256  # eval images held in memory and scored; 0 = the whole eval set
+    # training latents stream from the shards (data/latent_stream.py). `streams`: the logical streams the data is
+    # read as (0 = one per process); fix it (e.g. to the largest process count you will use) to get the same
+    # batches on any number of processes that divides it. Every stream gets train.micro_batch x processes /
+    # streams images of each global micro-batch.
+    streams: int = 0
+    shuffle_buffer: int = 1000  # samples each stream shuffles among (references, not tensors: a few MB at most)
+    loader_workers: int = 2  # threads per stream that read the tensors ahead; 0 = read when the step asks
 
     def validate(self) -> None:
         if not self.shards:
@@ -95,6 +102,9 @@ class DataConfig:
         if self.num_workers < 0 or self.cache_batch < 1 or self.max_eval_images < 0:
             raise ConfigError(f"num_workers >= 0, cache_batch >= 1, max_eval_images >= 0; got {self.num_workers}, "
                               f"{self.cache_batch}, {self.max_eval_images}")
+        for key in ("streams", "shuffle_buffer", "loader_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,14 @@ the image token count feeds the dynamic shift), noise ~ N(0, I), x_t = (1 - t) x
 predicts v = noise - x0 at timestep t * 1000, and the loss is the per-image `flow_loss` summed (the
 trainer divides by the number of images of the optimizer step). Caption dropout replaces a caption's
 cached states by the empty caption's with probability text.caption_dropout (for CFG at sampling).
-These draws come from a generator seeded by (train.seed, global batch number), made for the whole GLOBAL
-micro-batch (world_size x micro_batch images, data/buckets.py) and sliced to this rank's rows: so any
-number of processes draws what one process with the same global batch draws, and resume is exact
-without any RNG state.
+
+Data (data/latent_stream.py): the training latents stream from the shards with bounded memory, as
+data.streams logical streams (default: one per process); global micro-batch k is one chunk of one bucket
+from every stream, and a rank runs the chunks of the streams it holds (one, unless it holds several, as
+one process replaying a multi-process run does: then each chunk is a micro-batch of the step). A chunk's
+draws come from a generator seeded by (train.seed, k, stream), so any number of processes with the same
+data.streams and global batch draws the same, and resume is exact without any RNG state. The eval set is
+small and held in memory (at most data.max_eval_images).
 
 Several processes (torchrun, `dist.enabled`): the MMDiT is wrapped by `pipeline.distributed.parallelize`
 (activation checkpointing -> compile -> FSDP2, one unit per joint block) and, with
@@ -35,6 +39,7 @@ plus the same for the EMA weights, plus the training loss by bin accumulated sin
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,8 +47,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from atelier_studio.data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
-from atelier_studio.data.shards import read_index
+from atelier_studio.data.buckets import LatentDataset, rank_rows
+from atelier_studio.data.latent_stream import LatentStream, StreamConfig, first_sample
+from atelier_studio.data.shards import read_index, read_latent_shards
 from atelier_studio.data.textfile import read_lines
 from atelier_studio.imagegen.autoencoder import load_autoencoder
 from atelier_studio.imagegen.cache import cache_split
@@ -56,7 +62,8 @@ from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_m
 from atelier_studio.imagegen.text import load_text_encoder
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
+from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
+                                                 materialize_, parallelize)
 from atelier_studio.pipeline.progress import log
 
 NUM_BINS = 4
@@ -71,7 +78,8 @@ class ImageBatch:
     text_states: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, D]
     bucket: tuple[int, int]  # pixels (H, W)
-    slot: Slot | None = None  # place in the global micro-batch (training batches): keys the random draws
+    # training batches: (global micro-batch number, data stream) of the chunk it is; keys the random draws
+    chunk: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -82,9 +90,10 @@ def _bin_names() -> list[str]:
     return [f"loss_t{round(100 * k / NUM_BINS):02d}" for k in range(NUM_BINS)]
 
 
-def draw_seed(seed: int, ordinal: int) -> int:
-    """The seed of global micro-batch `ordinal`'s draws: (seed, ordinal) mixed by numpy's SeedSequence."""
-    return int(np.random.SeedSequence([seed, ordinal]).generate_state(1, dtype=np.uint64)[0])
+def draw_seed(seed: int, ordinal: int, stream: int) -> int:
+    """The seed of the draws of stream `stream`'s chunk of global micro-batch `ordinal`: (seed, ordinal, stream)
+    mixed by numpy's SeedSequence."""
+    return int(np.random.SeedSequence([seed, ordinal, stream]).generate_state(1, dtype=np.uint64)[0])
 
 
 class ImagegenTask:
@@ -110,16 +119,22 @@ class ImagegenTask:
         self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [D]
 
         out = Path(cfg.output.dir)
-        self.train_set = LatentDataset(self._latents(cfg.data.shards, out / "cache" / "train"),
-                                       max_bad_fraction=cfg.data.max_bad_fraction)
-        self._check_latents(self.train_set, cfg.data.shards)
-        self.sampler = BucketSampler(self.train_set.bucket_ids, cfg.train.micro_batch, cfg.train.seed, rank,
-                                     world_size)
+        d = cfg.data
+        self.train_source = self._latents(d.shards, out / "cache" / "train")
+        self.stream = LatentStream(self.train_source, StreamConfig(
+            cfg.train.micro_batch, rank, world_size, streams=d.streams, shuffle_buffer=d.shuffle_buffer,
+            seed=cfg.train.seed, workers=d.loader_workers, max_bad_fraction=d.max_bad_fraction,
+            pin_memory=device.type == "cuda"))
+        first = first_sample(self.stream.shards)
+        self._check_latents(first["shapes"], first["key"], first["shard"],
+                            list(self.stream.shards.buckets or [first["bucket"]]), d.shards)
         self.eval_set = None
-        if cfg.data.eval_shards:
-            self.eval_set = LatentDataset(self._latents(cfg.data.eval_shards, out / "cache" / "eval"),
-                                          max_bad_fraction=cfg.data.max_bad_fraction)
-            self._check_latents(self.eval_set, cfg.data.eval_shards)
+        if d.eval_shards:  # held out and small: kept in memory, at most max_eval_images of it
+            self.eval_set = LatentDataset(self._latents(d.eval_shards, out / "cache" / "eval"),
+                                          max_bad_fraction=d.max_bad_fraction, limit=d.max_eval_images)
+            s = self.eval_set[0]
+            self._check_latents({n: tuple(s[n].shape) for n in ("latent", "text_states", "pooled")}, s["key"],
+                                s["shard"], self.eval_set.buckets, d.eval_shards)
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
@@ -127,9 +142,8 @@ class ImagegenTask:
         self._bin_sum = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         self._bin_count = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         n = sum(p.numel() for p in self.model.parameters())
-        log(f"imagegen: {n / 1e6:.3f}M parameters, {cfg.model.dtype} on {device}; {len(self.train_set)} train "
-            f"images in {len(self.train_set.buckets)} buckets, {self.sampler.batches_per_epoch} batches/epoch; "
-            f"EMA {cfg.ema.decay if self.ema else 'off'}")
+        log(f"imagegen: {n / 1e6:.3f}M parameters, {cfg.model.dtype} on {device}; train data: "
+            f"{self.stream.describe()}; EMA {cfg.ema.decay if self.ema else 'off'}")
 
     # ------------------------------------------------------------------ model
 
@@ -181,22 +195,25 @@ class ImagegenTask:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
 
-    def _check_latents(self, ds: LatentDataset, source: str) -> None:
-        s = ds[0]
+    def _check_latents(self, shapes: dict[str, tuple[int, ...]], key: str, shard: str,
+                       buckets: list[tuple[int, int]], source: str) -> None:
+        """A sample's tensor shapes (and the set's buckets) against the model and the text config."""
         a = self.model.args
-        checks = [("latent channels", s["latent"].shape[0], a.in_channels, "MMDiT in_channels"),
-                  ("text_states width", s["text_states"].shape[1], a.joint_attention_dim, "joint_attention_dim"),
-                  ("pooled width", s["pooled"].shape[0], a.pooled_projection_dim, "pooled_projection_dim"),
-                  ("text tokens", s["text_states"].shape[0], self.text.max_length, "text.max_length")]
+        checks = [("latent channels", shapes["latent"][0], a.in_channels, "MMDiT in_channels"),
+                  ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
+                  ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
+                  ("text tokens", shapes["text_states"][0], self.text.max_length, "text.max_length")]
         for what, got, want, of in checks:
             if got != want:
-                raise ConfigError(f"{source} (key {s['key']} in {s['shard']}): {what} is {got}, but {of} is {want}; "
+                raise ConfigError(f"{source} (key {key} in {shard}): {what} is {got}, but {of} is {want}; "
                                   f"re-run `atelier imagegen cache` with this config")
-        p = a.patch_size
-        bad = [b for b in ds.buckets
-               if (b[0] // self.autoencoder.downsample_factor) % p or (b[1] // self.autoencoder.downsample_factor) % p]
+        bad = [b for b in buckets if not self._tiles(b)]
         if bad:
-            raise ConfigError(f"{source}: buckets {bad} do not tile into MMDiT patches of {p}")
+            raise ConfigError(f"{source}: buckets {bad} do not tile into MMDiT patches of {a.patch_size}")
+
+    def _tiles(self, bucket: tuple[int, int]) -> bool:
+        f, p = self.autoencoder.downsample_factor, self.model.args.patch_size
+        return (bucket[0] // f) % p == 0 and (bucket[1] // f) % p == 0
 
     def _latents(self, source: str, cache_dir: Path) -> str:
         """Latent shards as given; image shards are encoded once into cache_dir (small runs) and read from there."""
@@ -224,19 +241,31 @@ class ImagegenTask:
             if not lines:
                 raise ConfigError(f"sample.prompts_file: {path} has no prompts")
             return lines
-        ds = self.eval_set or self.train_set  # default: the first captions of the held-out set
-        return [ds[i]["caption"] for i in range(min(2 * s.columns, len(ds)))]
+        if self.eval_set is not None:  # default: the first captions of the held-out set (else the training set)
+            return [self.eval_set[i]["caption"] for i in range(min(2 * s.columns, len(self.eval_set)))]
+        return [x["caption"] for x in itertools.islice(read_latent_shards(self.train_source), 2 * s.columns)]
 
     # ------------------------------------------------------------------ data
 
-    def _to_device(self, b: dict, slot: Slot | None = None) -> ImageBatch:
+    def _to_device(self, b: dict, chunk: tuple[int, int] | None = None) -> ImageBatch:
         d = self.device
         return ImageBatch(b["latent"].to(d, non_blocking=True).float(),
                           b["text_states"].to(d, non_blocking=True).float(),
-                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), slot)
+                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), chunk)
+
+    @property
+    def pieces_per_micro_batch(self) -> int:
+        """Items of `train_batches` per micro-batch: one chunk per data stream this rank holds (data.streams /
+        processes, 1 by default); each runs its own forward and backward, as gradient accumulation does."""
+        return self.stream.chunks_per_micro_batch
 
     def train_batches(self) -> Iterator[ImageBatch]:
-        return (self._to_device(self.train_set.batch(idx), slot) for idx, slot in self.sampler.iter_slots())
+        for chunks in self.stream.chunks():
+            for c in chunks:
+                if not self._tiles(c["bucket"]):
+                    raise ConfigError(f"{self.cfg.data.shards}: bucket {list(c['bucket'])} (key {c['keys'][0]}) does "
+                                      f"not tile into MMDiT patches of {self.model.args.patch_size}")
+                yield self._to_device(c, (c["ordinal"], c["stream"]))
 
     # ------------------------------------------------------------------ the step
 
@@ -265,17 +294,17 @@ class ImagegenTask:
         return flow_loss(pred, b.latent, noise, t, self.flow)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(t [B], noise [B, C, h, w], caption-drop mask [B] or None): the global micro-batch's draws, this
-        rank's rows. G = the global batch size; drawing all G on every rank is cheap next to the step."""
-        if b.slot is None:
-            raise ValueError("ImagegenTask.loss_sum: a training batch needs its sampler slot (train_batches)")
-        G, rows = b.slot.size, slice(b.slot.offset, b.slot.offset + b.size)
-        g = self._gen.manual_seed(draw_seed(self.cfg.train.seed, b.slot.ordinal))
-        t = sample_timesteps(G, g, self.flow, self._image_tokens(b), self.device)[rows]  # [B]
-        noise = torch.randn((G, *b.latent.shape[1:]), generator=g, device=self.device)[rows]  # [B, C, h, w]
+        """(t [B], noise [B, C, h, w], caption-drop mask [B] or None) of a training chunk, from a generator seeded
+        by (train.seed, global micro-batch, stream): the same on any number of processes."""
+        if b.chunk is None:
+            raise ValueError("ImagegenTask.loss_sum: a training batch needs its chunk (train_batches)")
+        B = b.size
+        g = self._gen.manual_seed(draw_seed(self.cfg.train.seed, *b.chunk))
+        t = sample_timesteps(B, g, self.flow, self._image_tokens(b), self.device)  # [B]
+        noise = torch.randn((B, *b.latent.shape[1:]), generator=g, device=self.device)  # [B, C, h, w]
         drop = None
         if self.cfg.text.caption_dropout > 0:
-            drop = (torch.rand(G, generator=g, device=self.device) < self.cfg.text.caption_dropout)[rows]  # [B]
+            drop = torch.rand(B, generator=g, device=self.device) < self.cfg.text.caption_dropout  # [B]
         return t, noise, drop
 
     def loss_sum(self, b: ImageBatch) -> torch.Tensor:
@@ -393,10 +422,12 @@ class ImagegenTask:
         return self.ema.state_tensors() if self.ema is not None else {}
 
     def state_meta(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "step": self._step}
+        """The step and every stream's data position (gathered from the ranks: every rank calls this on a save)."""
+        states = all_gather_objects(self.dist, self.stream.state_dict())
+        return {"sampler": LatentStream.merge_states(states), "step": self._step}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(meta["sampler"])
+        self.stream.load_state_dict(meta["sampler"])
         self._step = int(meta.get("step", 0))
         if self.ema is not None:
             self.ema.load_state_tensors(tensors)

@@ -256,6 +256,10 @@ CASES = [
          lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.resolution=0",
                        "--set", f"output.dir={t / 'run'}"],
          ("data.resolution",), absent=("run",)),
+    Case("imagegen-negative-streams",
+         lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.streams=-2",
+                       "--set", f"output.dir={t / 'run'}"],
+         ("data.streams", ">= 0", "-2"), absent=("run",)),
     # ---------------------------------------------------------------- designer training data
     Case("jsonl-malformed-line",
          lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(1)) + b"{x\n"),
