@@ -1,17 +1,24 @@
 """The imagegen task on the shared engine: rectified flow on cached latents, one aspect bucket per batch.
 
 Shape legend: B images, C latent channels, h/w latent size, p MMDiT patch, N = (h/p)(w/p) image tokens,
-L text tokens (fixed: every caption is padded to text.max_length), D text hidden size.
+L text tokens (fixed: every caption is padded to the same length), D text width, P pooled width.
 
 Per micro-batch (conventions in imagegen/flow.py): t from `flow.sample_timesteps` (logit-normal, shifted;
 the image token count feeds the dynamic shift), noise ~ N(0, I), x_t = (1 - t) x0 + t noise, the model
 predicts v = noise - x0 at timestep t * 1000, and the loss is the per-image `flow_loss` summed (the
-trainer divides by the number of images of the optimizer step). Caption dropout replaces a caption's
-cached states by the empty caption's with probability text.caption_dropout (for CFG at sampling).
+trainer divides by the number of images of the optimizer step). Caption dropout (for CFG at sampling,
+imagegen/caption_dropout.py) replaces a caption's cached states and pooled vector, or each encoder's part of
+them, by the empty caption's (or zeros) with probability text.caption_dropout.
 These draws come from a generator seeded by (train.seed, global batch number), made for the whole GLOBAL
 micro-batch (world_size x micro_batch images, data/buckets.py) and sliced to this rank's rows: so any
 number of processes draws what one process with the same global batch draws, and resume is exact
 without any RNG state.
+
+Text: one encoder (its hidden size is both joint_attention_dim and pooled_projection_dim) or SD3's three
+(`text.kind = "sd3"`: states of T5's width, pooled of the two CLIP projections; 4096 and 2048 for the released
+models). With `text.kind = "sd3"` the export also writes `pipeline/`: the SD3 pipeline the encoders came from
+with the trained transformer (EMA weights when EMA is on) in it, so `StableDiffusion3Pipeline.from_pretrained`
+renders what `atelier imagegen sample` renders (imagegen/export.py).
 
 Several processes (torchrun, `dist.enabled`): the MMDiT is wrapped by `pipeline.distributed.parallelize`
 (activation checkpointing -> compile -> FSDP2, one unit per joint block) and, with
@@ -45,15 +52,16 @@ import torch
 from atelier_studio.data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
 from atelier_studio.data.shards import read_index
 from atelier_studio.data.textfile import read_lines
-from atelier_studio.imagegen.autoencoder import load_autoencoder
+from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.cache import cache_split
+from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
-from atelier_studio.imagegen.text import load_text_encoder
+from atelier_studio.imagegen.text import load_text_encoder, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
@@ -104,10 +112,13 @@ class ImagegenTask:
         self._gen = torch.Generator(device=device)  # re-seeded per global micro-batch
         self._step = 0  # optimizer steps done (after_optimizer_step / the checkpoint)
         self._ema_export: dict[str, torch.Tensor] | None = None  # gathered at the last step's evaluation
-        self.autoencoder = load_autoencoder(cfg.autoencoder.spec).to(device)
-        self.text = load_text_encoder(cfg.text, device)
+        self.autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
+        self.text = load_text_encoder(cfg.text, device, cfg.model.path)
         self._check_dims()
-        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [D]
+        if cfg.text.kind == "sd3" and not self._exports_pipeline():
+            log(f"imagegen: autoencoder.spec {cfg.autoencoder.spec!r} is not a diffusers VAE: the run exports "
+                f"transformer/ but no pipeline/ directory")
+        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [P]
 
         out = Path(cfg.output.dir)
         self.train_set = LatentDataset(self._latents(cfg.data.shards, out / "cache" / "train"),
@@ -170,13 +181,15 @@ class ImagegenTask:
     # ------------------------------------------------------------------ setup checks
 
     def _check_dims(self) -> None:
-        a, d = self.model.args, self.text.hidden_size
-        if a.joint_attention_dim != d or a.pooled_projection_dim != d:
+        a, d, p = self.model.args, self.text.states_width, self.text.pooled_width
+        if a.joint_attention_dim != d or a.pooled_projection_dim != p:
+            what = (f"hidden size {d}" if d == p else
+                    f"states {d} wide and a pooled vector of {p} ({self.cfg.text.kind} encoders)")
             raise ConfigError(
-                f"text.encoder {self.text.path} has hidden size {d}, but the MMDiT at model.path {self.cfg.model.path} "
+                f"text.encoder {self.text.path} gives {what}, but the MMDiT at model.path {self.cfg.model.path} "
                 f"has joint_attention_dim {a.joint_attention_dim} and pooled_projection_dim "
-                f"{a.pooled_projection_dim}; both must equal {d} (re-init with "
-                f"joint_attention_dim={d}, pooled_projection_dim={d})")
+                f"{a.pooled_projection_dim}; they must be {d} and {p} (re-init with "
+                f"joint_attention_dim={d}, pooled_projection_dim={p})")
         if a.in_channels != self.autoencoder.latent_channels:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
@@ -187,7 +200,8 @@ class ImagegenTask:
         checks = [("latent channels", s["latent"].shape[0], a.in_channels, "MMDiT in_channels"),
                   ("text_states width", s["text_states"].shape[1], a.joint_attention_dim, "joint_attention_dim"),
                   ("pooled width", s["pooled"].shape[0], a.pooled_projection_dim, "pooled_projection_dim"),
-                  ("text tokens", s["text_states"].shape[0], self.text.max_length, "text.max_length")]
+                  ("text tokens", s["text_states"].shape[0], self.text.num_tokens,
+                   "text.max_sequence_length + 77" if self.cfg.text.kind == "sd3" else "text.max_length")]
         for what, got, want, of in checks:
             if got != want:
                 raise ConfigError(f"{source} (key {s['key']} in {s['shard']}): {what} is {got}, but {of} is {want}; "
@@ -265,8 +279,9 @@ class ImagegenTask:
         return flow_loss(pred, b.latent, noise, t, self.flow)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(t [B], noise [B, C, h, w], caption-drop mask [B] or None): the global micro-batch's draws, this
-        rank's rows. G = the global batch size; drawing all G on every rank is cheap next to the step."""
+        """(t [B], noise [B, C, h, w], caption-drop mask [B, K] or None): the global micro-batch's draws, this
+        rank's rows. G = the global batch size; drawing all G on every rank is cheap next to the step. K = the text
+        encoders (one draw per image, or per image and encoder with caption_dropout_encoders "independent")."""
         if b.slot is None:
             raise ValueError("ImagegenTask.loss_sum: a training batch needs its sampler slot (train_batches)")
         G, rows = b.slot.size, slice(b.slot.offset, b.slot.offset + b.size)
@@ -274,16 +289,20 @@ class ImagegenTask:
         t = sample_timesteps(G, g, self.flow, self._image_tokens(b), self.device)[rows]  # [B]
         noise = torch.randn((G, *b.latent.shape[1:]), generator=g, device=self.device)[rows]  # [B, C, h, w]
         drop = None
-        if self.cfg.text.caption_dropout > 0:
-            drop = (torch.rand(G, generator=g, device=self.device) < self.cfg.text.caption_dropout)[rows]  # [B]
+        tc, K = self.cfg.text, len(self.text.parts)
+        if tc.caption_dropout > 0:
+            shape = (G,) if tc.caption_dropout_encoders == "joint" else (G, K)
+            uniform = torch.rand(shape, generator=g, device=self.device)  # [G] or [G, K]
+            drop = drop_mask(uniform, tc.caption_dropout, tc.caption_dropout_encoders, K)[rows]  # [B, K]
         return t, noise, drop
 
     def loss_sum(self, b: ImageBatch) -> torch.Tensor:
         t, noise, drop = self._draws(b)
         states, pooled = b.text_states, b.pooled
         if drop is not None:
-            states = torch.where(drop[:, None, None], self.empty_states, states)  # [B, L, D]
-            pooled = torch.where(drop[:, None], self.empty_pooled, pooled)  # [B, D]
+            empty = self.cfg.text.caption_dropout_fill == "empty"
+            states, pooled = drop_captions(states, pooled, drop, self.text.parts,  # [B, L, D], [B, P]
+                                           self.empty_states if empty else None, self.empty_pooled if empty else None)
         losses = self._losses(b, t, noise, states, pooled)  # [B]
         bins = (t.detach() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
         self._bin_sum.index_add_(0, bins, losses.detach().double())
@@ -389,6 +408,10 @@ class ImagegenTask:
 
     # ------------------------------------------------------------------ state and export
 
+    def _exports_pipeline(self) -> bool:
+        """A pipeline/ export needs SD3's encoders and a diffusers VAE (a pixel codec has no pipeline form)."""
+        return self.cfg.text.kind == "sd3" and isinstance(self.autoencoder, SD3VAE)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.ema.state_tensors() if self.ema is not None else {}
 
@@ -402,7 +425,9 @@ class ImagegenTask:
             self.ema.load_state_tensors(tensors)
 
     def export(self, out_dir: Path) -> dict[str, Path]:
-        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`.
+        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`; with SD3's
+        encoders also pipeline/, a StableDiffusion3Pipeline directory holding the EMA weights (EMA on) or the
+        trained ones, the VAE the latents came from and the scheduler set to this run's flow settings.
 
         Under FSDP the trainer calls it on rank 0 only, with the model's weights consolidated; the EMA's full
         copy was gathered on every rank at the last step's evaluation (a rank-0-only gather would hang).
@@ -410,6 +435,7 @@ class ImagegenTask:
         out_dir = Path(out_dir)
         dtype = torch.bfloat16 if self.autocast else torch.float32
         paths = {"transformer": save_pretrained(self.model, out_dir / "transformer", dtype=dtype)}
+        ema = None
         if self.ema is not None:
             if self.dist.enabled:
                 if self._ema_export is None:
@@ -419,6 +445,14 @@ class ImagegenTask:
             else:
                 ema = self.ema.full_state(self.dist)
             paths["ema"] = save_pretrained(self.model, out_dir / "ema", dtype=dtype, weights=ema)
+        if self._exports_pipeline():
+            from atelier_studio.imagegen.export import export_pipeline
+
+            weights = paths["ema"] if ema is not None else paths["transformer"]
+            paths["pipeline"] = export_pipeline(
+                text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=weights,
+                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow,
+                use_t5=self.cfg.text.use_t5)
         paths["meta"] = write_run_meta(out_dir, self.cfg)
         return paths
 
