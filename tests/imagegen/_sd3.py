@@ -10,6 +10,8 @@ init (whose output is not zero), 32-px images -> 16x16 latents -> 64 image token
 MMDiT-X dual attention in layer 0 and QK RMSNorm.
 
     build_pipeline(dir, sd35=False) -> dir (idempotent)
+    build_shards(dir) -> image shards of 20 shapes-world images at 32 px (16 train; idempotent)
+    config_overrides(pipe, shards, latents, out) -> --set items pointing configs/imagegen/sd3-medium.toml at them
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ WORDS = ("a an the small large tiny big blue red green yellow purple orange pale
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CLIP_L, CLIP_G, T5_WIDTH = 32, 48, 96
 POOLED = CLIP_L + CLIP_G
+ROOT = Path(__file__).parents[2]
+SD3_CONFIG = ROOT / "configs" / "imagegen" / "sd3-medium.toml"
 RESOLUTION = 32  # pixels; the VAE's factor 2 and the transformer's patch 2 give 8x8 image tokens
 MAX_SEQUENCE_LENGTH = 16  # T5 tokens in the tests (diffusers' default 256 is real work on a CPU)
 
@@ -104,3 +108,24 @@ def load_pipeline(path: Path):
     pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def build_shards(base: Path) -> Path:
+    """Image shards of 16 shapes-world images (32 px, 8 per shard) under base/shards; idempotent."""
+    from atelier_studio.data.shards import write_image_shards
+    from atelier_studio.data.synthetic import generate_world
+
+    base = Path(base)
+    if not (base / "shards" / "index.json").is_file():
+        generate_world(base / "world", n=20, seed=3, image_size=RESOLUTION, eval_fraction=0.2)
+        write_image_shards(base / "world", base / "world" / "captions.jsonl", base / "shards", 8, progress=False)
+    return base / "shards"
+
+
+def config_overrides(pipe: Path, shards: Path, latents: Path, out: Path, *extra: str) -> list[str]:
+    """The shipped SD3 config pointed at a tiny pipeline: fp32, 32 px, 16 T5 tokens, 3 steps of batch 4."""
+    return [f"model.path={pipe}", "model.dtype=float32", "text.dtype=float32",
+            f"text.max_sequence_length={MAX_SEQUENCE_LENGTH}", f"data.image_shards={shards}", f"data.shards={latents}",
+            f"data.resolution={RESOLUTION}", "data.cache_batch=4", "train.max_steps=3", "train.micro_batch=4",
+            "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1", "train.save_every=0", "train.eval_every=0",
+            "sample.every=0", "ema.decay=0.5", "output.tensorboard=false", f"output.dir={out}", *extra]
