@@ -1,6 +1,5 @@
 """SD3's three text encoders (imagegen/sd3_text.py) against diffusers' StableDiffusion3Pipeline.encode_prompt, on a
-tiny random pipeline built here; `imagegen cache` on that pipeline: the states, pooled vectors and latents it
-stores are encode_prompt's and the VAE's.
+tiny random pipeline built here (tests/imagegen/test_sd3_pipeline.py checks what `imagegen cache` stores from it).
 
 Equality is exact where both sides run the same transformers modules on the same token ids in the same batch
 (Atelier calls the pipeline's own CLIP and T5 models; the join is a concat and a zero pad, which round nothing).
