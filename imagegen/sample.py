@@ -192,13 +192,13 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 
     index = read_model_index(pipeline_dir)
+    flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})  # the cheap checks first
+    resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
     if meta is not None and meta.get("text", {}).get("kind") == "sd3":
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
         text = SD3TextEncoders(pipeline_dir, use_t5=has_part(index, "text_encoder_3"), device=device)
     autoencoder = SD3VAE.from_dir(pipeline_dir)
-    flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})
-    resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
     return text, autoencoder, flow, resolution, (meta or {}).get("model_dtype", "float32")
 
 

@@ -61,6 +61,7 @@ from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
+from atelier_studio.imagegen.sd3_dir import scheduler_config
 from atelier_studio.imagegen.text import load_text_encoder, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
@@ -118,6 +119,8 @@ class ImagegenTask:
         if cfg.text.kind == "sd3" and not self._exports_pipeline():
             log(f"imagegen: autoencoder.spec {cfg.autoencoder.spec!r} is not a diffusers VAE: the run exports "
                 f"transformer/ but no pipeline/ directory")
+        if self._exports_pipeline():  # the export copies the base's scheduler: a bad one is named now, not at the end
+            scheduler_config(text_encoder_dir(cfg.text, cfg.model.path))
         self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [P]
 
         out = Path(cfg.output.dir)

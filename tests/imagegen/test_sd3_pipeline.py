@@ -28,8 +28,8 @@ from atelier_studio.data.buckets import image_to_tensor, resize_and_crop
 from atelier_studio.data.shards import ShardReader, read_latent_shards
 from atelier_studio.flows.cli import main
 from atelier_studio.imagegen.cache import CACHE_META
-from tests.imagegen._sd3 import (MAX_SEQUENCE_LENGTH, POOLED, RESOLUTION, SD3_CONFIG as CONFIG, T5_WIDTH, build_pipeline,
-                                 build_shards, config_overrides, load_pipeline)
+from tests.imagegen._sd3 import (MAX_SEQUENCE_LENGTH, POOLED, RESOLUTION, SD3_CONFIG as CONFIG, T5_WIDTH,
+                                 build_pipeline, build_shards, config_overrides, load_pipeline)
 PROMPTS = ["a small blue circle in the upper left on a pale yellow background", "a large red square in the center"]
 STEPS, GUIDANCE, SEED = 3, 4.0, 5
 
