@@ -10,8 +10,9 @@ What goes in (imagegen/sd3_dir.py describes the layout):
 - vae/: the VAE the latents were made with (`vae`: a VAE directory or a pipeline holding vae/; default the base's);
 - scheduler/: the base's FlowMatchEulerDiscreteScheduler config, with shift and the dynamic-shift settings taken
   from `flow` when given, so the pipeline samples with the run's settings;
-- the text encoders and tokenizers of the base; with `use_t5=False`, text_encoder_3 and tokenizer_3 are left out
-  (model_index.json lists them as [null, null], diffusers' T5-less pipeline), matching a run trained without T5.
+- the text encoders and tokenizers of the base, T5 included even for a run trained without it (`text.use_t5 =
+  false`): diffusers' from_pretrained refuses a model_index.json whose text_encoder_3 is null unless the caller
+  passes `text_encoder_3=None, tokenizer_3=None`, which is how such a run's pipeline is loaded to render as trained.
 
 Files are hard links to the sources where the file system allows (no copy of a multi-GB T5), else copies.
 safetensors files are never modified in place, so a link is as safe as a copy. The directory appears
@@ -61,7 +62,7 @@ def _flow_scheduler(config: dict, flow) -> dict:
 
 
 def export_pipeline(base: str | os.PathLike, out: str | os.PathLike, transformer: str | os.PathLike | None = None,
-                    vae: str | os.PathLike | None = None, flow=None, use_t5: bool = True,
+                    vae: str | os.PathLike | None = None, flow=None,
                     extra: Callable[[Path], None] | None = None) -> Path:
     """`base` (an SD3 pipeline directory) -> `out`, a complete pipeline directory (see the module docstring).
 
@@ -84,8 +85,6 @@ def export_pipeline(base: str | os.PathLike, out: str | os.PathLike, transformer
         sources["transformer"] = transformer
     if vae is not None:
         sources["vae"] = find_vae_dir(vae)
-    dropped = () if use_t5 else ("text_encoder_3", "tokenizer_3")
-    new_index = {k: ([None, None] if k in dropped else v) for k, v in index.items()}
     scheduler = scheduler_config(base)
     if flow is not None:
         changed = {k: (scheduler.get(k), getattr(flow, k)) for k in SCHEDULER_FLOW_KEYS
@@ -97,15 +96,13 @@ def export_pipeline(base: str | os.PathLike, out: str | os.PathLike, transformer
     linked = copied = 0
     with atomic_dir(out, what="pipeline directory") as tmp:
         for name, src in sorted(sources.items()):
-            if name in dropped:
-                continue
             if name == "scheduler":
                 (tmp / name).mkdir()
                 (tmp / name / SCHEDULER_CONFIG).write_text(json.dumps(scheduler, indent=2, sort_keys=True) + "\n")
                 continue
             n_linked, n_copied = _link_tree(src, tmp / name)
             linked, copied = linked + n_linked, copied + n_copied
-        (tmp / MODEL_INDEX).write_text(json.dumps(new_index, indent=2) + "\n")
+        (tmp / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if extra is not None:
             extra(tmp)
     log(f"export: pipeline directory {out} ({linked} files linked, {copied} copied from {base}"

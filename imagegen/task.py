@@ -18,7 +18,9 @@ Text: one encoder (its hidden size is both joint_attention_dim and pooled_projec
 (`text.kind = "sd3"`: states of T5's width, pooled of the two CLIP projections; 4096 and 2048 for the released
 models). With `text.kind = "sd3"` the export also writes `pipeline/`: the SD3 pipeline the encoders came from
 with the trained transformer (EMA weights when EMA is on) in it, so `StableDiffusion3Pipeline.from_pretrained`
-renders what `atelier imagegen sample` renders (imagegen/export.py).
+renders what `atelier imagegen sample` renders (imagegen/export.py). After the data is read, the only captions the
+task encodes are the sample grid's fixed prompts: they are encoded once (`text.EncodedPrompts`) and the text
+encoders are freed, so T5-XXL does not hold GPU memory through the run.
 
 Several processes (torchrun, `dist.enabled`): the MMDiT is wrapped by `pipeline.distributed.parallelize`
 (activation checkpointing -> compile -> FSDP2, one unit per joint block) and, with
@@ -62,7 +64,7 @@ from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, 
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
-from atelier_studio.imagegen.text import load_text_encoder, text_encoder_dir
+from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
@@ -137,6 +139,8 @@ class ImagegenTask:
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
+        # the only captions encoded from here on are the sample grid's: encode them now and let the encoders go
+        self.text = EncodedPrompts(self.text, self.prompts)
         # training loss by timestep bin, accumulated on the device (no sync) and read at evaluation
         self._bin_sum = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         self._bin_count = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
@@ -454,8 +458,7 @@ class ImagegenTask:
             weights = paths["ema"] if ema is not None else paths["transformer"]
             paths["pipeline"] = export_pipeline(
                 text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=weights,
-                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow,
-                use_t5=self.cfg.text.use_t5)
+                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow)
         paths["meta"] = write_run_meta(out_dir, self.cfg)
         return paths
 

@@ -172,6 +172,41 @@ class TextEncoder(nn.Module):
                 "text_tokens": self.num_tokens, "states_width": self.states_width, "pooled_width": self.pooled_width}
 
 
+class EncodedPrompts:
+    """A fixed list of captions encoded once, standing in for a text encoder where only they are ever encoded (the
+    trainer's sample grid), so the encoders' weights (T5-XXL: 9.5 GB in bf16) need not stay on the GPU for the run.
+
+    Same interface as TextEncoder: encode (of those captions only), empty, negative, num_tokens, states_width,
+    pooled_width, parts, path, kind. Everything is kept on the encoder's device, in its dtype.
+    """
+
+    def __init__(self, encoder, captions: list[str], batch_size: int = 16):
+        self.path, self.kind, self.parts = encoder.path, encoder.kind, encoder.parts
+        self.num_tokens, self.states_width, self.pooled_width = (encoder.num_tokens, encoder.states_width,
+                                                                 encoder.pooled_width)
+        self._empty, self._negative = encoder.empty(), encoder.negative()
+        self._table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        unique = list(dict.fromkeys(captions))
+        for i in range(0, len(unique), batch_size):
+            chunk = unique[i:i + batch_size]
+            states, pooled, _ = encoder.encode(chunk)
+            self._table.update({c: (states[j], pooled[j]) for j, c in enumerate(chunk)})
+
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """(states [B, L, D], pooled [B, P], None): the stored encodings (no mask is kept)."""
+        missing = [c for c in captions if c not in self._table]
+        if missing:
+            raise TextEncoderError(f"EncodedPrompts: {missing[0]!r} was not among the captions encoded at startup")
+        return (torch.stack([self._table[c][0] for c in captions]), torch.stack([self._table[c][1] for c in captions]),
+                None)
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._empty
+
+    def negative(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._negative
+
+
 def text_encoder_dir(cfg, model_path: str = "") -> str:
     """The directory `TextConfig` points at: text.encoder, or for kind "sd3" with no encoder the pipeline at
     model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
@@ -196,4 +231,4 @@ def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str =
 
 
 __all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "load_text_encoder", "pool_ref",
-           "text_encoder_dir", "TextPart"]
+           "text_encoder_dir", "TextPart", "EncodedPrompts"]

@@ -98,11 +98,14 @@ def test_cache_train_export_and_render_through_the_cli(variant, tmp_path, shards
         args = read_args(pipe_dir)
         assert args.dual_attention_layers == (0,) and args.qk_norm == "rms_norm"  # MMDiT-X in the trained model
     latents, run = tmp_path / "latents", tmp_path / "run"
-    common = sets(pipe_dir, shards, latents, run)
+    grid = ("sample.every=3", "sample.steps=2") if variant == "sd3.5" else ()  # the training sample grid, once
+    common = sets(pipe_dir, shards, latents, run, *grid)
     run_cli("imagegen", "cache", "--config", str(CONFIG), "--out", str(latents), *common)
     run_cli("imagegen", "train", "--config", str(CONFIG), *common)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["step"] == 3 and np.isfinite(summary["final_loss"])
+    if grid:
+        assert Image.open(run / "samples" / "step-3.png").size[1] == RESOLUTION + 4  # one row of 2 prompts, padded
 
     exported = run / "pipeline"
     index = json.loads((exported / "model_index.json").read_text())
@@ -135,3 +138,20 @@ def test_cache_train_export_and_render_through_the_cli(variant, tmp_path, shards
         got_png = np.asarray(Image.open(tmp_path / "s" / f"{i:05d}.png"), dtype=int)
         assert got_png.shape == (RESOLUTION, RESOLUTION, 3)
         assert np.abs(got_png - np.asarray(want, dtype=int)).max() <= 1  # 8-bit rounding (module docstring)
+
+
+def test_sample_a_released_pipeline_as_diffusers_does(tmp_path_factory, tmp_path):
+    """A pipeline directory with no run next to it: its encoders (T5 with diffusers' 256 tokens), VAE, scheduler
+    and default size, as StableDiffusion3Pipeline renders it."""
+    pipe_dir = build_pipeline(tmp_path_factory.getbasetemp() / "sd3-pipe")
+    captions = tmp_path / "prompts.txt"
+    captions.write_text("\n".join(PROMPTS) + "\n")
+    run_cli("imagegen", "sample", "--model", str(pipe_dir), "--captions", str(captions), "--out", str(tmp_path / "s"),
+            "--steps", "2", "--guidance", str(GUIDANCE), "--seed", str(SEED))
+    pipe = load_pipeline(pipe_dir)
+    want = pipe(PROMPTS, num_inference_steps=2, guidance_scale=GUIDANCE, generator=torch.Generator().manual_seed(SEED),
+                output_type="pil").images
+    for i, w in enumerate(want):
+        got = np.asarray(Image.open(tmp_path / "s" / f"{i:05d}.png"), dtype=int)
+        assert got.shape == (RESOLUTION, RESOLUTION, 3)  # the pipeline's default: sample_size 16 x the VAE's 2
+        assert np.abs(got - np.asarray(w, dtype=int)).max() <= 1  # 8-bit rounding (module docstring)
