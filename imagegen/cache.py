@@ -79,7 +79,7 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
 
 
 def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
-    meta = {"autoencoder": cfg.autoencoder.spec, "latent_channels": autoencoder.latent_channels,
+    meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path), "latent_channels": autoencoder.latent_channels,
             "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
             "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")

@@ -53,9 +53,9 @@ import torch
 
 from atelier_studio.data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
 from atelier_studio.data.shards import read_index
-from atelier_studio.data.textfile import read_lines
+from atelier_studio.data.textfile import read_json, read_lines
 from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolve_autoencoder_spec
-from atelier_studio.imagegen.cache import cache_split
+from atelier_studio.imagegen.cache import CACHE_META, cache_split
 from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
@@ -201,7 +201,27 @@ class ImagegenTask:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
 
+    def _check_cache_meta(self, source: str) -> None:
+        """Latents cached with other text or VAE settings than this config's (same shapes, other numbers: a
+        clip_skip, a T5-less cache, another VAE scaling) are named, with the key, instead of trained on."""
+        meta_path = Path(source) / CACHE_META
+        if not meta_path.is_file():  # image shards (encoded here, with this config), or a cache from elsewhere
+            return
+        meta = read_json(meta_path, ConfigError)
+        now = {**self.text.settings(), "scaling_factor": self.autoencoder.scaling_factor,
+               "shift_factor": self.autoencoder.shift_factor}
+        keys = {"text_kind": "text.kind", "max_sequence_length": "text.max_sequence_length",
+                "clip_skip": "text.clip_skip", "use_t5": "text.use_t5", "max_length": "text.max_length",
+                "layer": "text.layer", "pooled": "text.pooled",
+                "scaling_factor": "autoencoder.spec (its scaling_factor)",
+                "shift_factor": "autoencoder.spec (its shift_factor)"}
+        for k, key in keys.items():
+            if k in meta and k in now and meta[k] != now[k]:
+                raise ConfigError(f"{meta_path}: the latents were cached with {k} {meta[k]!r}, but {key} gives "
+                                  f"{now[k]!r}; re-run `atelier imagegen cache` with this config")
+
     def _check_latents(self, ds: LatentDataset, source: str) -> None:
+        self._check_cache_meta(source)
         s = ds[0]
         a = self.model.args
         checks = [("latent channels", s["latent"].shape[0], a.in_channels, "MMDiT in_channels"),

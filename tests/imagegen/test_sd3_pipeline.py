@@ -49,11 +49,18 @@ def run_cli(*args: str) -> None:
     assert code == 0
 
 
-def test_cache_stores_encode_prompt_states_and_vae_latents(tmp_path_factory, shards):
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, shards) -> tuple[Path, Path]:
+    """(the tiny SD3 pipeline, its latents cached through the CLI)."""
     pipe_dir = build_pipeline(tmp_path_factory.getbasetemp() / "sd3-pipe")
     latents = tmp_path_factory.mktemp("sd3-cache") / "latents"
     run_cli("imagegen", "cache", "--config", str(CONFIG), "--out", str(latents),
             *sets(pipe_dir, shards, latents, latents.parent / "unused"))
+    return pipe_dir, latents
+
+
+def test_cache_stores_encode_prompt_states_and_vae_latents(cached, shards):
+    pipe_dir, latents = cached
     meta = json.loads((latents / CACHE_META).read_text())
     assert (meta["scaling_factor"], meta["shift_factor"]) == (1.5305, 0.0609)  # from vae/config.json
     assert meta["text_kind"] == "sd3" and meta["text_tokens"] == 77 + MAX_SEQUENCE_LENGTH
@@ -73,6 +80,15 @@ def test_cache_stores_encode_prompt_states_and_vae_latents(tmp_path_factory, sha
         torch.testing.assert_close(s["pooled"], pooled[0], rtol=1e-5, atol=1e-6)
         # the VAE encoder's ~20 conv / norm layers at another batch size: ~1e-6 apart on latents of unit scale
         torch.testing.assert_close(s["latent"], ((z - 0.0609) * 1.5305)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_training_on_a_cache_of_other_settings_is_refused(cached, shards, tmp_path, capsys):
+    pipe_dir, latents = cached
+    code = main(["imagegen", "train", "--config", str(CONFIG),
+                 *sets(pipe_dir, shards, latents, tmp_path / "run", "text.clip_skip=1")])
+    err = capsys.readouterr().err
+    assert code == 2 and "clip_skip 0" in err and "text.clip_skip gives 1" in err and "imagegen cache" in err
+    assert not (tmp_path / "run" / "config.toml").exists()
 
 
 def _pipeline_render(pipe_dir: Path, output_type: str):
