@@ -70,10 +70,11 @@ class SD3TextEncoders(nn.Module):
         self.device, self.dtype = torch.device(device), dtype
 
         def load(what: str, fn):
+            folder = part_dir(self.path, what)  # a missing part is named by sd3_dir
             try:
-                return fn(str(part_dir(self.path, what)))
+                return fn(str(folder))
             except (OSError, ValueError) as e:
-                raise TextEncoderError(f"{self.path / what}: cannot load it ({type(e).__name__}: {e})") from e
+                raise TextEncoderError(f"{folder}: cannot load it ({type(e).__name__}: {e})") from e
 
         self.tokenizers = [load(n, lambda p: CLIPTokenizer.from_pretrained(p, local_files_only=True))
                            for n in ("tokenizer", "tokenizer_2")]
@@ -82,11 +83,14 @@ class SD3TextEncoders(nn.Module):
         self.clips = nn.ModuleList(m.to(self.device).eval().requires_grad_(False) for m in clips)
         # diffusers' tokenizer_max_length: the CLIP-L tokenizer's model_max_length, for both CLIPs
         self.clip_length = int(self.tokenizers[0].model_max_length)
-        for i, m in enumerate(self.clips):
+        for name, m in zip(("text_encoder", "text_encoder_2"), self.clips):
             if m.config.max_position_embeddings < self.clip_length:
-                raise TextEncoderError(f"{self.path / ('text_encoder', 'text_encoder_2')[i]}: "
-                                       f"max_position_embeddings {m.config.max_position_embeddings} < the tokenizer's "
-                                       f"model_max_length {self.clip_length}")
+                raise TextEncoderError(f"{self.path / name}: max_position_embeddings {m.config.max_position_embeddings}"
+                                       f" < the tokenizer's model_max_length {self.clip_length}")
+            if clip_skip + 1 > m.config.num_hidden_layers:  # hidden_states[-(clip_skip + 2)] must exist
+                raise TextEncoderError(f"text.clip_skip = {clip_skip}: {self.path / name} has "
+                                       f"{m.config.num_hidden_layers} layers (clip_skip <= "
+                                       f"{m.config.num_hidden_layers - 1})")
         self.t5_tokenizer = self.t5 = None
         if use_t5:
             self.t5_tokenizer = load("tokenizer_3", lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True))
@@ -114,15 +118,17 @@ class SD3TextEncoders(nn.Module):
 
     # ------------------------------------------------------------------ the encoders
 
-    def _tokens(self, tokenizer, captions: list[str], length: int, which: str) -> dict[str, torch.Tensor]:
+    def _tokens(self, tokenizer, captions: list[str], length: int, which: str | None) -> dict[str, torch.Tensor]:
+        """Exactly `length` tokens per caption; captions cut short are counted under `which` (None: not counted)."""
         tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-        full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
-        self.truncated[which] += sum(len(ids) > length for ids in full)
+        if which is not None:
+            full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
+            self.truncated[which] += sum(len(ids) > length for ids in full)
         return tok
 
     def _clip(self, i: int, captions: list[str], clip_skip: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CLIP i (0: CLIP-L, 1: CLIP-G) -> (states [B, Lc, D], pooled [B, P], mask [B, Lc])."""
-        tok = self._tokens(self.tokenizers[i], captions, self.clip_length, "clip")
+        tok = self._tokens(self.tokenizers[i], captions, self.clip_length, "clip" if i == 0 else None)  # count once
         out = self.clips[i](tok["input_ids"].to(self.device), output_hidden_states=True)
         return out.hidden_states[-(clip_skip + 2)], out.text_embeds, tok["attention_mask"]
 

@@ -60,7 +60,7 @@ def test_states_and_pooled_equal_encode_prompt(pipe_dir, pipe):
     torch.testing.assert_close(neg_states.expand(4, -1, -1), want_neg, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(neg_pooled.expand(4, -1), want_neg_pooled, rtol=1e-5, atol=1e-6)
     assert mask.shape == (4, 77 + MAX_SEQUENCE_LENGTH) and mask[3].all() and not mask[0].all()
-    assert enc.truncated == {"clip": 2, "t5": 1}  # the long caption: both CLIPs and T5
+    assert enc.truncated == {"clip": 1, "t5": 1}  # the long caption, once for the CLIPs and once for T5
     assert (enc.states_width, enc.pooled_width, enc.num_tokens) == (T5_WIDTH, POOLED, 77 + MAX_SEQUENCE_LENGTH)
     parts = {p.name: p for p in enc.parts}
     assert (parts["clip_g"].cols, parts["clip_g"].pooled_cols) == (slice(CLIP_L, CLIP_L + CLIP_G),
@@ -127,3 +127,5 @@ def test_bad_pipeline_directories_are_named(pipe_dir, tmp_path):
         SD3TextEncoders(copy, use_t5=False)
     with pytest.raises(TextEncoderError, match="max_sequence_length"):
         SD3TextEncoders(pipe_dir, max_sequence_length=513)
+    with pytest.raises(TextEncoderError, match="text.clip_skip = 2: .*text_encoder_2 has 2 layers"):
+        SD3TextEncoders(pipe_dir, clip_skip=2, use_t5=False)
