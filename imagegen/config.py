@@ -40,7 +40,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         if not self.path:
-            raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`)")
+            raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`) or an "
+                              "SD3 pipeline directory")
 
 
 @dataclass(frozen=True)
