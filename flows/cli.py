@@ -10,7 +10,7 @@
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
-    atelier imagegen sample --model DIR --captions FILE --out DIR
+    atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
@@ -165,7 +165,8 @@ def imagegen_sample(args: argparse.Namespace) -> int:
     from atelier_studio.imagegen.sample import sample_to_dir
 
     sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
-                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config)
+                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
+                  resolution=args.resolution)
     return 0
 
 
@@ -296,13 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--shard-size", type=int, default=1000)
     sp = command(i, "sample", imagegen_sample, "render images for captions (one per line)")
-    sp.add_argument("--model", required=True, help="a transformer/ or ema/ directory from a run")
+    sp.add_argument("--model", required=True,
+                    help="a transformer/ or ema/ directory from a run, or a diffusers SD3 pipeline directory")
     sp.add_argument("--captions", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config", default=None, help="the run's config.toml (default: next to the model dir)")
     sp.add_argument("--steps", type=int, default=28)
     sp.add_argument("--guidance", type=float, default=4.0)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--resolution", type=int, default=0,
+                    help="image side in pixels (default: the run's data.resolution, or the pipeline's default size)")
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")

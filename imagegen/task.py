@@ -1,21 +1,30 @@
 """The imagegen task on the shared engine: rectified flow on cached latents, one aspect bucket per batch.
 
 Shape legend: B images, C latent channels, h/w latent size, p MMDiT patch, N = (h/p)(w/p) image tokens,
-L text tokens (fixed: every caption is padded to text.max_length), D text hidden size.
+L text tokens (fixed: every caption is padded to the same length), D text width, P pooled width.
 
 Per micro-batch (conventions in imagegen/flow.py): t from `flow.sample_timesteps` (logit-normal, shifted;
 the image token count feeds the dynamic shift), noise ~ N(0, I), x_t = (1 - t) x0 + t noise, the model
 predicts v = noise - x0 at timestep t * 1000, and the loss is the per-image `flow_loss` summed (the
-trainer divides by the number of images of the optimizer step). Caption dropout replaces a caption's
-cached states by the empty caption's with probability text.caption_dropout (for CFG at sampling).
+trainer divides by the number of images of the optimizer step). Caption dropout (for CFG at sampling,
+imagegen/caption_dropout.py) replaces a caption's cached states and pooled vector, or each encoder's part of
+them, by the empty caption's (or zeros) with probability text.caption_dropout.
 
 Data (data/latent_stream.py): the training latents stream from the shards with bounded memory, as
 data.streams logical streams (default: one per process); global micro-batch k is one chunk of one bucket
 from every stream, and a rank runs the chunks of the streams it holds (one, unless it holds several, as
 one process replaying a multi-process run does: then each chunk is a micro-batch of the step). A chunk's
-draws come from a generator seeded by (train.seed, k, stream), so any number of processes with the same
-data.streams and global batch draws the same, and resume is exact without any RNG state. The eval set is
-small and held in memory (at most data.max_eval_images).
+draws (timesteps, noise, caption dropout) come from a generator seeded by (train.seed, k, stream), so any
+number of processes with the same data.streams and global batch draws the same, and resume is exact without
+any RNG state. The eval set is small and held in memory (at most data.max_eval_images).
+
+Text: one encoder (its hidden size is both joint_attention_dim and pooled_projection_dim) or SD3's three
+(`text.kind = "sd3"`: states of T5's width, pooled of the two CLIP projections; 4096 and 2048 for the released
+models). With `text.kind = "sd3"` the export also writes `pipeline/`: the SD3 pipeline the encoders came from
+with the trained transformer (EMA weights when EMA is on) in it, so `StableDiffusion3Pipeline.from_pretrained`
+renders what `atelier imagegen sample` renders (imagegen/export.py). After the data is read, the only captions the
+task encodes are the sample grid's fixed prompts: they are encoded once (`text.EncodedPrompts`) and the text
+encoders are freed, so T5-XXL does not hold GPU memory through the run.
 
 Several processes (torchrun, `dist.enabled`): the MMDiT is wrapped by `pipeline.distributed.parallelize`
 (activation checkpointing -> compile -> FSDP2, one unit per joint block) and, with
@@ -50,16 +59,18 @@ import torch
 from atelier_studio.data.buckets import LatentDataset, rank_rows
 from atelier_studio.data.latent_stream import LatentStream, StreamConfig, first_sample
 from atelier_studio.data.shards import read_index, read_latent_shards
-from atelier_studio.data.textfile import read_lines
-from atelier_studio.imagegen.autoencoder import load_autoencoder
-from atelier_studio.imagegen.cache import cache_split
+from atelier_studio.data.textfile import read_json, read_lines
+from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolve_autoencoder_spec
+from atelier_studio.imagegen.cache import CACHE_META, cache_split
+from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
-from atelier_studio.imagegen.text import load_text_encoder
+from atelier_studio.imagegen.sd3_dir import scheduler_config
+from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
@@ -113,10 +124,15 @@ class ImagegenTask:
         self._gen = torch.Generator(device=device)  # re-seeded per global micro-batch
         self._step = 0  # optimizer steps done (after_optimizer_step / the checkpoint)
         self._ema_export: dict[str, torch.Tensor] | None = None  # gathered at the last step's evaluation
-        self.autoencoder = load_autoencoder(cfg.autoencoder.spec).to(device)
-        self.text = load_text_encoder(cfg.text, device)
+        self.autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
+        self.text = load_text_encoder(cfg.text, device, cfg.model.path)
         self._check_dims()
-        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [D]
+        if cfg.text.kind == "sd3" and not self._exports_pipeline():
+            log(f"imagegen: autoencoder.spec {cfg.autoencoder.spec!r} is not a diffusers VAE: the run exports "
+                f"transformer/ but no pipeline/ directory")
+        if self._exports_pipeline():  # the export copies the base's scheduler: a bad one is named now, not at the end
+            scheduler_config(text_encoder_dir(cfg.text, cfg.model.path))
+        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [P]
 
         out = Path(cfg.output.dir)
         d = cfg.data
@@ -138,6 +154,8 @@ class ImagegenTask:
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
+        # the only captions encoded from here on are the sample grid's: encode them now and let the encoders go
+        self.text = EncodedPrompts(self.text, self.prompts)
         # training loss by timestep bin, accumulated on the device (no sync) and read at evaluation
         self._bin_sum = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         self._bin_count = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
@@ -184,25 +202,48 @@ class ImagegenTask:
     # ------------------------------------------------------------------ setup checks
 
     def _check_dims(self) -> None:
-        a, d = self.model.args, self.text.hidden_size
-        if a.joint_attention_dim != d or a.pooled_projection_dim != d:
+        a, d, p = self.model.args, self.text.states_width, self.text.pooled_width
+        if a.joint_attention_dim != d or a.pooled_projection_dim != p:
+            what = (f"hidden size {d}" if d == p else
+                    f"states {d} wide and a pooled vector of {p} ({self.cfg.text.kind} encoders)")
             raise ConfigError(
-                f"text.encoder {self.text.path} has hidden size {d}, but the MMDiT at model.path {self.cfg.model.path} "
+                f"text.encoder {self.text.path} gives {what}, but the MMDiT at model.path {self.cfg.model.path} "
                 f"has joint_attention_dim {a.joint_attention_dim} and pooled_projection_dim "
-                f"{a.pooled_projection_dim}; both must equal {d} (re-init with "
-                f"joint_attention_dim={d}, pooled_projection_dim={d})")
+                f"{a.pooled_projection_dim}; they must be {d} and {p} (re-init with "
+                f"joint_attention_dim={d}, pooled_projection_dim={p})")
         if a.in_channels != self.autoencoder.latent_channels:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
 
+    def _check_cache_meta(self, source: str) -> None:
+        """Latents cached with other text or VAE settings than this config's (same shapes, other numbers: a
+        clip_skip, a T5-less cache, another VAE scaling) are named, with the key, instead of trained on."""
+        meta_path = Path(source) / CACHE_META
+        if not meta_path.is_file():  # image shards (encoded here, with this config), or a cache from elsewhere
+            return
+        meta = read_json(meta_path, ConfigError)
+        now = {**self.text.settings(), "scaling_factor": self.autoencoder.scaling_factor,
+               "shift_factor": self.autoencoder.shift_factor}
+        keys = {"text_kind": "text.kind", "max_sequence_length": "text.max_sequence_length",
+                "clip_skip": "text.clip_skip", "use_t5": "text.use_t5", "max_length": "text.max_length",
+                "layer": "text.layer", "pooled": "text.pooled",
+                "scaling_factor": "autoencoder.spec (its scaling_factor)",
+                "shift_factor": "autoencoder.spec (its shift_factor)"}
+        for k, key in keys.items():
+            if k in meta and k in now and meta[k] != now[k]:
+                raise ConfigError(f"{meta_path}: the latents were cached with {k} {meta[k]!r}, but {key} gives "
+                                  f"{now[k]!r}; re-run `atelier imagegen cache` with this config")
+
     def _check_latents(self, shapes: dict[str, tuple[int, ...]], key: str, shard: str,
                        buckets: list[tuple[int, int]], source: str) -> None:
-        """A sample's tensor shapes (and the set's buckets) against the model and the text config."""
+        """A sample's tensor shapes (and the set's buckets and cache settings) against the model and the text config."""
+        self._check_cache_meta(source)
         a = self.model.args
         checks = [("latent channels", shapes["latent"][0], a.in_channels, "MMDiT in_channels"),
                   ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
                   ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
-                  ("text tokens", shapes["text_states"][0], self.text.max_length, "text.max_length")]
+                  ("text tokens", shapes["text_states"][0], self.text.num_tokens,
+                   "text.max_sequence_length + 77" if self.cfg.text.kind == "sd3" else "text.max_length")]
         for what, got, want, of in checks:
             if got != want:
                 raise ConfigError(f"{source} (key {key} in {shard}): {what} is {got}, but {of} is {want}; "
@@ -294,8 +335,9 @@ class ImagegenTask:
         return flow_loss(pred, b.latent, noise, t, self.flow)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(t [B], noise [B, C, h, w], caption-drop mask [B] or None) of a training chunk, from a generator seeded
-        by (train.seed, global micro-batch, stream): the same on any number of processes."""
+        """(t [B], noise [B, C, h, w], caption-drop mask [B, K] or None) of a training chunk, from a generator
+        seeded by (train.seed, global micro-batch, stream): the same on any number of processes. K = the text
+        encoders (one draw per image, or per image and encoder with caption_dropout_encoders "independent")."""
         if b.chunk is None:
             raise ValueError("ImagegenTask.loss_sum: a training batch needs its chunk (train_batches)")
         B = b.size
@@ -303,16 +345,20 @@ class ImagegenTask:
         t = sample_timesteps(B, g, self.flow, self._image_tokens(b), self.device)  # [B]
         noise = torch.randn((B, *b.latent.shape[1:]), generator=g, device=self.device)  # [B, C, h, w]
         drop = None
-        if self.cfg.text.caption_dropout > 0:
-            drop = torch.rand(B, generator=g, device=self.device) < self.cfg.text.caption_dropout  # [B]
+        tc, K = self.cfg.text, len(self.text.parts)
+        if tc.caption_dropout > 0:
+            shape = (B,) if tc.caption_dropout_encoders == "joint" else (B, K)
+            uniform = torch.rand(shape, generator=g, device=self.device)  # [B] or [B, K]
+            drop = drop_mask(uniform, tc.caption_dropout, tc.caption_dropout_encoders, K)  # [B, K]
         return t, noise, drop
 
     def loss_sum(self, b: ImageBatch) -> torch.Tensor:
         t, noise, drop = self._draws(b)
         states, pooled = b.text_states, b.pooled
         if drop is not None:
-            states = torch.where(drop[:, None, None], self.empty_states, states)  # [B, L, D]
-            pooled = torch.where(drop[:, None], self.empty_pooled, pooled)  # [B, D]
+            empty = self.cfg.text.caption_dropout_fill == "empty"
+            states, pooled = drop_captions(states, pooled, drop, self.text.parts,  # [B, L, D], [B, P]
+                                           self.empty_states if empty else None, self.empty_pooled if empty else None)
         losses = self._losses(b, t, noise, states, pooled)  # [B]
         bins = (t.detach() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
         self._bin_sum.index_add_(0, bins, losses.detach().double())
@@ -418,6 +464,10 @@ class ImagegenTask:
 
     # ------------------------------------------------------------------ state and export
 
+    def _exports_pipeline(self) -> bool:
+        """A pipeline/ export needs SD3's encoders and a diffusers VAE (a pixel codec has no pipeline form)."""
+        return self.cfg.text.kind == "sd3" and isinstance(self.autoencoder, SD3VAE)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.ema.state_tensors() if self.ema is not None else {}
 
@@ -433,7 +483,9 @@ class ImagegenTask:
             self.ema.load_state_tensors(tensors)
 
     def export(self, out_dir: Path) -> dict[str, Path]:
-        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`.
+        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`; with SD3's
+        encoders also pipeline/, a StableDiffusion3Pipeline directory holding the EMA weights (EMA on) or the
+        trained ones, the VAE the latents came from and the scheduler set to this run's flow settings.
 
         Under FSDP the trainer calls it on rank 0 only, with the model's weights consolidated; the EMA's full
         copy was gathered on every rank at the last step's evaluation (a rank-0-only gather would hang).
@@ -441,6 +493,7 @@ class ImagegenTask:
         out_dir = Path(out_dir)
         dtype = torch.bfloat16 if self.autocast else torch.float32
         paths = {"transformer": save_pretrained(self.model, out_dir / "transformer", dtype=dtype)}
+        ema = None
         if self.ema is not None:
             if self.dist.enabled:
                 if self._ema_export is None:
@@ -450,6 +503,13 @@ class ImagegenTask:
             else:
                 ema = self.ema.full_state(self.dist)
             paths["ema"] = save_pretrained(self.model, out_dir / "ema", dtype=dtype, weights=ema)
+        if self._exports_pipeline():
+            from atelier_studio.imagegen.export import export_pipeline
+
+            weights = paths["ema"] if ema is not None else paths["transformer"]
+            paths["pipeline"] = export_pipeline(
+                text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=weights,
+                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow)
         paths["meta"] = write_run_meta(out_dir, self.cfg)
         return paths
 
