@@ -29,7 +29,7 @@ from atelier_studio.designer.family import DesignerArgs
 from atelier_studio.designer.model import CausalLM
 from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
-from atelier_studio.pipeline.errors import ModelLoadError, UsageError
+from atelier_studio.pipeline.errors import ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

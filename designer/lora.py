@@ -70,7 +70,6 @@ class LoraArgs:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-
 @dataclass(frozen=True)
 class SharedInputOperands:
     """What kernels.lora_linear.lora_linear_group needs of one LoRA layer."""
