@@ -54,7 +54,8 @@ from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, gu
                            train_step, write_report)
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.imagegen.registry import family_of_size
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
@@ -67,7 +68,7 @@ QK_NORM = re.compile(r"\.norm_(added_)?[qk]\.weight$")  # SD3.5's QK-RMSNorm wei
 
 @dataclass(frozen=True)
 class BenchConfig:
-    size: str                     # imagegen.model.SIZES key
+    size: str                     # a registered imagegen size (imagegen/registry.py)
     resolution: int               # pixel side of the one square bucket
     text_tokens: int              # L
     batches: tuple[int, ...]      # micro-batch sweep
@@ -103,7 +104,7 @@ def tiny_config(cfg: BenchConfig) -> BenchConfig:
 
 
 def model_args(cfg: BenchConfig) -> MMDiTArgs:
-    return SIZES[cfg.size]
+    return family_of_size(cfg.size).args_of_size(cfg.size)
 
 
 def image_tokens(cfg: BenchConfig, args: MMDiTArgs) -> int:

@@ -66,8 +66,9 @@ from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
+from atelier_studio.imagegen.hf import build_model, load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
+from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
 from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
@@ -182,7 +183,8 @@ class ImagegenTask:
             param_dtype = torch.bfloat16 if self.autocast else torch.float32
         else:
             param_dtype = getattr(torch, choice)
-        return parallelize(model, list(model.transformer_blocks), self.dist, self.cfg.train.distributed, param_dtype)
+        return parallelize(model, family_of_args(model.args).blocks(model), self.dist, self.cfg.train.distributed,
+                           param_dtype)
 
     def _build_sharded(self) -> MMDiT:
         """Meta model -> wrap -> each rank reads only its rows of every tensor from the safetensors files."""
@@ -191,7 +193,7 @@ class ImagegenTask:
         model_dir = resolve_dir(self.cfg.model.path)
         where = weight_map(model_dir, read_args(model_dir))
         with torch.device("meta"):
-            model = MMDiT(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
+            model = build_model(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
         self._wrap(model)
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -321,7 +323,8 @@ class ImagegenTask:
         return (b.latent.shape[2] // p) * (b.latent.shape[3] // p)
 
     def batch_flops(self, b: ImageBatch) -> int:
-        return self.model.train_flops(b.size, self._image_tokens(b), b.text_states.shape[1])
+        return family_of_args(self.model.args).train_flops(self.model, b.size, self._image_tokens(b),
+                                                           b.text_states.shape[1])
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()

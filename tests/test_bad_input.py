@@ -345,7 +345,7 @@ CASES = [
          lambda t, w: ["designer", "init", "--size", "huge", "--tokenizer", str(w.tokenizer), "--out", str(t / "m")],
          ("unknown designer size 'huge'",), absent=("m",)),
     Case("imagegen-init-unknown-size", lambda t, w: ["imagegen", "init", "--size", "huge", "--out", str(t / "m")],
-         ("unknown size 'huge'",), absent=("m",)),
+         ("unknown imagegen size 'huge'",), absent=("m",)),
     Case("corpus-not-utf8",
          lambda t, w: ["data", "tokenizer", "--corpus", str(write(t / "corpus.txt", b"one\ntwo\n" + NOT_UTF8)),
                        "--vocab-size", "300", "--out", str(t / "tok")],
