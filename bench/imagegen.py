@@ -5,7 +5,7 @@
         [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
-L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
+L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, SD3 uses no text mask), E = 4096 text
 width, P = 2048 pooled width, D = 1536 model dim.
 
 Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
