@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip uninstall -q -y atelier 2>/dev/null || true  # the distribution's name before atelier-studio
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -36,13 +37,13 @@ PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 
 # The whole product on the shapes world, through Prefect; leaves the server running (`make stop`). See docs/demo.md.
 demo: $(STAMP)
-	$(PREFECT_ENV) $(PY) -m flows.demo
+	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.demo
 
 serve: $(STAMP)
-	$(PREFECT_ENV) $(PY) -m flows.serve start
+	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.serve start
 
 stop:
-	$(PREFECT_ENV) $(PY) -m flows.serve stop
+	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.serve stop
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs models

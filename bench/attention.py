@@ -1,4 +1,4 @@
-"""Packed causal attention paths on one GPU: speed (forward + backward) and exactness (issue 6, item 2).
+"""Packed causal attention paths on one GPU: speed (forward + backward) and exactness.
 
     python3 -m bench.attention --out DIR [--shapes packed-8k,one-doc-64k] [--repeats 10] [--tiny]
 
@@ -17,7 +17,7 @@ Paths (each skipped, with the reason, where this machine lacks it):
   sdpa_per_doc the reference loop (kernels.attention "sdpa"), in bf16 here for its speed.
 Exactness: output and dq/dk/dv against packed_causal_attention_ref in fp32 (the ground truth), as the
 max abs error; a path is "exact" when its error is at most 2× that of eager attention in the same dtype
-(transformers' eager attention per document: matmuls in that dtype, fp32 softmax) + 1e-5 (FlashAttention's rule; STYLE.md). Timing: CUDA events, median of `repeats`
+(transformers' eager attention per document: matmuls in that dtype, fp32 softmax) + 1e-5 (FlashAttention's rule; docs/kernels.md). Timing: CUDA events, median of `repeats`
 after 3 warm-up calls (compile included in warm-up). FLOPs: causal 2·Σ len²·H·Dh forward (QKᵀ and PV,
 the causal half), ×3.5 for forward + backward (backward recomputes P: 2.5× the forward), as FlashAttention
 counts it.
@@ -38,8 +38,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from bench.env import clocks, environment
-from kernels.attention import packed_causal_attention, packed_causal_attention_ref
+from atelier_studio.bench.env import clocks, environment
+from atelier_studio.kernels.attention import packed_causal_attention, packed_causal_attention_ref
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 SHAPES = {
     "packed-8k": dict(rows=4, row_len=2048, heads=32, kv_heads=8, head_dim=128, one_doc=False),
@@ -285,10 +286,9 @@ def cli(argv: list[str] | None, prog: str, doc: str, shapes: dict, tiny_shapes: 
         report["shapes"][name] = bench_one(name, table[name], device, dtype, chosen_paths, a.repeats, a.tiny)
     report["clocks"]["after"] = clocks()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report, title))
+    atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
+    atomic_write_text(out / f"{stem}.md", markdown(report, title), what="benchmark report")
     print(markdown(report, title))
     return 0
 

@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-import kernels.causal_conv1d as cc
-from bench.env import environment
-from bench.harness import parse_ints
+import atelier_studio.kernels.causal_conv1d as cc
+from atelier_studio.bench.env import environment
+from atelier_studio.bench.harness import parse_ints
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 SHAPE = dict(tokens=16384, channels=8192, taps=4, min_doc=20, max_doc=600)
 TINY = dict(tokens=40, channels=12, taps=4, min_doc=1, max_doc=9)
@@ -117,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if a.tiny else torch.device("cuda")
     report = bench(TINY if a.tiny else SHAPE, a.programs, a.repeats, device)
     report.update(environment())
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"causal-conv1d-{time.strftime('%Y-%m-%d')}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = Path(a.out) / f"causal-conv1d-{time.strftime('%Y-%m-%d')}.json"
+    atomic_write_text(path, json.dumps(report, indent=1), what="benchmark report")
     print("\n".join(lines(report)))
     print(f"wrote {path}")
     return 0

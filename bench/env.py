@@ -1,4 +1,4 @@
-"""What every benchmark report records about the machine it ran on (BENCHMARKS.md).
+"""What every benchmark report records about the machine it ran on.
 
 GPU name and driver, library versions, SM clock and power (read with nvidia-smi, never changed), and
 the bf16 matmul rate measured on this card in this run — the practical ceiling on a power-capped H200.

@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.env import clocks, environment, matmul_tflops
+from atelier_studio.bench.env import clocks, environment, matmul_tflops
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 ROOT = Path(__file__).parents[1]
 
@@ -31,7 +32,7 @@ def atelier(*args: str, log: Path) -> tuple[int, float]:
     with open(log, "a") as fh:
         fh.write(f"$ atelier {' '.join(args)}\n")
         fh.flush()
-        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=fh,
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=ROOT, stdout=fh,
                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc.returncode, time.time() - start
 
@@ -85,11 +86,11 @@ def main() -> int:
     if "designer" in args.only:
         report["designer"] = designer_run(work, Path(args.tokenizer), log)
     if "imagegen" in args.only:
-        from bench.first_runs_imagegen import imagegen_run
+        from atelier_studio.bench.first_runs_imagegen import imagegen_run
 
         report["imagegen"] = imagegen_run(work, log)
     report["clocks_after"] = clocks()
-    (out / "first-runs.json").write_text(json.dumps(report, indent=1))
+    atomic_write_text(out / "first-runs.json", json.dumps(report, indent=1), what="benchmark report")
     for name in ("designer", "imagegen"):
         for key, run in report.get(name, {}).get("runs", {}).items():
             s = run.get("summary", {})

@@ -1,6 +1,6 @@
 """The first real-size imagegen run on one GPU: SD3-medium's MMDiT at 1024 px, through the user-facing CLI.
 
-    from bench.first_runs_imagegen import imagegen_run
+    from atelier_studio.bench.first_runs_imagegen import imagegen_run
     report = imagegen_run(Path("/tmp/atelier-first-runs"), Path("out/first-runs.log"))          # the H200 run
     report = imagegen_run(tmp, tmp / "log", tiny=True, dtype="float32")                     # the CPU test
 
@@ -12,7 +12,7 @@ Steps (each skipped when its output already exists, so a re-run only trains agai
    tiny widths -> WORK/vae. `ImagegenTask` loads one at startup and checks in_channels == latent_channels
    and that buckets tile by downsample_factor x patch; no `pixel:<p>` spec gives 16 channels (it gives
    3p²). With samples and eval off it is never run.
-4. Random latent shards (BENCHMARKS: random data, never zeros) in the layout `atelier imagegen cache`
+4. Random latent shards (random data, never zeros: zeros run faster) in the layout `atelier imagegen cache`
    writes: shard-*.tar + index.json (`data.shards.write_latent_shards`) + cache.json -> WORK/latents.
 5. `atelier imagegen train` with WORK/ig.toml: bf16 autocast over fp32 master weights, logit-normal
    timesteps with shift 3.0, EMA 0.9999, 20 steps, micro-batch 16, then 8 only if 16 ran out of memory.
@@ -37,9 +37,9 @@ from typing import Iterator
 
 import torch
 
-from bench.first_runs import atelier, read_run
+from atelier_studio.bench.first_runs import atelier, read_run
 
-# SD3's VAE latent normalisation (PITFALLS.md "SD3 conventions"): the stand-in VAE carries the same constants.
+# SD3's VAE latent normalisation: the stand-in VAE carries the same constants.
 SD3_SCALING, SD3_SHIFT = 1.5305, 0.0609
 VAE_FACTOR = 8  # 2^(4 blocks - 1): SD3's VAE downsampling
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
@@ -167,8 +167,8 @@ def _cache_meta(shape: RunShape, dtype: torch.dtype, text_enc: Path, vae: Path) 
 
 def write_random_latents(out: Path, shape: RunShape, dtype: torch.dtype, text_enc: Path, vae: Path) -> Path:
     """Random latent shards + index.json + cache.json at `out`; kept when an identical set is already there."""
-    from data.shards import read_index, write_latent_shards
-    from imagegen.cache import CACHE_META
+    from atelier_studio.data.shards import read_index, write_latent_shards
+    from atelier_studio.imagegen.cache import CACHE_META
 
     meta = _cache_meta(shape, dtype, text_enc, vae)
     if read_index(out) is not None and (out / CACHE_META).is_file() and \

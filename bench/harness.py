@@ -1,4 +1,4 @@
-"""What every speed benchmark shares (BENCHMARKS.md "Protocol"): the timed optimizer-step loop, OOM as a result,
+"""What every speed benchmark shares (docs/performance.md): the timed optimizer-step loop, OOM as a result,
 the report files (JSON + markdown + ablation chart) and small formatting helpers. bench/designer.py and
 bench/imagegen.py build their models and batches; this runs and records them the same way.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch._dynamo
 
-PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (BENCHMARKS.md)
+PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (docs/mfu.md)
 
 
 def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
@@ -150,10 +150,10 @@ def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str
 def write_report(report: dict[str, Any], out: Path, stem: str, markdown: str,
                  chart: Callable[[Path], Path | None]) -> Path:
     """out/<stem>-<date>.json, .md and -ablation.png (when `chart` draws one); returns the JSON's path."""
-    out.mkdir(parents=True, exist_ok=True)
+    from atelier_studio.pipeline.atomic import atomic_write_text
+
     stem = f"{stem}-{time.strftime('%Y-%m-%d')}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown)
+    path = atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
+    atomic_write_text(out / f"{stem}.md", markdown, what="benchmark report")
     chart(out / f"{stem}-ablation.png")
     return path

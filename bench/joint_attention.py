@@ -1,4 +1,4 @@
-"""Imagegen's joint attention (non-causal, head dim 64) on one GPU: which kernel, by measurement (issue 8, item 2).
+"""Imagegen's joint attention (non-causal, head dim 64) on one GPU: which kernel, by measurement.
 
     python3 -m bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--repeats 10] [--tiny]
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from bench.attention import cli, grads, judge_paths
+from atelier_studio.bench.attention import cli, grads, judge_paths
 
 SHAPES = {"sd3-1024": dict(batch=8, tokens=4096 + 333, heads=24, head_dim=64),
           "sd3-512": dict(batch=32, tokens=1024 + 333, heads=24, head_dim=64)}

@@ -1,4 +1,4 @@
-"""Add BENCHMARKS.md's head-on-every-token MFU to a designer report written before the bench computed it.
+"""Add the head-on-every-token MFU (docs/mfu.md) to a designer report written before the bench computed it.
 
     python3 -m bench.recount bench/results/designer-<config>-<date>.json [--tokenizer DIR]
 
@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.designer import BenchConfig, make_batches, markdown, mfu_of, parser, step_flops
-from designer.hf import args_from_size
+from atelier_studio.bench.designer import BenchConfig, make_batches, markdown, mfu_of, parser, step_flops
+from atelier_studio.designer.hf import args_from_size
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 
 def run_settings(report: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def recount(report: dict[str, Any], tokenizer: str | None = None, warmup: int | 
         if "micro_batch" in p:
             p["mfu_4n_head_all"] = report["peer_runs"][name][str(p["micro_batch"])]["mfu_4n_head_all"]
     report.setdefault("notes", {})["mfu_4n_head_all"] = ("added by bench/recount.py from the stored step times "
-                                                         "(LM head counted on every token, BENCHMARKS.md)")
+                                                         "(LM head counted on every token, docs/mfu.md)")
     return report
 
 
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None)
     a = p.parse_args(argv)
     report = recount(json.loads(a.report.read_text()), a.tokenizer)
-    a.report.write_text(json.dumps(report, indent=1))
+    atomic_write_text(a.report, json.dumps(report, indent=1), what="benchmark report")  # a committed file: never torn
     md = a.report.with_suffix(".md")
-    md.write_text(replace_table(md.read_text(), markdown(report)) if md.exists() else markdown(report))
+    atomic_write_text(md, replace_table(md.read_text(), markdown(report)) if md.exists() else markdown(report),
+                      what="benchmark report")
     for name, r in [("atelier", report.get("atelier", {}))] + list(report["peers"].items()):
         if "mfu_4n_head_all" in r:
             print(f"{name}: MFU 4N {r['mfu_4n']:.1%}, head on every token {r['mfu_4n_head_all']:.1%}")

@@ -1,4 +1,4 @@
-"""Scaling runs on several GPUs of one host, through the user-facing CLI with FSDP2 (issue 9).
+"""Scaling runs on several GPUs of one host, through the user-facing CLI with FSDP2.
 
     python3 -m bench.scaling --tokenizer DIR --out DIR [--runs designer-8b-lora,designer-8b-full,...]
         [--gpus 1,2,4,8] [--steps 12] [--work /tmp/atelier-scaling] [--tiny]
@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.env import clocks, environment
-from bench.harness import fmt, parse_ints
+from atelier_studio.bench.env import clocks, environment
+from atelier_studio.bench.harness import fmt, parse_ints
+from atelier_studio.pipeline.atomic import atomic_write_text
 
 ROOT = Path(__file__).parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -74,7 +75,7 @@ def atelier(*args: str, log: Path, env: dict[str, str]) -> int:
     with open(log, "a") as fh:
         fh.write(f"$ atelier {' '.join(args)}\n")
         fh.flush()
-        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=fh,
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=ROOT, stdout=fh,
                               stderr=subprocess.STDOUT, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
     return proc.returncode
 
@@ -110,7 +111,7 @@ def imagegen_setup(work: Path, run: ScalingRun, log: Path, dtype: str) -> Path:
     """The run's TOML over a random-init MMDiT and random latent shards (bench/first_runs_imagegen.py)."""
     import torch
 
-    from bench.first_runs_imagegen import (SD3M, TINY, write_config, write_random_latents, write_text_encoder,
+    from atelier_studio.bench.first_runs_imagegen import (SD3M, TINY, write_config, write_random_latents, write_text_encoder,
                                            write_vae)
 
     shape = TINY if run.size == "tiny" else SD3M
@@ -220,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = Path(a.tokenizer) if a.tokenizer else None
         report["runs"][name] = measure(name, run, gpus, work, tok, a.steps, log, dtype)
     report["clocks"]["after"] = clocks()
-    path = out / f"scaling-{time.strftime('%Y-%m-%d')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (out / f"scaling-{time.strftime('%Y-%m-%d')}.md").write_text(markdown(report))
+    atomic_write_text(out / f"scaling-{time.strftime('%Y-%m-%d')}.json", json.dumps(report, indent=1),
+                      what="benchmark report")
+    atomic_write_text(out / f"scaling-{time.strftime('%Y-%m-%d')}.md", markdown(report), what="benchmark report")
     print(markdown(report))
     return 0
 

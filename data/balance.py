@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from data.packing import PackedLoader
+from atelier_studio.data.packing import PackedLoader
 
 
 def row_cost(doc_lens: Sequence[int]) -> int:

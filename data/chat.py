@@ -31,15 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from atelier_studio.data.textfile import iter_lines
+from atelier_studio.pipeline.errors import DataError  # also imported from here by the modules that read training data
+
 DEFAULT_SYSTEM_PROMPT = "You are a designer. Expand the brief into a detailed image caption."
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 # Text that a tokenizer would turn into control tokens: in user data it would forge turn boundaries.
 RESERVED_STRINGS = (IM_START, IM_END, ENDOFTEXT)
-
-
-class DataError(ValueError):
-    """Bad training data; the message names ``path:line`` (or the example's source) and the problem."""
 
 
 @dataclass(frozen=True)
@@ -131,19 +130,16 @@ def parse_example(obj: Any, where: str) -> Example:
 def load_examples(path: Path | str) -> list[Example]:
     """Read and validate a JSONL file. Blank lines are skipped; any bad line, or no example at all, is a DataError."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            examples.append(parse_example(obj, where))
+    for lineno, line in iter_lines(path):  # a missing file or a non-UTF-8 line is a DataError naming it
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+        examples.append(parse_example(obj, where))
     if not examples:
         raise DataError(f"{path}: file has no examples")
     return examples

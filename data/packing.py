@@ -17,7 +17,7 @@ segment and varlen attention never mixes padding into a document.
 
 Fixed-length rows fix every tensor's shape but cu_seqlens' (its length is the segment count). For per-block
 compiled models compile_shape pads that too, to a multiple of SEGMENT_BUCKET empty segments, so a run
-compiles once per bucket it meets instead of once per segment count (PITFALLS "Recompiles"). Every count a
+compiles once per bucket it meets instead of once per segment count. Every count a
 trainer logs (tokens, loss tokens, document lengths) is a Python int computed on the host when a batch
 is built, so reading it never syncs with the device.
 """
@@ -32,7 +32,7 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from data.chat import EncodedDoc
+from atelier_studio.data.chat import EncodedDoc
 
 IGNORE_INDEX = -100
 SEGMENT_BUCKET = 64  # compile_shape rounds a batch's segment count up to a multiple of this
@@ -270,7 +270,7 @@ def fixed_shape(batch: Batch, segments: int) -> Batch:
 
 
 def compile_shape(batch: Batch, multiple: int = SEGMENT_BUCKET) -> Batch:
-    """The batch as per-block compiled models take it (PITFALLS.md "Recompiles"): the segment count rounded up
+    """The batch as per-block compiled models take it (no recompile per batch): the segment count rounded up
     to a multiple of `multiple` (so a run compiles once per bucket it meets, not once per segment count) and
     max_seqlen = T. Rows that are one document each keep their shape: it is already fixed, and attention takes
     the causal per-row kernel for them."""

@@ -1,9 +1,12 @@
 """WebDataset shards: image shards in, latent shards out, and the corrupt-sample policy.
 
 Two shard kinds live in a directory `out_dir/shard-000000.tar, shard-000001.tar, ...` with an
-`index.json` ({"kind", "shards": [{"name", "count"}], "total"}) written last, so its presence means
-the set is complete. Keys are `%09d` ordinals (image shards) or the caller's key (latent shards);
-keys never contain "." or "/" because webdataset splits a member name at the first dot.
+`index.json` ({"kind", "shards": [{"name", "count"}], "total"}; a latent shard's entry also counts its samples
+per bucket, "buckets": {"HxW": n}). A writer builds the whole set in a
+temporary directory and installs it at out_dir only once every sample is written (pipeline/atomic.py):
+a failed write (a bad input line, a full disk) leaves out_dir as it was, never a partial set. Keys
+are `%09d` ordinals (image shards) or the caller's key (latent shards); keys never contain "." or
+"/" because webdataset splits a member name at the first dot.
 
     image shard   <key>.jpg|png|webp  original bytes, never re-encoded
                   <key>.txt           caption, UTF-8
@@ -14,7 +17,7 @@ keys never contain "." or "/" because webdataset splits a member name at the fir
 Shape legend: C latent channels, h/w latent height/width, H/W pixel height/width of the bucket,
 L text tokens, D text hidden size, P pooled text size.
 
-Corrupt samples (policy, DESIGN.md "Bad input"): a truncated or unreadable tar, an undecodable
+Corrupt samples (policy): a truncated or unreadable tar, an undecodable
 image or latent, a sample without caption, an image whose shorter side is below `min_side` are
 skipped and counted by reason and shard in a `BadSampleCounter`. Once bad / seen exceeds
 `max_bad_fraction` (checked after `min_samples_for_check` samples, and always at the end of a finite
@@ -25,26 +28,25 @@ composited over white (dropping alpha would expose undefined colours under trans
 16-bit ("I;16*", and "I" which Pillow's PNG loader produces for 16-bit grey) is scaled by 255/65535
 (Pillow's own convert clips at 255 instead).
 
-Several ranks (PITFALLS.md "WebDataset with several ranks"): shards are dealt to the global worker
+Several ranks (fewer shards than ranks x workers would hang a rank): shards are dealt to the global worker
 g = rank * num_workers + worker out of G = world_size * num_workers. Without resampling, fewer
 shards than G raises `ShardError` at construction (a worker without shards would end its epoch
 early and hang the others); that mode is for single passes where each rank handles its own slice
-(`atelier imagegen cache`, validation). For multi-rank training use `resample=True`: every worker
-draws shards with replacement forever, seeded by (seed, epoch, g), and the trainer fixes the
-number of steps, so every rank takes the same number of steps.
+(`atelier imagegen cache`, validation, the in-memory eval set). With `resample=True` every worker draws
+shards with replacement forever, seeded by (seed, epoch, g). The imagegen trainer reads its training
+latents through data/latent_stream.py instead: bounded memory, equal batches per rank, exact resume.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import braceexpand
 import numpy as np
@@ -55,6 +57,10 @@ from rich.progress import Progress
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from atelier_studio.data.textfile import read_json, read_lines
+from atelier_studio.pipeline.atomic import atomic_dir
+from atelier_studio.pipeline.errors import AtelierError, DataError
+
 IMAGE_EXTS = ("jpg", "png", "webp")  # "jpeg" is written as "jpg"
 LATENT_TENSORS = ("latent", "text_states", "pooled")
 LATENT_NDIM = {"latent": 3, "text_states": 2, "pooled": 1}
@@ -62,7 +68,7 @@ SHARD_PATTERN = "shard-{:06d}.tar"
 INDEX_NAME = "index.json"
 
 
-class ShardError(RuntimeError):
+class ShardError(AtelierError, RuntimeError):
     """A shard set is unusable: too many bad samples, missing shards, or too few shards for the ranks."""
 
 
@@ -154,44 +160,101 @@ class ShardStats:
 
 
 class _ShardSink:
-    """Writes samples into numbered shards of `shard_size`, each via a temporary name then rename."""
+    """Writes samples into numbered shards of `shard_size` inside `out_dir`, then index.json (`finish`).
+
+    `out_dir` is the temporary directory of `_shard_set` (the whole set is installed at once), so a
+    shard needs no temporary name of its own. A context manager: the open tar is closed however it ends.
+    """
 
     def __init__(self, out_dir: Path, shard_size: int, kind: str):
-        if shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.out_dir, self.shard_size, self.kind = Path(out_dir), shard_size, kind
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.names: list[str] = []
         self.counts: list[int] = []
+        self.buckets: list[Counter] = []  # latent shards: samples per "HxW" bucket, for the index
         self.writer: wds.TarWriter | None = None
 
-    def write(self, sample: dict) -> None:
+    def __enter__(self) -> "_ShardSink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close_current()
+
+    def write(self, sample: dict, bucket: tuple[int, int] | None = None) -> None:
         if self.writer is None or self.counts[-1] == self.shard_size:
             self._roll()
         self.writer.write(sample)
         self.counts[-1] += 1
+        if bucket is not None:
+            self.buckets[-1][f"{bucket[0]}x{bucket[1]}"] += 1
 
     def _roll(self) -> None:
         self._close_current()
         self.names.append(SHARD_PATTERN.format(len(self.names)))
         self.counts.append(0)
+        self.buckets.append(Counter())
         # encoder=False: values are bytes already; mtime fixed so the same input gives the same tar
-        self.writer = wds.TarWriter(str(self.out_dir / (self.names[-1] + ".tmp")), encoder=False, mtime=0.0)
+        self.writer = wds.TarWriter(str(self.out_dir / self.names[-1]), encoder=False, mtime=0.0)
 
     def _close_current(self) -> None:
         if self.writer is not None:
-            self.writer.close()
-            os.replace(self.out_dir / (self.names[-1] + ".tmp"), self.out_dir / self.names[-1])
-            self.writer = None
+            writer, self.writer = self.writer, None
+            writer.close()
 
-    def finish(self) -> ShardStats:
+    def finish(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         self._close_current()
-        index = {"kind": self.kind, "shards": [{"name": n, "count": c} for n, c in zip(self.names, self.counts)],
-                 "total": sum(self.counts)}
-        tmp = self.out_dir / (INDEX_NAME + ".tmp")
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, self.out_dir / INDEX_NAME)
-        return ShardStats(self.out_dir, tuple(self.names), tuple(self.counts), sum(self.counts))
+        shards = [{"name": n, "count": c} for n, c in zip(self.names, self.counts)]
+        if self.kind == "latent":  # the streaming loader plans with these (data/latent_stream.py)
+            for entry, hist in zip(shards, self.buckets):
+                entry["buckets"] = dict(sorted(hist.items()))
+        index = {"kind": self.kind, "shards": shards, "total": sum(self.counts)}
+        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1))
+        return tuple(self.names), tuple(self.counts)
+
+
+def _check_shard_size(shard_size: int) -> None:
+    if shard_size < 1:
+        raise DataError(f"shard size (--shard-size) must be >= 1, got {shard_size}")
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """A shard set replaces an older one at out_dir, never a directory of other files."""
+    if out_dir.is_dir() and not (out_dir / INDEX_NAME).is_file() and any(out_dir.iterdir()):
+        raise ShardError(f"{out_dir}: exists and holds files but no {INDEX_NAME}, so it is not a shard set written "
+                         f"here; refusing to replace it (choose another output directory, or empty this one)")
+
+
+def _shard_set(out_dir: Path, shard_size: int, kind: str, write: Callable[[_ShardSink], None]) -> ShardStats:
+    """Run `write(sink)` into a temporary directory and install it at out_dir only if it finishes.
+
+    Any error (a bad line, a full disk, too many bad samples) deletes the temporary directory: out_dir
+    keeps what it held before (pipeline/atomic.py), and no partial set is ever listed by `list_shards`.
+    """
+    out_dir = Path(out_dir)
+    _check_shard_size(shard_size)
+    _check_replaceable(out_dir)
+    with atomic_dir(out_dir, what="shard set") as tmp:
+        with _ShardSink(tmp, shard_size, kind) as sink:
+            write(sink)
+            names, counts = sink.finish()
+    return ShardStats(out_dir, names, counts, sum(counts))
+
+
+def read_image_checked(path: Path, where: str) -> tuple[bytes, int, int]:
+    """An image file's bytes and (width, height), after decoding every pixel once: a cut-off body is refused here."""
+    data = path.read_bytes()
+    if not data:
+        raise DataError(f"{where}: image {path} is empty (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()  # the container's own checks (PNG chunk CRCs) without decoding
+        with Image.open(io.BytesIO(data)) as img:  # verify() leaves the image unusable: open it again
+            img.load()  # decode all of it: a truncated body raises here, not at training time
+            width, height = img.size
+    except Image.UnidentifiedImageError:  # its message names a BytesIO, not the file
+        raise DataError(f"{where}: cannot decode image {path} (not an image format Pillow can read)") from None
+    except Exception as exn:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        raise DataError(f"{where}: cannot decode image {path} ({type(exn).__name__}: {exn})") from None
+    return data, width, height
 
 
 def write_image_shards(
@@ -200,46 +263,48 @@ def write_image_shards(
     """Pack images and captions into image shards.
 
     `captions_jsonl` holds one object per line: {"image": "<path relative to images_dir>",
-    "caption": "<non-empty text>"}; blank lines are skipped. Any bad line raises `ValueError`
-    naming `file:line` (bad input is refused where it enters, not skipped).
+    "caption": "<non-empty text>"}; blank lines are skipped. Any bad line raises `DataError` (a
+    ValueError) naming `file:line`: bad input is refused where it enters, not skipped. Every image is
+    decoded in full once. Nothing is written at out_dir unless every line is good (`_shard_set`).
     """
     images_dir, captions_jsonl = Path(images_dir), Path(captions_jsonl)
-    lines = captions_jsonl.read_text(encoding="utf-8").splitlines()
-    sink = _ShardSink(Path(out_dir), shard_size, "image")
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"sharding {captions_jsonl.name}", total=len(lines))
-        for lineno, line in enumerate(lines, start=1):
-            bar.advance(task)
-            if not line.strip():
-                continue
-            where = f"{captions_jsonl}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exn:
-                raise ValueError(f"{where}: invalid JSON: {exn}") from exn
-            if not isinstance(row, dict) or not isinstance(row.get("image"), str):
-                raise ValueError(f"{where}: expected an object with a string 'image' key, got {line[:120]!r}")
-            caption = row.get("caption")
-            if not isinstance(caption, str) or not caption.strip():
-                raise ValueError(f"{where}: 'caption' must be a non-empty string, got {caption!r}")
-            path = images_dir / row["image"]
-            ext = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
-            if ext not in IMAGE_EXTS:
-                raise ValueError(
-                    f"{where}: image {row['image']!r} has extension {path.suffix!r}; expected {IMAGE_EXTS}"
-                )
-            if not path.is_file():
-                raise ValueError(f"{where}: image file not found: {path}")
-            data = path.read_bytes()
-            try:
-                with Image.open(io.BytesIO(data)) as img:  # header only: size, format
-                    width, height = img.size
-            except Exception as exn:
-                raise ValueError(f"{where}: cannot read image {path}: {exn}") from exn
-            key = f"{sum(sink.counts):09d}"
-            meta = {"width": width, "height": height, "path": row["image"]}
-            sink.write({"__key__": key, ext: data, "txt": caption.encode("utf-8"), "json": json.dumps(meta).encode()})
-    return sink.finish()
+    if not images_dir.is_dir():
+        raise DataError(f"{images_dir}: images directory not found")
+    lines = read_lines(captions_jsonl)
+    _check_shard_size(shard_size)
+
+    def write(sink: _ShardSink) -> None:
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"sharding {captions_jsonl.name}", total=len(lines))
+            for lineno, line in enumerate(lines, start=1):
+                bar.advance(task)
+                if not line.strip():
+                    continue
+                where = f"{captions_jsonl}:{lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exn:
+                    raise DataError(f"{where}: invalid JSON: {exn}") from None
+                if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+                    raise DataError(f"{where}: expected an object with a string 'image' key, got {line[:120]!r}")
+                caption = row.get("caption")
+                if not isinstance(caption, str) or not caption.strip():
+                    raise DataError(f"{where}: 'caption' must be a non-empty string, got {caption!r}")
+                path = images_dir / row["image"]
+                ext = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
+                if ext not in IMAGE_EXTS:
+                    raise DataError(
+                        f"{where}: image {row['image']!r} has extension {path.suffix!r}; expected {IMAGE_EXTS}"
+                    )
+                if not path.is_file():
+                    raise DataError(f"{where}: image file not found: {path}")
+                data, width, height = read_image_checked(path, where)
+                key = f"{sum(sink.counts):09d}"
+                meta = {"width": width, "height": height, "path": row["image"]}
+                sink.write({"__key__": key, ext: data, "txt": caption.encode("utf-8"),
+                            "json": json.dumps(meta).encode()})
+
+    return _shard_set(Path(out_dir), shard_size, "image", write)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -331,16 +396,19 @@ def _decode_latent_sample(sample: dict) -> dict:
 
 
 def write_latent_shards(samples: Iterable[dict], out_dir: Path, shard_size: int) -> ShardStats:
-    """Write cached latents (see `encode_latent_sample`) into latent shards plus index.json."""
-    sink = _ShardSink(Path(out_dir), shard_size, "latent")
-    for i, sample in enumerate(samples):
-        sink.write(encode_latent_sample(sample, where=f"sample {i}"))
-    return sink.finish()
+    """Write cached latents (see `encode_latent_sample`) into latent shards plus index.json, all or nothing."""
+
+    def write(sink: _ShardSink) -> None:
+        for i, sample in enumerate(samples):
+            encoded = encode_latent_sample(sample, where=f"sample {i}")
+            sink.write(encoded, bucket=tuple(int(v) for v in sample["bucket"]))
+
+    return _shard_set(Path(out_dir), shard_size, "latent", write)
 
 
 def read_index(directory: Path) -> dict | None:
     path = Path(directory) / INDEX_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, ShardError) if path.is_file() else None
 
 
 def list_shards(source: str | Path | Sequence[str | Path], must_exist: bool = True) -> list[str]:
@@ -460,27 +528,54 @@ def read_latent_shards(source: str | Path | Sequence[str | Path], **reader_kwarg
 class ShardReport:
     """`validate_shards` result: per shard {"ok", "bad": {reason: n}, "indexed"}; index problems."""
 
+    directory: str
     kind: str
     per_shard: dict
     total_ok: int
     total_bad: int
     problems: tuple[str, ...]
 
+    @property
+    def ok(self) -> bool:
+        """True when every sample decoded and the index matches the shards."""
+        return self.total_bad == 0 and not self.problems
+
+    def summary(self) -> str:
+        """One line: what is wrong, by shard and reason (empty when `ok`)."""
+        parts = []
+        if self.total_bad:
+            bad = [f"{name}: {', '.join(f'{n} {reason}' for reason, n in s['bad'].items())}"
+                   for name, s in self.per_shard.items() if s["bad"]]
+            parts.append(f"{self.total_bad} bad sample{'s' if self.total_bad > 1 else ''} ({'; '.join(bad)})")
+        parts += list(self.problems)
+        return f"{self.directory}: " + "; ".join(parts) if parts else ""
+
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "per_shard": self.per_shard, "total_ok": self.total_ok,
-                "total_bad": self.total_bad, "problems": list(self.problems)}
+        return {"directory": self.directory, "kind": self.kind, "per_shard": self.per_shard,
+                "total_ok": self.total_ok, "total_bad": self.total_bad, "problems": list(self.problems)}
 
 
 def validate_shards(directory: Path, kind: str | None = None, min_side: int = 16) -> ShardReport:
-    """Read every shard of `directory` once and count good and bad samples per shard (never raises on bad data)."""
+    """Read every shard of `directory` once and count good and bad samples per shard.
+
+    Bad data never raises: it is counted (bad samples, a truncated tar) or listed as a problem (no index,
+    a shard the index lists but that is missing, a count that differs from the index, a tar the index
+    does not list). A directory that does not exist, or holds no shard at all, is a `ShardError`.
+    """
     directory = Path(directory)
+    if not directory.is_dir():
+        raise ShardError(f"{directory}: no such directory (expected a shard set from `atelier data shards` or "
+                         f"`atelier imagegen cache`)")
     index = read_index(directory)
     kind = kind or (index or {}).get("kind") or "image"
     indexed = {s["name"]: s["count"] for s in index["shards"]} if index else {}
-    problems = [] if index else [f"{directory}: no {INDEX_NAME}"]
+    problems = [] if index else [f"no {INDEX_NAME}"]
+    if index:
+        problems += [f"{p.name}: not listed in {INDEX_NAME}" for p in sorted(directory.glob("*.tar"))
+                     if p.name not in indexed]
     per_shard: dict = {}
     for url in list_shards(directory, must_exist=False):
-        name = Path(url).name
+        name = Path(url).relative_to(directory).as_posix()  # as the index names it (rank-RRRRR/... when merged)
         if not Path(url).is_file():
             problems.append(f"{name}: listed in {INDEX_NAME} but missing")
             continue
@@ -490,5 +585,5 @@ def validate_shards(directory: Path, kind: str | None = None, min_side: int = 16
         if name in indexed and indexed[name] != ok + reader.counter.bad:
             bad = reader.counter.bad
             problems.append(f"{name}: {INDEX_NAME} says {indexed[name]} samples, read {ok} good + {bad} bad")
-    return ShardReport(kind, per_shard, sum(s["ok"] for s in per_shard.values()),
+    return ShardReport(str(directory), kind, per_shard, sum(s["ok"] for s in per_shard.values()),
                        sum(sum(s["bad"].values()) for s in per_shard.values()), tuple(problems))

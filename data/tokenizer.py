@@ -18,7 +18,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError, load_examples
+from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError, load_examples
+from atelier_studio.data.textfile import iter_lines
+from atelier_studio.pipeline.atomic import atomic_dir
 
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Qwen2/Qwen3's pre-tokenization regex (tokenizer.json of Qwen/Qwen3-*), see Qwen2Tokenizer.
@@ -50,8 +52,7 @@ def iter_corpus_texts(corpus_files: list[Path]) -> Iterator[str]:
         if not path.is_file():
             raise TokenizerError(f"{path}: corpus file not found")
         if path.suffix == ".txt":
-            with path.open(encoding="utf-8") as f:
-                yield from (line.rstrip("\n") for line in f if line.strip())
+            yield from (line for _, line in iter_lines(path) if line.strip())  # non-UTF-8: named path:line
         elif path.suffix == ".jsonl":
             for example in load_examples(path):
                 yield from (m.content for m in example.messages)
@@ -89,9 +90,9 @@ def train_tokenizer(corpus_files: list[Path], vocab_size: int, out_dir: Path) ->
                                  additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
                                  clean_up_tokenization_spaces=False, model_max_length=131072)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(str(out_dir))
-    _finish_config(out_dir)
+    with atomic_dir(out_dir, what="tokenizer directory") as tmp:  # all of it, or nothing (pipeline/atomic.py)
+        hf.save_pretrained(str(tmp))
+        _finish_config(tmp)
     return out_dir
 
 

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import torch
 
-from data.chat import DataError, prompt_ids
-from data.tokenizer import load_tokenizer
-from designer.generate import generate
-from designer.hf import load_pretrained
-from designer.lora import load_peft_adapter
-from designer.model import Qwen3
+from atelier_studio.data.chat import DataError, prompt_ids
+from atelier_studio.data.textfile import iter_lines, read_json
+from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.generate import generate
+from atelier_studio.designer.hf import load_pretrained
+from atelier_studio.designer.lora import load_peft_adapter
+from atelier_studio.designer.model import CausalLM
+from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
+from atelier_studio.pipeline.errors import ModelLoadError, WriteError
 
 
 def read_briefs(path: Path) -> list[str]:
@@ -26,7 +29,7 @@ def read_briefs(path: Path) -> list[str]:
     if not path.is_file():
         raise DataError(f"{path}: briefs file not found")
     briefs = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in iter_lines(path):  # a non-UTF-8 line is a DataError naming path:line
         text = line.strip()
         if not text:
             continue
@@ -45,12 +48,13 @@ def read_briefs(path: Path) -> list[str]:
     return briefs
 
 
-def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Qwen3, object]:
+def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, object]:
     """A model directory, or an adapter directory applied to its base. Returns (model, tokenizer)."""
     path = Path(path)
     adapter_cfg = path / "adapter_config.json"
     if adapter_cfg.is_file():
-        base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
+        cfg = read_json(adapter_cfg, ModelLoadError)
+        base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
         if not base or not Path(base).is_dir():
             raise FileNotFoundError(f"{adapter_cfg}: base_model_name_or_path {base!r} is not a local directory")
         model = load_pretrained(base, dtype=dtype, device=device)
@@ -69,6 +73,10 @@ def generate_captions(model_dir: Path, adapter_dir: Path | None, briefs_file: Pa
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     briefs = read_briefs(briefs_file)
+    out_file = Path(out_file)
+    if out_file.is_dir():  # found now, not after generating
+        raise WriteError(f"--out {out_file}: is a directory; expected the path of a JSONL file to write")
+    check_dir_path(out_file.parent, "--out's directory")
     model, tokenizer = load_designer(Path(model_dir), dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if adapter_dir is not None:
         load_peft_adapter(model, adapter_dir)
@@ -79,9 +87,5 @@ def generate_captions(model_dir: Path, adapter_dir: Path | None, briefs_file: Pa
                            top_p=top_p, seed=seed, eos_token_id=eos, batch_size=batch_size)
     rows = [{"brief": b, "caption": tokenizer.decode(ids, skip_special_tokens=True).strip()}
             for b, ids in zip(briefs, outputs)]
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_suffix(out_file.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(out_file)
+    atomic_write_text(out_file, "".join(json.dumps(r) + "\n" for r in rows), what="captions file")
     return rows

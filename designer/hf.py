@@ -1,8 +1,8 @@
 """Hugging Face layout I/O for the designer: config.json + safetensors (one file, or shards + index).
 
-Two architectures, told apart by config.json's model_type: "qwen3" (designer.model.Qwen3) and
-"qwen3_5_text" (designer.qwen35.Qwen35, transformers' Qwen3_5ForCausalLM). Directory layout written and read
-(the one transformers uses for both):
+The architecture is config.json's model_type, looked up in designer/registry.py ("qwen3": designer.model.Qwen3,
+"qwen3_5_text": designer.qwen35.Qwen35, ...); the family gives the args, the model class and the key layout.
+Directory layout written and read (the one transformers uses for every family):
   config.json, generation_config.json,
   model.safetensors                         — one shard, or
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"})
@@ -10,27 +10,26 @@ Two architectures, told apart by config.json's model_type: "qwen3" (designer.mod
 
 Weights load from safetensors only (nothing is unpickled). Every file's header is checked against its
 size before any tensor is read, so a truncated or mismatched file fails with its path and key.
-Directories are written to a temporary sibling and renamed into place (atomic on one filesystem).
+Directories are written by pipeline/atomic.py (a temporary sibling, then renamed into place). A file that
+cannot be loaded is a ModelLoadError (or FileNotFoundError) naming it.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from designer import model as qwen3
-from designer import qwen35
-from designer.model import ModelArgs, Qwen3
-from designer.qwen35 import Qwen35, Qwen35Args
+from atelier_studio.data.textfile import read_json
+from atelier_studio.designer.family import DesignerArgs
+from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -49,24 +48,24 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
         n = int.from_bytes(raw, "little")
         if 8 + n > size:
-            raise ValueError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
+            raise ModelLoadError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
         try:
             header = json.loads(f.read(n))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+            raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from None
     data_bytes = size - 8 - n
     header.pop("__metadata__", None)
     for key, info in header.items():
         start, end = info["data_offsets"]
         want = math.prod(info["shape"]) * _ITEMSIZE.get(info["dtype"], 0)
         if end - start != want:
-            raise ValueError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
+            raise ModelLoadError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
                              f"header gives {end - start}")
         if end > data_bytes:
-            raise ValueError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
+            raise ModelLoadError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
                              f"(truncated file?)")
     return header
 
@@ -74,10 +73,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return read_json(path, ModelLoadError)
 
 
 def weight_files(d: Path) -> dict[str, Path]:
@@ -91,7 +87,7 @@ def weight_files(d: Path) -> dict[str, Path]:
     if (d / INDEX).is_file():
         weight_map = _read_json(d / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{d / INDEX}: missing 'weight_map'")
+            raise ModelLoadError(f"{d / INDEX}: missing 'weight_map'")
         where = {k: d / f for k, f in weight_map.items()}
     elif (d / SINGLE).is_file():
         where = {k: d / SINGLE for k in read_safetensors_header(d / SINGLE)}
@@ -113,63 +109,52 @@ def file_key(key: str, file_keys) -> str:
     return VLM_TEXT + key[len("model."):]
 
 
-# --- the two architectures -----------------------------------------------------------------------
-Args = ModelArgs | Qwen35Args
-Model = Qwen3 | Qwen35
+# --- the families (designer/registry.py) ----------------------------------------------------------
+Args = DesignerArgs
+Model = CausalLM
 
 
 def args_from_hf_config(cfg: dict, attention_impl: str = "auto", source: str = "config.json",
                         delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
-    """ModelArgs (model_type "qwen3") or Qwen35Args ("qwen3_5_text") from a config.json dict."""
-    kind = cfg.get("model_type")
-    if kind in qwen35.MODEL_TYPES:
-        return dataclasses.replace(Qwen35Args.from_hf_config(cfg, attention_impl, delta_rule_impl, source=source),
-                                   kernels=kernels)
-    if kind == "qwen3_5":  # the vision-language checkpoint: read its text model (weight_files renames the keys)
-        text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
-        inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-                     if k in cfg and k not in text}
-        args = Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"}, attention_impl,
-                                         delta_rule_impl, source=f"{source} text_config")
-        return dataclasses.replace(args, kernels=kernels)
-    if kind != "qwen3":
-        raise ValueError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
-    return ModelArgs.from_hf_config(cfg, attention_impl, source=source, kernels=kernels)
+    """The args of a config.json dict, of the family its model_type names, with the implementation choices."""
+    family = family_of_model_type(cfg.get("model_type"), source)
+    try:
+        return family.args_from_hf_config(cfg, source, attention_impl=attention_impl, delta_rule_impl=delta_rule_impl,
+                                          kernels=kernels)
+    except ValueError as e:  # the args' checks, which name config.json and the key
+        raise ModelLoadError(str(e)) from None
 
 
 def args_from_size(size: str, vocab_size: int, **overrides) -> Args:
-    """Args of a named size: designer.model.SIZES (Qwen3) or designer.qwen35.SIZES ("qwen3.5-*")."""
-    if size in qwen35.SIZES:
-        return Qwen35Args.from_size(size, vocab_size, **overrides)
-    if size not in qwen3.SIZES:
-        raise ValueError(f"unknown designer size {size!r}; known: {sorted(qwen3.SIZES) + sorted(qwen35.SIZES)}")
-    return ModelArgs.from_size(size, vocab_size, **overrides)
+    """Args of a named size of a registered family; an unknown size lists every registered one."""
+    return family_of_size(size).args_of_size(size, vocab_size, **overrides)
 
 
 def build_model(args: Args) -> Model:
     """The (uninitialised) model of `args`, on the current default device."""
-    return Qwen35(args) if isinstance(args, Qwen35Args) else Qwen3(args)
+    return family_of_args(args).model_cls(args)
 
 
 def hf_param_shapes(args: Args) -> dict[str, tuple[int, ...]]:
-    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).hf_param_shapes(args)
+    return family_of_args(args).hf_param_shapes(args)
 
 
 def init_param(args: Args, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).init_param(name, shape, gen)
+    return family_of_args(args).init_param(name, shape, gen)
 
 
 def read_args(d: Path, attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
-    """The Args of the HF directory d (its config.json); `kernels` is Qwen3's ModelArgs.kernels."""
-    return args_from_hf_config(_read_json(d / "config.json"), attention_impl, str(d / "config.json"), delta_rule_impl,
-                               kernels)
+    """The Args of the HF directory d (its config.json), with the run's implementation choices."""
+    cfg = _read_json(d / "config.json")
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{d / 'config.json'}: expected a JSON object, got {type(cfg).__name__}")
+    return args_from_hf_config(cfg, attention_impl, str(d / "config.json"), delta_rule_impl, kernels)
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Model:
-    """Qwen3 or Qwen3.5 from an HF directory (config.json + safetensors), every key and shape checked."""
+    """The model of an HF directory (config.json + safetensors, any registered family), every key and shape
+    checked."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
@@ -196,18 +181,18 @@ def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
         where.pop("lm_head.weight", None)  # some exporters store the tied head too; it is the embedding
     missing = [k for k in expected if k not in where]
     if missing:
-        raise ValueError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ModelLoadError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
     if unexpected:
-        raise ValueError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise ModelLoadError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     for file in sorted(set(where.values())):
         header = read_safetensors_header(file)
         for k in (k for k, f in where.items() if f == file):
             name = file_key(k, header)
             if name not in header:
-                raise ValueError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
+                raise ModelLoadError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
             if tuple(header[name]["shape"]) != expected[k]:
-                raise ValueError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
+                raise ModelLoadError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
                                  f"{expected[k]}")
     return where
 
@@ -233,10 +218,7 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
     Only one shard is in memory at once, so an 8B model is written without holding it twice.
     """
     out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, what="model directory") as tmp:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shards = _plan_shards(shapes, itemsize, max_shard_bytes)
         weight_map: dict[str, str] = {}
@@ -249,7 +231,7 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
                     raise ValueError(f"write_hf_dir: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
                 tensors[k] = t.detach().to(device="cpu", dtype=dtype).contiguous()
                 weight_map[k] = name
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            save_safetensors(tensors, tmp / name, metadata={"format": "pt"})
             del tensors
         if len(shards) > 1:
             total = sum(math.prod(s) for s in shapes.values()) * itemsize
@@ -262,20 +244,12 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(tmp))
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-    """Write `model` as an HF Qwen3 / Qwen3.5 directory (merge LoRA first: designer.lora.merge_lora)."""
+    """Write `model` as an HF directory of its family (merge LoRA first: designer.lora.merge_lora)."""
     state = model.state_dict()
     lora = [k for k in state if "lora_" in k or ".base_layer." in k]
     if lora:
@@ -287,17 +261,18 @@ def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype
 
 def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0,
                 dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """A random-init HF directory of a SIZES entry, vocab and special tokens from the tokenizer (copied in).
+    """A random-init HF directory of a registered size, vocab and special tokens from the tokenizer (copied in).
 
-    Streams the same draws as init_weights(seed) (Qwen3 or Qwen35), one tensor at a time, so no model is built.
+    Streams the same draws as the model's init_weights(seed), one tensor at a time, so no model is built.
     """
     from transformers import AutoTokenizer
 
+    family = family_of_size(size)  # an unknown size fails before the tokenizer is read
     if not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"init_random: tokenizer directory {tokenizer_dir} does not exist")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    args = args_from_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
+    args = family.args_of_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
     shapes = hf_param_shapes(args)
     gen = torch.Generator().manual_seed(seed)
     # make() is called in state-dict order, which is named_parameters() order: same draws as init_weights.

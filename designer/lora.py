@@ -4,44 +4,40 @@ Shapes: T tokens (any leading dims), I in-features, O out-features, r rank.
   LoRALinear(x [..., I]) = base(x) + B(A(dropout(x))) · s,  A [r, I], B [O, r],
   s = alpha / r, or alpha / √r with rslora (Kalajdzievski 2023, arXiv:2312.03732).
 A is kaiming-uniform(a=√5) and B zeros, as PEFT's default, so a fresh adapter is the identity.
-The base is frozen (no weight gradient, PITFALLS.md "LoRA defaults"); the adapter runs in its own
+The base is frozen (no weight gradient); the adapter runs in its own
 dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
 
 Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
 `base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
 `modules_to_save`, so PEFT and vLLM load them.
 
-Targets are short names for the linears of both designer architectures (TARGETS). A block gets the targets
-it has: Qwen3's blocks and Qwen3.5's full-attention blocks have self_attn (q, k, v, o), Qwen3.5's Gated
-DeltaNet blocks have linear_attn (qkv, z, b, a, out), every block has mlp (gate, up, down). The default is
-all of them, i.e. every linear of either architecture ("all linear"); a target set that wraps nothing raises.
+Targets are short names for the linears of a family, from its Family record (designer/family.py,
+`lora_targets`: name → module path inside a block; Qwen3: q k v o gate up down; Qwen3.5 adds its Gated DeltaNet
+projections qkv z b a out). A block gets the targets it has: Qwen3.5's full-attention blocks have self_attn,
+its Gated DeltaNet blocks linear_attn, every block mlp. No targets (the default) means the family's default,
+every linear ("all linear"); a target set that wraps nothing raises.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from designer.hf import read_safetensors_header
-from designer.model import Qwen3
-from designer.qwen35 import Qwen35
-from kernels.lora_linear import lora_linear
+from atelier_studio.data.textfile import read_json
+from atelier_studio.designer.family import Family
+from atelier_studio.designer.hf import read_safetensors_header
+from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.registry import family_of_args, lora_target_names
+from atelier_studio.kernels.lora_linear import lora_linear
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError
 
-# Atelier's short target names → module names in a block, with their parent (self_attn, linear_attn or mlp).
-TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-           # Qwen3.5's Gated DeltaNet projections
-           "qkv": "linear_attn.in_proj_qkv", "z": "linear_attn.in_proj_z", "b": "linear_attn.in_proj_b",
-           "a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}
-ALL_TARGETS = tuple(TARGETS)
-Model = Qwen3 | Qwen35
+Model = CausalLM
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,7 +48,7 @@ class LoraArgs:
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = ALL_TARGETS
+    targets: tuple[str, ...] = ()  # short names of the family's linears; () = its default (every linear)
     rslora: bool = False
     dtype: str = "float32"  # adapter weights and adapter compute
 
@@ -61,9 +57,10 @@ class LoraArgs:
             raise ValueError(f"LoraArgs.rank must be a positive int, got {self.rank!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoraArgs.dropout must be in [0, 1), got {self.dropout}")
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise ValueError(f"LoraArgs.targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+        known = lora_target_names()  # a name no family has is a typo; each family checks its own at apply time
+        bad = [t for t in self.targets if t not in known]
+        if bad:
+            raise ValueError(f"LoraArgs.targets {bad} are no registered family's linears; known: {', '.join(known)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LoraArgs.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -71,11 +68,6 @@ class LoraArgs:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    @property
-    def target_modules(self) -> list[str]:
-        """PEFT's target_modules: the leaf names (q_proj, ..., down_proj)."""
-        return [TARGETS[t].split(".")[1] for t in self.targets]
 
 
 @dataclass(frozen=True)
@@ -141,15 +133,20 @@ class LoRALinear(nn.Module):
 
 def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
     """(full module name, parent, attribute) of every target linear the model's blocks have."""
+    family = family_of_args(model.args)
+    targets = family.resolve_lora_targets(args.targets)
+    names = {m: n for n, m in model.named_modules()}
     out = []
-    for i, block in enumerate(model.model.layers):
-        for t in args.targets:
-            parent_name, leaf = TARGETS[t].split(".")
-            parent = getattr(block, parent_name, None)  # a Qwen3.5 block has self_attn or linear_attn
-            if parent is not None:
-                out.append((f"model.layers.{i}.{TARGETS[t]}", parent, leaf))
+    for block in family.blocks(model):
+        for t in targets:
+            parent_path, leaf = family.lora_targets[t].rsplit(".", 1)
+            try:
+                parent = block.get_submodule(parent_path)
+            except AttributeError:  # a block without this mixer (a Qwen3.5 block has self_attn or linear_attn)
+                continue
+            out.append((f"{names[block]}.{family.lora_targets[t]}", parent, leaf))
     if not out:
-        raise ValueError(f"LoRA targets {list(args.targets)} name no linear of this {type(model).__name__}")
+        raise ValueError(f"LoRA targets {list(targets)} name no linear of this {type(model).__name__}")
     return out
 
 
@@ -198,45 +195,35 @@ def save_peft_adapter(model: Model, args: LoraArgs, out_dir: str | os.PathLike, 
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }
     out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    with atomic_dir(out, what="adapter directory") as tmp:
+        save_safetensors(tensors, tmp / ADAPTER_FILE, metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
-def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
-    """LoraArgs from a PEFT adapter_config.json dict; unsupported PEFT features raise, naming the key."""
+def lora_args_from_peft_config(cfg: dict, source: str, family: Family) -> LoraArgs:
+    """LoraArgs from a PEFT adapter_config.json dict for a model of `family`; unsupported PEFT features raise,
+    naming the key."""
     if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
+        raise ModelLoadError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
     for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
         if cfg.get(key):
-            raise ValueError(f"{source}: {key}={cfg[key]!r} is not supported")
+            raise ModelLoadError(f"{source}: {key}={cfg[key]!r} is not supported")
     if cfg.get("use_dora") or cfg.get("bias", "none") != "none":
-        raise ValueError(f"{source}: only plain LoRA with bias='none' is supported")
+        raise ModelLoadError(f"{source}: only plain LoRA with bias='none' is supported")
     modules = cfg.get("target_modules")
     if not isinstance(modules, list):
-        raise ValueError(f"{source}: target_modules must be a list of module names, got {modules!r}")
-    by_leaf = {v.split(".")[1]: k for k, v in TARGETS.items()}
+        raise ModelLoadError(f"{source}: target_modules must be a list of module names, got {modules!r}")
+    by_leaf = {path.rsplit(".", 1)[-1]: t for t, path in family.lora_targets.items()}
     unknown = [m for m in modules if m not in by_leaf]
     if unknown:
-        raise ValueError(f"{source}: target_modules {unknown} are not designer linears {list(by_leaf)}")
-    order = [t for t in TARGETS if t in {by_leaf[m] for m in modules}]
+        raise ModelLoadError(f"{source}: target_modules {unknown} are not {family.name} linears {list(by_leaf)}")
+    order = [t for t in family.lora_targets if t in {by_leaf[m] for m in modules}]
     try:
         return LoraArgs(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=tuple(order), rslora=bool(cfg.get("use_rslora", False)))
     except (KeyError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise ModelLoadError(f"{source}: {e}") from None
 
 
 def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
@@ -247,16 +234,17 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     cfg_path = d / "adapter_config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: not found")
-    try:
-        args = lora_args_from_peft_config(json.loads(cfg_path.read_text()), str(cfg_path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg = read_json(cfg_path, ModelLoadError)
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    args = lora_args_from_peft_config(cfg, str(cfg_path), family_of_args(model.args))
     file = d / ADAPTER_FILE
     header = read_safetensors_header(file)
     existing = [m for m in model.modules() if isinstance(m, LoRALinear)]
     if existing:
         if existing[0].rank != args.rank:
-            raise ValueError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank {existing[0].rank}")
+            raise ModelLoadError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank "
+                                 f"{existing[0].rank}")
     else:
         a_keys = [k for k in header if k.endswith("lora_A.weight")]
         if a_keys:
@@ -266,15 +254,15 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     missing = sorted(set(params) - set(header))
     unexpected = sorted(set(header) - set(params))
     if missing or unexpected:
-        raise ValueError(f"{file}: missing keys {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected keys "
+        raise ModelLoadError(f"{file}: missing keys {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected keys "
                          f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
         for k, p in params.items():
             if tuple(header[k]["shape"]) != tuple(p.shape):
-                raise ValueError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects {tuple(p.shape)} "
-                                 f"(rank or model size mismatch)")
+                raise ModelLoadError(f"{file}: {k} has shape {tuple(header[k]['shape'])}, the model expects "
+                                     f"{tuple(p.shape)} (rank or model size mismatch)")
             p.copy_(f.get_tensor(k))
     return args
 

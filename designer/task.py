@@ -1,6 +1,6 @@
 """The designer's task on the shared engine: packed brief→caption rows, loss on caption tokens only.
 
-Precision (DESIGN.md): with `model.dtype = "bfloat16"`, full fine-tuning keeps fp32 master weights and
+Precision (docs/training.md): with `model.dtype = "bfloat16"`, full fine-tuning keeps fp32 master weights and
 runs the forward under bf16 autocast; LoRA keeps a frozen bf16 base and adapter weights in `lora.dtype`.
 `"float32"` is exact throughout (CPU tests, parity checks). The loss is reduced in fp32.
 
@@ -27,13 +27,14 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from data.balance import BalancedPackedLoader
-from data.chat import encode_examples, load_examples
-from data.packing import Batch, compile_shape, pack_documents
-from data.tokenizer import load_tokenizer
-from designer.config import DesignerConfig
-from designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
-from designer.lora import (
+from atelier_studio.data.balance import BalancedPackedLoader
+from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
+from atelier_studio.data.packing import Batch, compile_shape, pack_documents
+from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.designer.family import DesignerArgs
+from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
+from atelier_studio.designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
     LoraArgs,
@@ -44,10 +45,11 @@ from designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
-from kernels.cross_entropy import linear_cross_entropy
-from pipeline.config import ConfigError
-from pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
-from pipeline.progress import log
+from atelier_studio.designer.registry import family_of_args
+from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.pipeline.config import ConfigError
+from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
+from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -70,6 +72,11 @@ class DesignerTask:
         self.dist = dist if dist is not None else DistContext(device=device)
         rank, world_size = self.dist.rank, self.dist.world_size
         model_dir = Path(cfg.model.path)
+        if not model_dir.is_dir():
+            raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
+                              f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
+        args = read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
+        self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
@@ -80,9 +87,13 @@ class DesignerTask:
         base_dtype = torch.float32 if (exact or full) else torch.bfloat16
         self.lora_args: LoraArgs | None = None
         if not full:
+            try:
+                targets = self.family.resolve_lora_targets(cfg.lora.targets)
+            except ValueError as e:
+                raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                                      targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
-        _check_delta_rule(cfg, model_dir, device)
+                                      targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        _preflight(cfg, args, device)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -103,7 +114,7 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
-        return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
+        return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
@@ -158,6 +169,8 @@ class DesignerTask:
     def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> BalancedPackedLoader:
         examples = load_examples(path)
         docs = encode_examples(self.tokenizer, examples)
+        if self.cfg.data.overflow != "drop":  # "drop" leaves such documents out on purpose
+            check_prompts_fit(examples, docs, self.cfg.data.seq_len)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = pack_documents(docs, self.cfg.data.seq_len, self.cfg.data.overflow, pad_id=pad_id)
         s = packed.stats
@@ -184,7 +197,7 @@ class DesignerTask:
         return b.batch.num_tokens
 
     def batch_flops(self, b: DeviceBatch) -> int:
-        return self.model.train_flops(b.batch.doc_lens, head_tokens=b.batch.num_loss_tokens)
+        return self.family.train_flops(self.model, b.batch.doc_lens, b.batch.num_loss_tokens)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.autocast:
@@ -246,27 +259,32 @@ class DesignerTask:
         return {"model": path}
 
 
+def check_prompts_fit(examples: list[Example], docs: list[EncodedDoc], seq_len: int) -> None:
+    """Every document's prompt (system, brief, assistant header) and its first caption token fit in one row.
+
+    A longer prompt would be split or cut so that its first row holds no caption token: a row with nothing to
+    learn, which trains at loss 0. The error names data.seq_len, the first such line and the length it needs.
+    """
+    for example, doc in zip(examples, docs):
+        first = next((i for i, target in enumerate(doc.loss_mask) if target), len(doc))
+        if first >= seq_len:
+            raise DataError(f"data.seq_len = {seq_len} is too short for {example.source}: its prompt alone is {first} "
+                            f"tokens, so no caption token fits in a row; set data.seq_len >= {first + 1} (or "
+                            f">= {len(doc)} to hold the whole document in one row)")
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
 
 
-def _check_delta_rule(cfg: DesignerConfig, model_dir: Path, device: torch.device) -> None:
-    """Fail before loading anything when a Qwen3.5 bf16 run on CUDA would need fla-core and it is missing.
-
-    The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
-    key and costs no model load (PITFALLS.md "Silent slow paths").
-    """
-    from designer.qwen35 import Qwen35Args
-    from kernels.gated_delta_rule import FLA_MISSING, has_fla
-
-    if device.type != "cuda" or cfg.model.delta_rule == "ref" or has_fla():
-        return
-    if cfg.model.dtype == "float32" and cfg.model.delta_rule == "auto":
-        return  # "auto" runs the fp32 reference for fp32 compute
-    if isinstance(read_args(model_dir), Qwen35Args):
-        raise ConfigError(f"model.delta_rule={cfg.model.delta_rule!r}: {FLA_MISSING} (or set model.delta_rule=ref)")
+def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) -> None:
+    """The family's own checks before anything is loaded (designer/family.py `preflight`; Qwen3.5: fla-core for a
+    bf16 run on CUDA), each naming the config key to change."""
+    family = family_of_args(args)
+    if family.preflight is not None:
+        family.preflight(args, cfg.model, device)
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
@@ -287,4 +305,4 @@ def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.devic
     return out
 
 
-__all__ = ["DesignerTask", "copy_tokenizer", "merge_lora"]
+__all__ = ["DesignerTask", "check_prompts_fit", "copy_tokenizer", "merge_lora"]

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 from prefect import flow
 
-from flows.train_designer import train_designer
-from flows.evaluate import brief_to_image_eval
-from flows.train_imagegen import train_imagegen
-from flows.launch import kill_trainers_hook
+from atelier_studio.flows.train_designer import train_designer
+from atelier_studio.flows.evaluate import brief_to_image_eval
+from atelier_studio.flows.train_imagegen import train_imagegen
+from atelier_studio.flows.launch import kill_trainers_hook
 
 
 @flow(name="brief-to-image", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
-    from flows.serve import require_server
+    from atelier_studio.flows.serve import require_server
 
     require_server("python -m flows.chain")
     result = brief_to_image(args.designer_config, args.imagegen_config, args.briefs, args.out, nproc=args.nproc)

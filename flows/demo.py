@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from flows.serve import REPO, child_env, start
+from atelier_studio.flows.serve import REPO, child_env, start
 
 WORLD = Path("runs/world")
 TOKENIZER = Path("runs/tokenizer")
@@ -42,7 +42,7 @@ def step(name: str, done: bool) -> bool:
 
 
 def atelier(*argv: str) -> None:
-    from pipeline.cli import main
+    from atelier_studio.flows.cli import main
 
     code = main(list(argv))
     if code != 0:
@@ -93,10 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare()
     ep = start()
     env = child_env(ep)
-    from pipeline.config import load_config
+    from atelier_studio.pipeline.config import load_config
 
-    from designer.config import DesignerConfig
-    from imagegen.config import ImagegenConfig
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.imagegen.config import ImagegenConfig
 
     d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
     i_dir = Path(load_config(ImagegenConfig, IMAGEGEN_CONFIG, []).output.dir)

@@ -29,8 +29,10 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from flows.report import image_markdown, in_prefect_run, make_grid
-from flows.training import FlowInputError
+from atelier_studio.data.textfile import iter_lines, read_json
+from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
+from atelier_studio.flows.training import FlowInputError
+from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text
 
 GRID_MAX_IMAGES = 64
 
@@ -40,14 +42,14 @@ GRID_MAX_IMAGES = 64
 
 def read_briefs(path: str | Path) -> list[str]:
     """Briefs from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name file:line."""
-    from data.synthetic import brief_constraints
+    from atelier_studio.data.synthetic import brief_constraints
 
     path = Path(path)
     if not path.is_file():
         raise FlowInputError(f"briefs file {path} does not exist")
     briefs = []
     jsonl = path.suffix == ".jsonl"
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in iter_lines(path):  # a non-UTF-8 line is a DataError naming path:line
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -76,7 +78,8 @@ def resolve_designer(path: str | Path) -> tuple[Path, Path | None]:
     if not p.exists():
         raise FlowInputError(f"designer {p} does not exist (a model, adapter or run directory)")
     if (p / "adapter_config.json").is_file():
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        cfg = read_json(p / "adapter_config.json", FlowInputError)
+        base = (cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None) or ""
         if not base or not (Path(base) / "config.json").is_file():
             raise FlowInputError(f"{p / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a local "
                                  f"model directory with config.json")
@@ -110,13 +113,13 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                    batch_size: int = 16) -> Path:
     """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order."""
-    from designer.captions import generate_captions
+    from atelier_studio.designer.captions import generate_captions
 
     model_dir, adapter_dir = resolve_designer(designer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     briefs_file = out / "briefs.txt"
-    briefs_file.write_text("".join(b + "\n" for b in briefs), encoding="utf-8")
+    atomic_write_text(briefs_file, "".join(b + "\n" for b in briefs), what="briefs")
     captions_file = out / "captions.jsonl"
     generate_captions(model_dir=model_dir, adapter_dir=adapter_dir, briefs_file=briefs_file, out_file=captions_file,
                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -126,7 +129,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
 
 def read_captions(captions_file: str | Path) -> list[dict[str, str]]:
     rows = []
-    for lineno, line in enumerate(Path(captions_file).read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in iter_lines(captions_file):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -142,7 +145,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
     An empty caption (an untrained designer emits one) gets no image and scores 0: the chain failed there.
     Returns the images.json path.
     """
-    from imagegen.sample import sample_to_dir
+    from atelier_studio.imagegen.sample import sample_to_dir
 
     model_dir = resolve_imagegen(imagegen)
     out = Path(out_dir)
@@ -153,7 +156,7 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
     mapping: list[str | None] = [None] * len(captions)
     if rows:
         lines_file = out / "captions.txt"
-        lines_file.write_text("".join(captions[i] + "\n" for i in rows), encoding="utf-8")
+        atomic_write_text(lines_file, "".join(captions[i] + "\n" for i in rows), what="captions")
         paths = sample_to_dir(model_dir=model_dir, captions_file=lines_file, out_dir=images_dir, steps=steps,
                               guidance=guidance, seed=seed, config_path=None)
         if len(paths) != len(rows):
@@ -161,12 +164,12 @@ def render_images(imagegen: str | Path, captions_file: str | Path, out_dir: str 
         for i, p in zip(rows, paths):
             mapping[i] = str(p)
     index = out / "images.json"
-    _atomic_write(index, json.dumps(mapping, indent=0))
+    atomic_write_text(index, json.dumps(mapping, indent=0), what="image index")
     return index
 
 
 def caption_stats(captions: Sequence[str]) -> dict[str, float]:
-    from data.synthetic import parse_caption
+    from atelier_studio.data.synthetic import parse_caption
 
     words = [len(c.split()) for c in captions]
     return {"n": len(captions), "mean_words": statistics.fmean(words), "min_words": min(words),
@@ -176,8 +179,8 @@ def caption_stats(captions: Sequence[str]) -> dict[str, float]:
 
 def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Score every (brief, caption, image); write scores.json, scores.csv, grid.png, summary.md; return the summary."""
-    from data.judge import judge_caption, judge_image, judge_image_brief
-    from data.synthetic import parse_caption
+    from atelier_studio.data.judge import judge_caption, judge_image, judge_image_brief
+    from atelier_studio.data.synthetic import parse_caption
 
     out = Path(out_dir)
     rows = read_captions(captions_file)
@@ -212,20 +215,13 @@ def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Pa
                         "grid": str(grid) if grid else None, "captions": str(captions_file),
                         "images": str(images_index),
                         "summary": str(out / "summary.md")}}
-    _atomic_write(out / "scores.json", json.dumps(result, indent=1))
-    with open(out / "scores.csv.tmp", "w", newline="", encoding="utf-8") as f:
+    atomic_write_text(out / "scores.json", json.dumps(result, indent=1), what="scores")
+    with atomic_file(out / "scores.csv", "w", newline="", what="scores") as f:
         w = csv.DictWriter(f, fieldnames=list(per_brief[0]))
         w.writeheader()
         w.writerows(per_brief)
-    (out / "scores.csv.tmp").replace(out / "scores.csv")
-    _atomic_write(out / "summary.md", summary_markdown(result, with_grid=False))
+    atomic_write_text(out / "summary.md", summary_markdown(result, with_grid=False), what="summary")
     return {k: v for k, v in result.items() if k != "per_brief"}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def summary_markdown(result: dict[str, Any], with_grid: bool = True) -> str:
@@ -318,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from flows.serve import require_server
+    from atelier_studio.flows.serve import require_server
 
     require_server("python -m flows.evaluate")
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed)

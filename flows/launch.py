@@ -1,11 +1,11 @@
 """Run a trainer as a subprocess in its own process group, stream its output into Prefect, kill it on cancel.
 
     run_trainer(["designer", "train", "--config", "configs/designer/demo.toml"], nproc=1)
-      -> python -m pipeline.cli designer train --config ...              (nproc == 1)
-      -> torchrun --nproc-per-node N -m pipeline.cli designer train ...  (nproc > 1)
+      -> python -m atelier_studio.flows.cli designer train --config ...              (nproc == 1)
+      -> torchrun --nproc-per-node N -m atelier_studio.flows.cli designer train ...  (nproc > 1)
 
 Why a subprocess and a process group: Prefect schedules, it does not train. Cancelling a flow run signals
-only the flow-run process (PITFALLS.md), and `torchrun` workers are grandchildren of it, so the trainer is
+only the flow-run process, and `torchrun` workers are grandchildren of it, so the trainer is
 started with `start_new_session=True` and the whole group is terminated here (SIGTERM, a grace period for
 the trainer to write its checkpoint, then SIGKILL) on every way out: cancellation (Prefect raises
 TerminationSignal in the flow-run process), a crash, KeyboardInterrupt. A pid file per flow run
@@ -80,9 +80,9 @@ def trainer_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if nproc == 1:
-        return [sys.executable, "-m", "pipeline.cli", *argv]
+        return [sys.executable, "-m", "atelier_studio.flows.cli", *argv]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "pipeline.cli", *argv]
+            "-m", "atelier_studio.flows.cli", *argv]
 
 
 # ----------------------------------------------------------------------------- process groups

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from atelier_studio.pipeline.atomic import atomic_file
+
 MAX_TABLE_ROWS = 60  # the UI table stays readable; the full curve is in metrics.jsonl / TensorBoard
 MAX_INLINE_PNG_BYTES = 400_000  # larger grids are linked by path instead of embedded as a data URI
 
@@ -130,10 +132,8 @@ def make_grid(images: Sequence[Path], out_file: Path, cols: int = 8, scale: int 
         if labels:
             draw.text((x + 2, y + h), str(labels[i])[: w // 6], fill=(0, 0, 0))
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_suffix(".tmp.png")
-    grid.save(tmp, format="PNG")
-    tmp.replace(out_file)
+    with atomic_file(out_file, "wb", what="image grid") as f:
+        grid.save(f, format="PNG")
     return out_file
 
 

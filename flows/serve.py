@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from flows.launch import kill_process_group
+from atelier_studio.flows.launch import kill_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
@@ -211,7 +211,7 @@ def start(ep: Endpoint | None = None, server_timeout: float = SERVER_START_TIMEO
     if read_pid(ep, "serve") is not None and len(served_deployments(ep)) == len(DEPLOYMENTS):
         print(f"already serving {', '.join(DEPLOYMENTS)}")
     else:
-        pid = _spawn(ep, "serve", [sys.executable, "-m", "flows.serve", "run"])
+        pid = _spawn(ep, "serve", [sys.executable, "-m", "atelier_studio.flows.serve", "run"])
         print(f"starting the serve process (pid {pid}) ...", flush=True)
         _wait("the serve process", ep, "serve", pid, lambda: len(served_deployments(ep)) == len(DEPLOYMENTS),
               serve_timeout)
@@ -248,10 +248,10 @@ def run() -> None:
     """Serve the four deployments in the foreground until interrupted."""
     from prefect import serve
 
-    from flows.chain import brief_to_image
-    from flows.train_designer import train_designer
-    from flows.evaluate import brief_to_image_eval
-    from flows.train_imagegen import train_imagegen
+    from atelier_studio.flows.chain import brief_to_image
+    from atelier_studio.flows.train_designer import train_designer
+    from atelier_studio.flows.evaluate import brief_to_image_eval
+    from atelier_studio.flows.train_imagegen import train_imagegen
 
     require_server("python -m flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,

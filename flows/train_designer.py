@@ -15,8 +15,8 @@ from typing import Sequence
 
 from prefect import flow
 
-from flows.launch import kill_trainers_hook
-from flows.training import check_config, publish_task, require_path, train_task, training_flow_main
+from atelier_studio.flows.launch import kill_trainers_hook
+from atelier_studio.flows.training import check_config, publish_task, require_path, train_task, training_flow_main
 
 
 @flow(name="train-designer", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])

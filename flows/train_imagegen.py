@@ -7,7 +7,7 @@ Steps: check the config and the model path → `cache` task, only when needed �
 retried once; it resumes from its newest checkpoint) → artifacts: metrics table, throughput/MFU summary and
 the newest sample grid from output.dir/samples/. Returns the run's output directory.
 
-The cache decision: frozen encoders run once, offline (STYLE.md), so training reads latent shards at
+The cache decision: frozen encoders run once, offline, so training reads latent shards at
 `data.shards`. When `data.image_shards` is set and `data.shards` holds no `.tar` shard yet, the flow runs
 `atelier imagegen cache --out <data.shards>` first (same config and overrides); when latents exist it never
 re-encodes (delete the directory to rebuild). Without `data.image_shards` the trainer reads `data.shards`
@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from flows.launch import kill_trainers_hook, run_trainer
-from flows.report import artifact_key
-from flows.training import FlowInputError, check_config, publish_task, require_path, train_task, training_flow_main
+from atelier_studio.flows.launch import kill_trainers_hook, run_trainer
+from atelier_studio.flows.report import artifact_key
+from atelier_studio.flows.training import FlowInputError, check_config, publish_task, require_path, train_task, training_flow_main
 
 
 def needs_cache(cfg: Any) -> bool:

@@ -14,9 +14,9 @@ from typing import Any, Callable, Literal, Sequence
 
 from prefect import task
 
-from data.chat import DataError
-from flows.launch import run_trainer
-from flows.report import artifact_key, publish_training
+from atelier_studio.data.chat import DataError
+from atelier_studio.flows.launch import run_trainer
+from atelier_studio.flows.report import artifact_key, publish_training
 
 Kind = Literal["designer", "imagegen"]
 
@@ -30,15 +30,15 @@ class FlowInputError(DataError):
 
 def check_config(kind: Kind, config: str | Path, overrides: Sequence[str] = ()) -> Any:
     """Load and validate a trainer config in-process; any problem becomes FlowInputError naming file and key."""
-    from pipeline.config import ConfigError, load_config
+    from atelier_studio.pipeline.config import ConfigError, load_config
 
     path = Path(config)
     if not path.is_file():
         raise FlowInputError(f"{kind} config {path} does not exist (cwd {Path.cwd()})")
     if kind == "designer":
-        from designer.config import DesignerConfig as Cls
+        from atelier_studio.designer.config import DesignerConfig as Cls
     elif kind == "imagegen":
-        from imagegen.config import ImagegenConfig as Cls
+        from atelier_studio.imagegen.config import ImagegenConfig as Cls
     else:
         raise FlowInputError(f"unknown trainer kind {kind!r}; expected 'designer' or 'imagegen'")
     try:
@@ -77,13 +77,13 @@ def publish_task(run_dir: str, name: str) -> list[str]:
 
 def training_flow_main(flow_fn: Callable[[str, list[str], int], str], kind: Kind, argv: Sequence[str] | None) -> int:
     """`python -m flows.train_<kind> --config ... --set ... --nproc N`: runs the flow against the running server."""
-    name = f"flows.train_{kind}"
+    name = f"atelier_studio.flows.train_{kind}"
     p = argparse.ArgumentParser(prog=f"python -m {name}", description=f"run the train-{kind} flow")
     p.add_argument("--config", default=f"configs/{kind}/demo.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
-    from flows.serve import require_server
+    from atelier_studio.flows.serve import require_server
 
     require_server(f"python -m {name}")
     print(flow_fn(args.config, args.set, args.nproc))

@@ -15,7 +15,7 @@ Both codecs share one interface: `encode(images [B,3,H,W] in [-1,1]) -> latents 
   the latents to roughly unit variance; a power of two with zero shift makes decode(encode(x)) == x
   bit-exact in fp32.
 - `SD3VAE`: diffusers `AutoencoderKL` from a local directory; scaling and shift come from its config
-  (SD3: scaling_factor 1.5305, shift_factor 0.0609; PITFALLS.md "SD3 conventions"). Encoding takes
+  (SD3: scaling_factor 1.5305, shift_factor 0.0609). Encoding takes
   the mode of the latent distribution by default, a sample with `sample=True`.
 """
 
@@ -122,8 +122,20 @@ class SD3VAE(nn.Module):
         return self.vae.decode(z).sample
 
 
+def resolve_autoencoder_spec(spec: str, model_path: str = "") -> str:
+    """`autoencoder.spec` with "model" replaced by `model_path` (a pipeline directory: its vae/ is used)."""
+    if spec != "model":
+        return spec
+    if not model_path:
+        from atelier_studio.pipeline.config import ConfigError
+
+        raise ConfigError("autoencoder.spec = 'model' needs model.path: a pipeline directory with a vae/ folder")
+    return str(model_path)
+
+
 def load_autoencoder(spec: str, dtype: torch.dtype = torch.float32) -> PixelCodec | SD3VAE:
-    """"pixel" (patch 2) or "pixel:<patch>" -> PixelCodec; anything else is a local VAE directory -> SD3VAE."""
+    """"pixel" (patch 2) or "pixel:<patch>" -> PixelCodec; anything else is a local VAE directory -> SD3VAE
+    (resolve "model" with `resolve_autoencoder_spec` first)."""
     if spec == "pixel" or spec.startswith("pixel:"):
         patch = spec.partition(":")[2] or "2"
         if not patch.isdigit():

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from pipeline.distributed import DistContext, is_sharded, local_rows
+from atelier_studio.pipeline.distributed import DistContext, is_sharded, local_rows
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ THE time convention (the only place it is written; diffusers' FlowMatchEulerDisc
 
 (minRF and lucidrains' code use the opposite end for noise; SD3 and diffusers use this one.)
 
-Choices, each written down once (SD3 paper, arXiv:2403.03206, sec. 3.1 and 5.3.2; PITFALLS.md):
+Choices, each written down once (SD3 paper, arXiv:2403.03206, sec. 3.1 and 5.3.2):
     timesteps     u ~ logit-normal(mean 0, std 1) by default, then the shift below
     shift         t = s*u / (1 + (s-1)*u), s = 3.0 for SD3 (more steps near noise at high res);
                   or, with dynamic shifting, t = e^mu / (e^mu + 1/u - 1), mu linear in image tokens

@@ -2,8 +2,9 @@
 
 A directory written here loads with ``SD3Transformer2DModel.from_pretrained(dir)`` with no missing or
 unexpected keys, and any diffusers SD3 transformer directory (or a pipeline directory with a
-``transformer/`` subfolder) loads into :class:`imagegen.model.MMDiT`. Weights are read from
-safetensors only: nothing is unpickled.
+``transformer/`` subfolder) loads into :class:`imagegen.model.MMDiT`. The family is config.json's
+``_class_name``, looked up in imagegen/registry.py. Weights are read from safetensors only: nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import uuid
 from importlib import metadata
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from imagegen.model import SIZES, MMDiT, MMDiTArgs
+from atelier_studio.data.textfile import read_json
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
+from atelier_studio.imagegen.registry import family_of_args, family_of_class_name, family_of_size
+from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
+from atelier_studio.pipeline.errors import ModelLoadError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -39,16 +41,21 @@ def resolve_dir(path: str | os.PathLike) -> Path:
 
 
 def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "auto") -> MMDiTArgs:
-    """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation,
-    ``attention`` the SDPA backend."""
+    """The args of a diffusers directory's config.json, of the family its ``_class_name`` names; ``kernels``
+    picks the fused ops' implementation, ``attention`` the SDPA backend."""
     cfg_path = resolve_dir(path) / CONFIG_NAME
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    config = read_json(cfg_path, ModelLoadError)
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-    return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels, attention=attention)
+        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+    if "_class_name" not in config:
+        raise ModelLoadError(f"{cfg_path}: no '_class_name' (not a diffusers model config)")
+    family = family_of_class_name(config["_class_name"], str(cfg_path))
+    try:
+        return family.args_from_diffusers_config(config, str(cfg_path), kernels=kernels, attention=attention)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # the args' checks, which name config.json and the field
+        raise ModelLoadError(str(e)) from None
 
 
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
@@ -59,9 +66,9 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
             return {str(single): list(f.keys())}
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+            weight_map = read_json(index, ModelLoadError)["weight_map"]
+        except (KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             files.setdefault(str(model_dir / name), []).append(key)
@@ -74,38 +81,44 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"{model_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
 
 
+def build_model(args: MMDiTArgs) -> MMDiT:
+    """The (uninitialised) model of `args`' family, on the current default device."""
+    return family_of_args(args).model_cls(args)
+
+
 def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
     """{state-dict key: safetensors file} of a diffusers directory, every key and shape checked against `args`.
 
     What a sharded (meta-device) load needs: each rank opens the files and reads only its rows of each key.
     """
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MMDiT(args).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in build_model(args).state_dict().items()}
     where: dict[str, str] = {}
     for file, keys in _weight_files(model_dir).items():
         unexpected = [k for k in keys if k not in expected]
         if unexpected:
-            raise ValueError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
+            raise ModelLoadError(f"{file}: {len(unexpected)} unexpected key(s) for {args}: {unexpected[:5]}")
         with safe_open(file, framework="pt") as f:
             for key in keys:
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != expected[key]:
-                    raise ValueError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
+                    raise ModelLoadError(f"{file}: key {key!r} has shape {shape}, the config expects {expected[key]}")
                 where[key] = file
     missing = [k for k in expected if k not in where]
     if missing:
-        raise ValueError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
+        raise ModelLoadError(f"{model_dir}: {len(missing)} missing key(s): {missing[:5]}")
     return where
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", kernels: str = "auto", attention: str = "auto") -> MMDiT:
-    """Build an MMDiT from a diffusers SD3 transformer directory; every key and shape is checked."""
+    """Build the model of a diffusers transformer directory (its registered family); every key and shape is
+    checked."""
     model_dir = resolve_dir(path)
     args = read_args(model_dir, kernels, attention)
     where = weight_map(model_dir, args)
     with torch.device("meta"):  # no throw-away random init of a multi-GB model
-        model = MMDiT(args)
+        model = build_model(args)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):
         with safe_open(file, framework="pt", device=str(device)) as f:
@@ -124,7 +137,7 @@ def _diffusers_version() -> str:
 
 def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 10 * 2**30, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``model`` as a diffusers directory, atomically (temporary directory, then rename).
+    """Write ``model`` as a diffusers directory, atomically (pipeline/atomic.py: temporary directory, then rename).
 
     ``weights`` (state-dict key -> tensor of the same shape) are written in place of the model's own
     (the EMA average, without swapping it into the model). Tensors are cast to ``dtype`` (default: as
@@ -132,10 +145,7 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
     as ``from_pretrained`` expects.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out, what="model directory") as tmp:
         config = {**model.args.to_diffusers_config(), "_diffusers_version": _diffusers_version()}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         # clone: save_file refuses tensors that share storage; contiguous: it needs dense tensors.
@@ -157,41 +167,31 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
             shards[-1][k] = v
             size += nbytes
         if len(shards) == 1:
-            save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            save_safetensors(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         else:
             weight_map, n = {}, len(shards)
             for i, shard in enumerate(shards, start=1):
                 name = f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
+                save_safetensors(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({k: name for k in shard})
             total = sum(v.numel() * v.element_size() for v in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        old = None
-        if out.exists():  # move the previous version aside so the swap is two renames
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def init_random(size: str, out_dir: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
                 **overrides) -> Path:
-    """Write a randomly initialised (``MMDiT.init_weights``) model of a named ``SIZES`` entry,
-    with MMDiTArgs field ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
-    if size not in SIZES:
-        raise ValueError(f"init_random: unknown size {size!r}; choose from {sorted(SIZES)}")
-    known = {f.name for f in dataclasses.fields(MMDiTArgs)}
+    """Write a randomly initialised (the model's ``init_weights``) model of a registered size, with args field
+    ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
+    family = family_of_size(size)  # an unknown size lists the registered ones
+    known = {f.name for f in dataclasses.fields(family.args_cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"init_random: unknown MMDiTArgs override(s) {unknown}; fields are {sorted(known)}")
-    args = dataclasses.replace(SIZES[size], **overrides)
+        raise ValueError(f"init_random: unknown {family.args_cls.__name__} override(s) {unknown}; "
+                         f"fields are {sorted(known)}")
+    args = family.args_of_size(size, **overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
-        model = MMDiT(args)
+        model = family.model_cls(args)
     return save_pretrained(model, out_dir, dtype=dtype)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 # Block shapes and the backward grid cap are RMSNorm's (the same row-wise layout: one heuristic for both).
-from kernels.rmsnorm import _blocks, _num_programs_cap
+from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
 

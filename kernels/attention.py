@@ -7,7 +7,7 @@ Shapes: N packed tokens (all documents of all rows, flattened), H query heads, H
 Math per document d and head h (query head h reads kv head h // (H/Hkv)):
   P = softmax(q_d k_dᵀ / √Dh + causal mask);  o_d = P v_d.
 A token never sees another document: this is what makes a packed row equal its documents run
-one by one (DESIGN.md "Packed, exact attention").
+one by one.
 Backward: dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  dQ = dS K / √Dh;  dK = dSᵀ Q / √Dh.
 Accumulation: fp32 softmax statistics in every implementation.
 
@@ -21,7 +21,7 @@ Implementations (chosen by the caller, from ModelArgs.attention_impl — never a
   "sdpa"   the reference below: SDPA per document with is_causal (any device/dtype; a Python loop);
   "auto"   flash → varlen on CUDA with fp16/bf16; sdpa on CPU or in fp32. On CUDA with fp16/bf16 and
            neither fast path installed it raises instead of silently running the slow loop
-           (PITFALLS.md "Silent slow paths") — pass impl="sdpa" to accept it.
+           (a silent slow path) — pass impl="sdpa" to accept it.
 Asking for an implementation that is not available raises; there is no silent fallback.
 
 `causal_attention_rows` is the special case of rows that each hold ONE document (q [B, T, H, Dh]): plain
@@ -170,7 +170,7 @@ def causal_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 # --- reference ------------------------------------------------------------------------------------
 # Compiler-disabled: it loops over the documents on the host, and Dynamo tracing that loop would guard on
-# every document length, recompiling compiled blocks for each new batch (PITFALLS.md "Recompiles").
+# every document length, recompiling compiled blocks for each new batch.
 @torch.compiler.disable
 def packed_causal_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int

@@ -14,10 +14,10 @@ Backward (computed during the forward, Liger-Kernel style, so no chunk is recomp
   returned in fp32 by cuBLAS, so no bf16 rounding of a chunk's contribution).
 Saved: dh [N, D] and dW [V, D] in fp32 (the backward multiplies them by the incoming scalar grad),
 or only the one that is needed (a frozen LM head saves no dW). Memory: O(C·V + N·D + V·D) instead of
-O(N·V). All reductions are fp32 (PITFALLS.md: drift at vocab > 250k without fp32 accumulators).
+O(N·V). All reductions are fp32 (bf16 accumulators drift at vocabularies past 250k).
 
 The result is a SUM over non-ignored tokens; the trainer divides by the token count of the whole
-accumulated batch, so gradient accumulation is scaled correctly (PITFALLS.md): the gradient of the
+accumulated batch, so gradient accumulation is scaled correctly (docs/training.md): the gradient of the
 sum is exactly Σ_i ∂loss_i, with no per-chunk or per-micro-batch mean anywhere.
 
 Implementations (argument `impl`): "triton" (the per-row kernel; any device, CPU through

@@ -31,7 +31,7 @@ Implementations (argument `impl`, from the model config — never an environment
   "fla"  fla-core's chunk_gated_delta_rule with cu_seqlens (CUDA, bf16/fp16; `pip install fla-core`, the
          package's `gpu` extra). Imported lazily; asking for it without fla installed raises.
   "ref"  gated_delta_rule_ref below: plain PyTorch in fp32, any device.
-  "auto" fla on CUDA with bf16/fp16 (raising if fla-core is missing — PITFALLS.md "Silent slow paths": the
+  "auto" fla on CUDA with bf16/fp16 (raising if fla-core is missing: a silent fall-back would double the step time; the
          fp32 path is about twice the step time; pass impl="ref" to accept it), the reference elsewhere.
 """
 from __future__ import annotations

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.adaln import _rowwise
-from kernels.rmsnorm import _blocks, _num_programs_cap
+from atelier_studio.kernels.adaln import _rowwise
+from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.rmsnorm import _blocks, _num_programs_cap
+from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
 

@@ -10,7 +10,7 @@ Forward, with m the dropout mask (scaled by 1/(1−p)) and xd = x ∘ m:
 Backward, for dy [T, O]:
   g = s · dy B [T, r];  dB = s · dyᵀ u [O, r];  dA = gᵀ xd [r, I];
   dx = dy W + (g A) ∘ m, again one addmm into dy W when there is no dropout and one dtype.
-  No dW and no d(bias): the base is frozen (PITFALLS.md "LoRA defaults"); dx is skipped when x needs
+  No dW and no d(bias): the base is frozen (a weight gradient for it would be a third of the FLOPs, thrown away); dx is skipped when x needs
   no gradient (layer 0 of a frozen-embedding LoRA run), which autograd over nn.Linear also does.
 Saved: x, the dropout mask (bool, only with dropout), u, and the weights (no copies).
 Dtypes: under autocast both matmul chains run in the autocast dtype (as nn.Linear would); otherwise

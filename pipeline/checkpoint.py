@@ -8,10 +8,15 @@ A checkpoint is a directory `checkpoints/step-N/`:
     state.json             step, scheduler, optimizer hyper-parameters, Python/NumPy RNG, task metadata
     manifest.json          size and SHA-256 of every file above; written last
 
-It is written to `.step-N.tmp/`, each file fsynced, then renamed into place, so a killed writer leaves
-either a complete checkpoint or a temporary directory that is ignored (and never a half-written
-`step-N`). Loading checks the manifest first, so a truncated or altered file is reported by name
-before anything is read. Only safetensors and JSON are read: nothing is unpickled.
+It is written by `pipeline.atomic.atomic_dir`: into `.step-N.tmp-<token>/`, each file fsynced, then
+renamed into place, so a killed writer leaves either a complete checkpoint or a temporary directory
+that is ignored and deleted by the next save (never a half-written `step-N`). Saving a step that
+already exists moves the old `step-N` aside, renames the new one in, and only then deletes the old
+one; a kill between the two renames leaves the old one under `.step-N.old-<token>`, which
+`list_checkpoints` puts back. A write that fails (a full disk) deletes its temporary directory and is
+a `WriteError` naming the checkpoint and the file. Loading checks the manifest first, so a truncated
+or altered file is reported by name before anything is read. Only safetensors and JSON are read:
+nothing is unpickled.
 
 Under torchrun (pipeline/distributed.py) a checkpoint is sharded instead, written by every rank through
 `torch.distributed.checkpoint` (DCP), and resumable on any number of processes (DCP re-shards on load;
@@ -22,18 +27,18 @@ one process without a process group loads it too):
     rank-<r>.json                  rank r's RNG states (Python, NumPy, torch CPU/CUDA)
     manifest.json                  size and SHA-256 of every file above; written last, by rank 0
 
-The same atomicity: every rank writes into `.step-N.tmp/`, rank 0 writes the manifest once all ranks are
-done and renames. With `async_save` the files are written by a background thread while training goes on;
-the rename happens when the write has finished (`PendingSave.wait`, called at the next save and at the
-end of the run), so a crash mid-write leaves only a temporary directory. DCP's files are read with
-torch.load(weights_only=True) semantics inside DCP: tensors and plain containers only.
+The same atomicity: every rank writes into `.step-N.tmp-sharded/` (one name all ranks know), rank 0
+writes the manifest once all ranks are done and installs it the same way. With `async_save` the files
+are written by a background thread while training goes on; the rename happens when the write has
+finished (`PendingSave.wait`, called at the next save and at the end of the run), so a crash mid-write
+leaves only a temporary directory. DCP's files are read with torch.load(weights_only=True) semantics
+inside DCP: tensors and plain containers only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -41,13 +46,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from atelier_studio.pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
+from atelier_studio.pipeline.atomic import save_safetensors, temp_path
+from atelier_studio.pipeline.errors import AtelierError
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(AtelierError, RuntimeError):
     """A checkpoint that cannot be used; the message names the directory and file."""
 
 
@@ -63,30 +72,21 @@ class Checkpoint:
 
 
 def save_checkpoint(root: Path, ckpt: Checkpoint) -> Path:
-    """Write `root/step-N` atomically and return its path."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    """Write `root/step-N` atomically (see the module docstring) and return its path."""
+    root = ensure_dir(root, "checkpoint directory")
     final = root / f"step-{ckpt.step}"
-    tmp = root / f".step-{ckpt.step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     files = {
         "model.safetensors": ckpt.model,
         "optimizer.safetensors": ckpt.optimizer,
         "extra.safetensors": ckpt.extra,
     }
-    for name, tensors in files.items():
-        save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, str(tmp / name))
-    _write_json(tmp / "state.json", {"step": ckpt.step, **ckpt.state})
-    manifest = {name: _describe(tmp / name) for name in [*files, "state.json"]}
-    _write_json(tmp / MANIFEST, manifest)
-    for name in [*files, "state.json", MANIFEST]:
-        _fsync(tmp / name)
-    if final.exists():  # re-saving the same step (e.g. a signal right after a cadence save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    # an existing step-N stays loadable until this one is in; what a killed save of step N left is deleted first
+    with atomic_dir(final, what="checkpoint") as tmp:
+        for name, tensors in files.items():
+            save_safetensors({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp / name)
+        _write_json(tmp / "state.json", {"step": ckpt.step, **ckpt.state})
+        manifest = {name: _describe(tmp / name) for name in [*files, "state.json"]}
+        _write_json(tmp / MANIFEST, manifest)
     return final
 
 
@@ -115,8 +115,8 @@ def verify_checkpoint(path: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing — the checkpoint was not completely written")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_bytes())
+    except ValueError as e:  # bad JSON, or bytes that are not UTF-8
         raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
     for name, expected in manifest.items():
         f = path / name
@@ -130,14 +130,22 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete-looking `step-N` directories under root, oldest first (temporary dirs ignored)."""
+    """Complete-looking `step-N` directories under root, oldest first (temporary dirs ignored).
+
+    A `step-N` that a killed re-save had moved aside (`.step-N.old-<token>`, with no `step-N` beside it) is
+    renamed back first, so it is listed.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
+    for p in list(root.iterdir()):
+        m = re.match(r"^\.(step-\d+)\.old-", p.name)
+        if m and p.is_dir():
+            restore_aside(root / m.group(1))
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and not is_temporary(p.name):
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
 
@@ -166,29 +174,29 @@ class PendingSave:
         self.tmp, self.final, self.state, self.ctx, self.future = tmp, final, state, ctx, future
 
     def wait(self) -> Path:
-        from pipeline.distributed import barrier
+        from atelier_studio.pipeline.distributed import barrier
 
-        if self.future is not None:
-            self.future.result()  # every rank's shard written; DCP's coordinator wrote .metadata
-            self.future = None
-        barrier(self.ctx)  # rank 0 renames only once every rank's files are complete
-        if self.ctx.is_main:
-            _write_json(self.tmp / "state.json", self.state)
-            names = sorted(p.name for p in self.tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-            _write_json(self.tmp / MANIFEST, {name: _describe(self.tmp / name) for name in names})
-            for name in [*names, MANIFEST]:
-                _fsync(self.tmp / name)
-            if self.final.exists():
-                shutil.rmtree(self.final)
-            os.replace(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+        try:
+            if self.future is not None:
+                future, self.future = self.future, None
+                future.result()  # every rank's shard written; DCP's coordinator wrote .metadata
+            barrier(self.ctx)  # rank 0 renames only once every rank's files are complete
+            if self.ctx.is_main:
+                _write_json(self.tmp / "state.json", self.state)
+                names = sorted(p.name for p in self.tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+                _write_json(self.tmp / MANIFEST, {name: _describe(self.tmp / name) for name in names})
+                install_dir(self.tmp, self.final, what="checkpoint")  # an existing step-N is replaced last
+        except BaseException:
+            if self.ctx.is_main:  # a failed write leaves no temporary directory behind
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         barrier(self.ctx)
         return self.final
 
 
 def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], state: dict[str, Any],
                             rank_state: dict[str, Any], ctx: Any, async_save: bool = False) -> PendingSave:
-    """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into `root/.step-N.tmp`.
+    """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into root/.step-N.tmp-sharded.
 
     A collective: all ranks call it with the same step. `state` (JSON, rank 0's copy is kept) and
     `rank_state` (JSON, one file per rank) go next to the shards. Returns the pending save; its `wait()`
@@ -196,23 +204,27 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
     """
     import torch.distributed.checkpoint as dcp
 
-    from pipeline.distributed import barrier
+    from atelier_studio.pipeline.distributed import barrier
 
     root = Path(root)
     final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
+    tmp = temp_path(final, token="sharded")  # every rank writes into the same directory: a name all ranks know
     if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # a write killed earlier: never mix its files with this one
-            shutil.rmtree(tmp)
+        ensure_dir(root, "checkpoint directory")
+        remove_stale(final)  # a write killed earlier: never mix its files with this one
         tmp.mkdir()
     barrier(ctx)
-    _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
-    state = {"step": step, "format": "dcp", "world_size": ctx.world_size, **state}
-    if async_save:
-        future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=_async_group())
-        return PendingSave(tmp, final, state, ctx, future)
-    dcp.save(app_state, checkpoint_id=str(tmp))
+    try:
+        _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
+        state = {"step": step, "format": "dcp", "world_size": ctx.world_size, **state}
+        if async_save:
+            future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=_async_group())
+            return PendingSave(tmp, final, state, ctx, future)
+        dcp.save(app_state, checkpoint_id=str(tmp))
+    except BaseException:
+        if ctx.is_main:  # every rank's write failed with it (DCP gathers the results): nothing is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     pending = PendingSave(tmp, final, state, ctx)
     pending.wait()
     return pending
@@ -342,19 +354,5 @@ def _sha256(f: Path) -> str:
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """Into a checkpoint's temporary directory (installed whole, and fsynced, by pipeline/atomic.py)."""
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync(path)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
 
+from atelier_studio.pipeline.errors import AtelierError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(AtelierError, ValueError):
     """A config key or value that cannot be used; the message names the key."""
 
 
@@ -98,6 +100,12 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas: each must be in [0, 1), got {self.betas}")
+        if self.warmup_steps > self.max_steps:
+            # an error, not a clamp: the run would never reach its lr (warmup 20 over 5 steps peaks at 25% of
+            # it), and a silently changed schedule hides the mistake; the fix is one --set
+            raise ConfigError(f"warmup_steps: {self.warmup_steps} is more than max_steps {self.max_steps}, so the "
+                              f"learning rate would never reach train.lr; set train.warmup_steps <= "
+                              f"{self.max_steps} (0 disables warmup)")
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        from atelier_studio.data.textfile import decode_utf8
+
+        text = decode_utf8(path.read_bytes(), path, ConfigError)  # a non-UTF-8 byte is named path:line
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     for item in overrides:
@@ -309,11 +320,10 @@ def _toml_value(v: Any) -> str:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(config_to_toml(cfg))
-    tmp.replace(path)
+    """Write the resolved config as TOML, atomically (pipeline/atomic.py)."""
+    from atelier_studio.pipeline.atomic import atomic_write_text
+
+    atomic_write_text(path, config_to_toml(cfg), what="resolved config")
 
 
 __all__ = [

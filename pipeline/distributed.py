@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.config import DistributedConfig, TrainConfig
-from pipeline.policies import checkpoint_blocks, compile_block_list
+from atelier_studio.pipeline.config import DistributedConfig, TrainConfig
+from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list
 
 
-class DistributedError(RuntimeError):
+class DistributedError(AtelierError, RuntimeError):
     """torchrun's environment or a sharding request that cannot work; the message names the variable."""
 
 
@@ -60,7 +61,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 def torchrun_env() -> dict[str, int] | None:
     """RANK, WORLD_SIZE, LOCAL_RANK as ints when launched by torchrun; None when WORLD_SIZE is unset.
 
-    The one place in Atelier that reads the launcher's environment (STYLE.md: env vars in one place).
+    The one place in Atelier that reads the launcher's environment.
     MASTER_ADDR / MASTER_PORT are read by `init_process_group("env://")` itself.
     """
     if "WORLD_SIZE" not in os.environ:
@@ -86,7 +87,7 @@ def launched_by_torchrun() -> bool:
 
 def init_distributed(train: TrainConfig) -> DistContext:
     """The process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or a one-process context."""
-    from pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
+    from atelier_studio.pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
 
     env = torchrun_env()
     if env is None:
@@ -136,6 +137,15 @@ def all_reduce_sum(ctx: DistContext, values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_gather_objects(ctx: DistContext, obj: object) -> list:
+    """Every rank's `obj`, in rank order, on every rank (small picklable values: data positions); [obj] alone."""
+    if not ctx.enabled:
+        return [obj]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(ctx: DistContext, obj: object) -> object:
@@ -293,6 +303,6 @@ class consolidated:
 
 __all__ = [
     "DistContext", "DistributedError", "torchrun_env", "launched_by_torchrun", "init_distributed", "shutdown",
-    "barrier", "all_reduce_sum", "broadcast_object", "parallelize", "set_gradient_sync",
+    "barrier", "all_reduce_sum", "all_gather_objects", "broadcast_object", "parallelize", "set_gradient_sync",
     "is_sharded", "local_rows", "materialize_", "full_state_dict", "consolidated",
 ]

@@ -22,25 +22,35 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from atelier_studio.pipeline.atomic import atomic_write_text, ensure_dir
+from atelier_studio.pipeline.errors import write_error
+
 
 class MetricsLog:
-    """Append-only JSONL metrics, truncated to the resumed step so a resumed curve has no duplicates."""
+    """Append-only JSONL metrics, truncated to the resumed step so a resumed curve has no duplicates.
+
+    The truncation rewrites the file atomically; a failed append (a full disk) is a WriteError naming the file.
+    """
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.path.parent, "output.dir")
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept), what="metrics log")
         self._fh = open(self.path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        try:
+            self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as e:
+            raise write_error(self.path, e, "metrics log") from e
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()  # flushes: a full disk can surface here too
+        except OSError as e:
+            raise write_error(self.path, e, "metrics log") from e
 
 
 def _step_of(line: str) -> float:

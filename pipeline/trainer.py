@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
@@ -39,9 +39,9 @@ from pipeline.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from pipeline.config import OutputConfig, TrainConfig
-from pipeline.distributed import (
+from atelier_studio.pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.distributed import (
     DistContext,
     all_reduce_sum,
     barrier,
@@ -50,13 +50,15 @@ from pipeline.distributed import (
     is_sharded,
     set_gradient_sync,
 )
-from pipeline.mfu import ThroughputMeter, device_peak_flops
-from pipeline.policies import cpu_offload
-from pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
-from pipeline.task import Task
+from atelier_studio.pipeline.atomic import ensure_dir
+from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
+from atelier_studio.pipeline.policies import cpu_offload
+from atelier_studio.pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
+from atelier_studio.pipeline.task import Task
 
 
-class TrainingError(RuntimeError):
+class TrainingError(AtelierError, RuntimeError):
     """The run cannot continue (non-finite loss, unusable checkpoint); nothing good is overwritten."""
 
 
@@ -329,7 +331,7 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.out, "output.dir")
         resume = self._resume_path()
         if resume is not None:
             self.load(resume)
@@ -343,6 +345,7 @@ class Trainer:
         model = self.task.model
         model.train()
         batches = self.task.train_batches()
+        per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
@@ -354,7 +357,7 @@ class Trainer:
                 lr = cfg.lr * lr_factor(self.step, cfg)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                micro = [next(batches) for _ in range(cfg.grad_accum)]
+                micro = [next(batches) for _ in range(per_step)]
                 weight = sum(self.task.batch_weight(b) for b in micro)
                 if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
                     weight = int(all_reduce_sum(self.dist, [weight])[0])

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from designer.config import DesignerConfig
-from imagegen.config import ImagegenConfig
-from pipeline.config import load_config
+from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.imagegen.config import ImagegenConfig
+from atelier_studio.pipeline.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*/*.toml"))
@@ -26,7 +26,7 @@ def test_config_loads_and_validates(path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.parent.name == "designer"], ids=lambda p: p.name)
 def test_designer_config_header_names_real_sizes(path):
-    from designer.hf import args_from_size
+    from atelier_studio.designer.hf import args_from_size
 
     for size in re.findall(r"designer init --size (\S+)", path.read_text()):
         args_from_size(size, vocab_size=1024)  # raises on an unknown size

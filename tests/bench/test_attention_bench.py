@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.attention import doc_lengths, main
+from atelier_studio.bench.attention import doc_lengths, main
 
 
 def test_doc_lengths_fill_rows_exactly():

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-import kernels.causal_conv1d as cc
-from bench.causal_conv1d import TINY, main, packed_inputs
+import atelier_studio.kernels.causal_conv1d as cc
+from atelier_studio.bench.causal_conv1d import TINY, main, packed_inputs
 
 
 def test_packed_inputs_fill_the_tokens_with_documents():

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from bench.designer import (
+from atelier_studio.bench.designer import (
     CONFIGS,
     Variant,
     bench,
@@ -24,9 +24,9 @@ from bench.designer import (
     tiny_config,
     to_device,
 )
-from data.packing import fixed_shape
-from designer.lora import LoraArgs
-from designer.model import ModelArgs
+from atelier_studio.data.packing import fixed_shape
+from atelier_studio.designer.lora import LoraArgs
+from atelier_studio.designer.model import ModelArgs
 
 CPU = torch.device("cpu")
 
@@ -52,7 +52,7 @@ def test_tiny_run_writes_every_field(tiny_report):
         assert key in a, key
     assert a["tokens_per_s"] > 0 and a["micro_batch"] in (1, 2)
     assert a["mfu_6n"] > a["mfu_4n"] > 0  # LoRA: the 6N convention counts the frozen weights' gradients too
-    # BENCHMARKS.md's letter counts the LM head on every token, Atelier's count only where a loss is taken
+    # the peers' convention counts the LM head on every token, Atelier's count only where a loss is taken
     assert a["mfu_4n_head_all"] > a["mfu_4n"] and r["peers"]["hf"]["mfu_4n_head_all"] > r["peers"]["hf"]["mfu_4n"]
     assert r["peers"]["hf"]["tokens_per_s"] > 0 and "mfu_4n" in r["peers"]["hf"] and "peak_gb" in r["peers"]["hf"]
     if importlib.util.find_spec("liger_kernel") is None:
@@ -146,7 +146,7 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
 
     import transformers.models.qwen3.modeling_qwen3 as modeling
 
-    from bench.designer import _hf_model, peer_context
+    from atelier_studio.bench.designer import _hf_model, peer_context
 
     class FakeLigerNorm(modeling.Qwen3RMSNorm):
         pass
@@ -179,7 +179,7 @@ def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_repo
     and refuses batches or step counts that do not reproduce the report's own MFU."""
     import copy
 
-    from bench.recount import recount, replace_table
+    from atelier_studio.bench.recount import recount, replace_table
 
     def stripped() -> dict:
         r = copy.deepcopy(tiny_report)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench.first_runs_imagegen as fri
-from bench.first_runs_imagegen import SD3M, TINY, imagegen_run, write_config, write_random_latents
+import atelier_studio.bench.first_runs_imagegen as fri
+from atelier_studio.bench.first_runs_imagegen import SD3M, TINY, imagegen_run, write_config, write_random_latents
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def test_tiny_run_trains_through_the_cli(tiny_run):
 
 
 def test_tiny_latents_have_the_cache_layout(tiny_run):
-    from data.buckets import LatentDataset
-    from data.shards import read_index
+    from atelier_studio.data.buckets import LatentDataset
+    from atelier_studio.data.shards import read_index
 
     work, _ = tiny_run
     index = read_index(work / "latents-tiny")
@@ -84,7 +84,7 @@ def test_rerun_reuses_setup_and_falls_back_only_on_oom(tiny_run, monkeypatch):
 
 def test_real_shape_latents(tmp_path):
     """Two samples at SD3-medium shapes: what the GPU run writes, read back as the task reads it."""
-    from data.buckets import LatentDataset
+    from atelier_studio.data.buckets import LatentDataset
 
     shape = dataclasses.replace(SD3M, max_steps=1, micro_batches=(1,), extra_samples=1, shard_size=1)
     out = write_random_latents(tmp_path / "lat", shape, torch.bfloat16, tmp_path / "te", tmp_path / "vae")
@@ -106,11 +106,11 @@ def test_real_shape_latents(tmp_path):
 
 def test_sd3m_stand_ins_pass_the_task_startup_checks(tmp_path):
     """The real run's text encoder, VAE, MMDiT args and config agree the way ImagegenTask checks at startup."""
-    from imagegen.autoencoder import load_autoencoder
-    from imagegen.config import ImagegenConfig
-    from imagegen.model import SIZES, MMDiT
-    from imagegen.text import TextEncoder
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.autoencoder import load_autoencoder
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.imagegen.model import SIZES, MMDiT
+    from atelier_studio.imagegen.text import TextEncoder
+    from atelier_studio.pipeline.config import load_config
 
     text_dir = fri.write_text_encoder(tmp_path / "text-enc", SD3M, torch.bfloat16, tmp_path / "log.txt")
     text = TextEncoder(text_dir, "causal-lm", max_length=SD3M.max_length, pooled="mean")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bench.imagegen import (
+from atelier_studio.bench.imagegen import (
     CONFIGS,
     Variant,
     attempt,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bench.joint_attention import attention_flops, main
+from atelier_studio.bench.joint_attention import attention_flops, main
 
 
 def test_flops_count_the_full_square():

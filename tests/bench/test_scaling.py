@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.scaling import RUNS, main, tiny
-from pipeline.cli import main as atelier
+from atelier_studio.bench.scaling import RUNS, main, tiny
+from atelier_studio.flows.cli import main as atelier
 from tests.designer.test_model import FIXTURE
 
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from data.balance import BalancedPackedLoader, balance_rows, balance_rows_ref, row_cost
-from data.chat import EncodedDoc
-from data.packing import PackedLoader, pack_documents
+from atelier_studio.data.balance import BalancedPackedLoader, balance_rows, balance_rows_ref, row_cost
+from atelier_studio.data.chat import EncodedDoc
+from atelier_studio.data.packing import PackedLoader, pack_documents
 
 
 def docs(n: int, seed: int, max_len: int = 60) -> list[EncodedDoc]:

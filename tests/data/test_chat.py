@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from data.chat import (DEFAULT_SYSTEM_PROMPT, DataError, Example, Message, encode_example, load_examples,
+from atelier_studio.data.chat import (DEFAULT_SYSTEM_PROMPT, DataError, Example, Message, encode_example, load_examples,
                        parse_example, prompt_ids)
-from data.tokenizer import load_tokenizer, train_tokenizer
+from atelier_studio.data.tokenizer import load_tokenizer, train_tokenizer
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"
 MULTI_TURN = Example((Message("user", "hi there"), Message("assistant", "a green triangle"),

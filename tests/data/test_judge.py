@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from data import judge as J
-from data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, POSITIONS, SHAPES, SIZES,
+from atelier_studio.data import judge as J
+from atelier_studio.data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, POSITIONS, SHAPES, SIZES,
                             CaptionSpec, generate_world, render, sample_one)
 
 FIELDS = ("shape_ok", "color_ok", "position_ok", "size_ok", "background_ok")

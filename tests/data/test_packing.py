@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from data.chat import EncodedDoc
-from data.packing import (IGNORE_INDEX, Batch, PackedLoader, best_fit_decreasing, best_fit_decreasing_ref, compile_shape,
+from atelier_studio.data.chat import EncodedDoc
+from atelier_studio.data.packing import (IGNORE_INDEX, Batch, PackedLoader, best_fit_decreasing, best_fit_decreasing_ref, compile_shape,
                           first_fit, fixed_shape, make_batch, overflow_pieces, pack_documents, pack_documents_ref)
 
 PAD = 0

@@ -10,7 +10,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from data.shards import (
+from atelier_studio.data.shards import (
     BadSampleCounter,
     ShardError,
     ShardReader,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data import synthetic as syn
-from data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, KINDS, LAYOUTS, MOODS, POSITIONS,
+from atelier_studio.data import synthetic as syn
+from atelier_studio.data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, KINDS, LAYOUTS, MOODS, POSITIONS,
                             SHAPES, SIZES, CaptionSpec, brief_constraints, generate_world, parse_brief,
                             parse_caption, render)
 

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from pipeline.cli import main
+from atelier_studio.flows.cli import main
 
 if __name__ == "__main__":
     runs = json.loads(open(sys.argv[1]).read())

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from data.chat import DataError, prompt_ids
-from data.tokenizer import load_tokenizer
-from designer.captions import generate_captions, load_designer, read_briefs
-from designer.generate import generate
-from designer.hf import load_pretrained
-from designer.lora import LoraArgs, apply_lora, save_peft_adapter
-from pipeline.cli import main
+from atelier_studio.data.chat import DataError, prompt_ids
+from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.captions import generate_captions, load_designer, read_briefs
+from atelier_studio.designer.generate import generate
+from atelier_studio.designer.hf import load_pretrained
+from atelier_studio.designer.lora import LoraArgs, apply_lora, save_peft_adapter
+from atelier_studio.flows.cli import main
 
 
 def test_read_briefs_plain_and_jsonl(tmp_path):

@@ -38,7 +38,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atelier_studio.pipeline.cli import main
+from atelier_studio.flows.cli import main
 
 pytestmark = pytest.mark.multigpu
 

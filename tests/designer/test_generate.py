@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from designer.generate import generate, generate_greedy_ref
-from designer.hf import load_pretrained
+from atelier_studio.designer.generate import generate, generate_greedy_ref
+from atelier_studio.designer.hf import load_pretrained
 from tests.designer.test_model import load_hf, make_model_dir
 
 V = 113
@@ -59,7 +59,7 @@ def test_sampling_is_seeded_and_top_p_limits(model_dir):
 
 
 def test_string_prompts_and_bad_input(tmp_path):
-    from designer.hf import init_random
+    from atelier_studio.designer.hf import init_random
     from tests.designer.test_model import make_tokenizer_dir
 
     tok_dir = make_tokenizer_dir(tmp_path)

@@ -297,7 +297,7 @@ def test_train_flops_match_flop_counter(mode):
     if mode == "lora":
         apply_lora(model, LoraArgs(rank=4, alpha=8, targets=("q", "v", "down")))
         # With a frozen embedding, autograd skips the input-gradient of layer 0's q/k/v/gate/up (nothing
-        # upstream needs it); train_flops counts every input-gradient, as DESIGN.md's 2·N·T does. Let the
+        # upstream needs it); train_flops counts every input-gradient, as docs/mfu.md's 2·N·T does. Let the
         # gradient flow to the embedding (whose backward is not a matmul) so both count the same work.
         model.model.embed_tokens.weight.requires_grad_(True)
     lens, head_tokens = check_flops_match_counter(model, 67)

@@ -12,7 +12,7 @@ import torch
 from atelier_studio.designer.hf import args_from_size, init_random, load_pretrained, save_pretrained
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
 from atelier_studio.designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
-from atelier_studio.pipeline.cli import main
+from atelier_studio.flows.cli import main
 from tests.designer.test_model import (FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, packing_terms,
                                        rel_err, run_rows)
 from tests.kernels._compare import assert_no_leak, assert_within_rounding
@@ -294,25 +294,33 @@ def test_training_reduces_the_loss(q35_world, tmp_path, mode):
 def test_a_cuda_run_without_fla_stops_before_loading(q35_world, monkeypatch):
     import atelier_studio.kernels.gated_delta_rule as gdr
     from atelier_studio.designer.config import DesignerConfig, ModelConfig
-    from atelier_studio.designer.task import _check_delta_rule
+    from atelier_studio.designer.hf import read_args
+    from atelier_studio.designer.task import _preflight
     from atelier_studio.pipeline.config import ConfigError
 
     monkeypatch.setattr(gdr, "has_fla", lambda: False)
     cuda, model = torch.device("cuda"), q35_world / "model"
+    args = read_args(model)
     for delta_rule in ("auto", "fla"):
         cfg = DesignerConfig(model=ModelConfig(path=str(model), dtype="bfloat16", delta_rule=delta_rule))
         with pytest.raises(ConfigError, match=r"model.delta_rule.*pip install fla-core"):
-            _check_delta_rule(cfg, model, cuda)
+            _preflight(cfg, args, cuda)
     for ok in (ModelConfig(path=str(model), delta_rule="ref"), ModelConfig(path=str(model), dtype="float32")):
-        _check_delta_rule(DesignerConfig(model=ok), model, cuda)
-    _check_delta_rule(DesignerConfig(model=ModelConfig(path=str(model))), model, torch.device("cpu"))
+        _preflight(DesignerConfig(model=ok), args, cuda)
+    _preflight(DesignerConfig(model=ModelConfig(path=str(model))), args, torch.device("cpu"))
 
 
-def test_config_targets_are_the_lora_targets():
-    from atelier_studio.designer.config import LORA_TARGETS
-    from atelier_studio.designer.lora import ALL_TARGETS
+def test_default_lora_targets_are_every_linear_of_the_family():
+    """The config's default (no targets) is the family's every linear; each name is the family's own."""
+    from atelier_studio.designer.config import LoraConfig
+    from atelier_studio.designer.registry import family_of_size
 
-    assert LORA_TARGETS == ALL_TARGETS
+    q3, q35 = family_of_size("tiny"), family_of_size("qwen3.5-tiny")
+    assert LoraConfig().targets == ()
+    assert q3.resolve_lora_targets(()) == ("q", "k", "v", "o", "gate", "up", "down")
+    assert q35.resolve_lora_targets(()) == ("q", "k", "v", "o", "gate", "up", "down", "qkv", "z", "b", "a", "out")
+    with pytest.raises(ValueError, match=r"\['qkv'\] are not Qwen3 linears"):
+        q3.resolve_lora_targets(("q", "qkv"))
 
 
 @pytest.mark.multigpu
@@ -377,7 +385,7 @@ def _differently_packed_batches(device: str = "cpu") -> list:
 
 
 def test_compiled_blocks_compile_once_per_segment_bucket(monkeypatch):
-    """PITFALLS.md "Recompiles": batches of one packed shape but different documents (segment counts, chunk
+    """No recompiles: batches of one packed shape but different documents (segment counts, chunk
     counts) reach compiled blocks through data.packing.compile_shape, and nothing compiles after the first
     batch. The delta rule's chunk index rides along as on CUDA (the CPU reference ignores it): its row count is
     fixed by the tokens and segments, so it adds no guard either. Without compile_shape, every new segment
@@ -532,12 +540,12 @@ def test_compiled_fla_blocks_match_eager_and_compile_once():
 def _decoded_hidden(model: Qwen35, seqs: list[list[int]], new: int) -> list[torch.Tensor]:
     """Each sequence's hidden states [len, D] through the decoding cache: its prompt (all but the last `new`
     tokens) prefilled with the others, left-padded, then its last tokens fed one a step."""
-    from atelier_studio.designer.generate import KVCache, _left_padded
+    from atelier_studio.designer.decode import KVCache, left_padded
     from atelier_studio.designer.qwen35 import LinearAttentionState
 
     device = model.lm_head_weight.device
     prompts = [x[:-new] for x in seqs]
-    pads, tokens, positions = _left_padded(prompts, device)
+    pads, tokens, positions = left_padded(prompts, device)
     layers = model.model.layers
     cache = KVCache(model, pads, tokens.shape[1], new, [i for i, b in enumerate(layers) if b.layer_type == FULL])
     states = [None if b.layer_type == FULL else LinearAttentionState.zeros(b.linear_attn, len(seqs), device)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main as atelier
+from atelier_studio.flows.cli import main as atelier
 
 ROOT = Path(__file__).parents[2]
 BRIEFS = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.train_designer import train_designer
-from flows.evaluate import brief_to_image_eval, evaluate_brief_to_image, read_briefs
-from flows.train_imagegen import needs_cache, train_imagegen
-from flows.launch import pid_dir
-from flows.training import FlowInputError
+from atelier_studio.flows.train_designer import train_designer
+from atelier_studio.flows.evaluate import brief_to_image_eval, evaluate_brief_to_image, read_briefs
+from atelier_studio.flows.train_imagegen import needs_cache, train_imagegen
+from atelier_studio.flows.launch import pid_dir
+from atelier_studio.flows.training import FlowInputError
 from tests.flows.conftest import designer_config
 from tests.imagegen._world import DEMO, build_world, config_overrides
 
@@ -136,13 +136,14 @@ def test_failed_training_keeps_checkpoints_and_the_retry_resumes(designer_world,
 @pytest.fixture(scope="module")
 def imagegen_run(tmp_path_factory):
     """train-imagegen on a world with image shards but no latents yet: (base, out, overrides, needed_cache, run id)."""
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
 
     base = build_world(tmp_path_factory.mktemp("flows-imagegen"), cache=False)
     out = base / "i1"
-    overrides = config_overrides(base, out) + ["train.max_steps=4", "train.save_every=0", "train.eval_every=0",
-                                               "sample.every=2", "sample.steps=2", "ema.decay=0.5"]
+    overrides = config_overrides(base, out) + ["train.max_steps=4", "train.warmup_steps=1", "train.save_every=0",
+                                               "train.eval_every=0", "sample.every=2", "sample.steps=2",
+                                               "ema.decay=0.5"]
     needed = needs_cache(load_config(ImagegenConfig, DEMO, overrides))
     result, run_id = run_flow(train_imagegen, str(DEMO), overrides)
     assert Path(result) == out
@@ -150,8 +151,8 @@ def imagegen_run(tmp_path_factory):
 
 
 def test_train_imagegen_caches_latents_first_then_trains(imagegen_run):
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
 
     base, out, overrides, needed, run_id = imagegen_run
     assert needed and any((base / "latents").glob("*.tar"))
@@ -189,8 +190,8 @@ def test_eval_flow_scores_briefs_and_matches_the_plain_function(designer_run, im
 
 def test_judge_scores_true_images_high_and_empty_captions_zero(tmp_path):
     """The world's own images with their true captions: the judge agrees; a row with no caption scores 0."""
-    from data.synthetic import generate_world
-    from flows.evaluate import judge
+    from atelier_studio.data.synthetic import generate_world
+    from atelier_studio.flows.evaluate import judge
 
     world = tmp_path / "world"
     generate_world(world, n=40, seed=3, image_size=32, eval_fraction=0.25)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.launch import (TrainerFailed, kill_recorded_trainers, parse_step_line, pid_dir, run_command,
+from atelier_studio.flows.launch import (TrainerFailed, kill_recorded_trainers, parse_step_line, pid_dir, run_command,
                           trainer_command)
-from pipeline.progress import format_step_line
+from atelier_studio.pipeline.progress import format_step_line
 
 ROOT = Path(__file__).parents[2]
 
@@ -41,10 +41,10 @@ def test_parse_step_line_reads_the_trainers_own_format(unit, label):
 
 
 def test_trainer_command():
-    assert trainer_command(["designer", "train"])[1:] == ["-m", "pipeline.cli", "designer", "train"]
+    assert trainer_command(["designer", "train"])[1:] == ["-m", "atelier_studio.flows.cli", "designer", "train"]
     cmd = trainer_command(["imagegen", "train"], nproc=4)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=4" in cmd
-    assert cmd[-4:] == ["-m", "pipeline.cli", "imagegen", "train"]
+    assert cmd[-4:] == ["-m", "atelier_studio.flows.cli", "imagegen", "train"]
     with pytest.raises(ValueError, match="nproc"):
         trainer_command([], nproc=0)
 
@@ -87,7 +87,7 @@ def test_nonzero_exit_raises_with_the_tail_of_the_output():
 
 def test_trainer_runs_the_cli(tmp_path):
     with pytest.raises(TrainerFailed, match="no-such-command|invalid choice"):
-        from flows.launch import run_trainer
+        from atelier_studio.flows.launch import run_trainer
 
         run_trainer(["no-such-command"], log=lambda s: None, cwd=ROOT)
 
@@ -105,7 +105,7 @@ TRAINER = textwrap.dedent("""
 WRAPPER = textwrap.dedent("""
     import signal, sys
     from prefect.exceptions import TerminationSignal
-    from flows.launch import run_command
+    from atelier_studio.flows.launch import run_command
 
     def on_term(signum, frame):
         raise TerminationSignal(signal=signum)

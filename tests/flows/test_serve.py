@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.serve import Endpoint, ServerNotRunning, require_server
+from atelier_studio.flows.serve import Endpoint, ServerNotRunning, require_server
 from tests.flows.conftest import designer_config
 
 ROOT = Path(__file__).parents[2]
@@ -45,7 +45,7 @@ def test_serve_start_deployment_run_watch_and_stop(designer_world, tmp_path):
     home = tmp_path / "prefect-home"
     api = f"http://127.0.0.1:{free_port()}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "DO_NOT_TRACK": "1"}
-    serve = lambda cmd: subprocess.run([sys.executable, "-m", "flows.serve", cmd], cwd=ROOT, env=env,  # noqa: E731
+    serve = lambda cmd: subprocess.run([sys.executable, "-m", "atelier_studio.flows.serve", cmd], cwd=ROOT, env=env,  # noqa: E731
                                        capture_output=True, text=True, timeout=400)
     out = tmp_path / "run"
     cfg = designer_config(designer_world, out, max_steps=4, save_every=2)

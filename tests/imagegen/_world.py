@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from data.shards import write_image_shards
-from data.synthetic import generate_world
-from imagegen.hf import init_random
+from atelier_studio.data.shards import write_image_shards
+from atelier_studio.data.synthetic import generate_world
+from atelier_studio.imagegen.hf import init_random
 
 ROOT = Path(__file__).parents[2]
 DEMO = ROOT / "configs" / "imagegen" / "demo.toml"
@@ -32,9 +32,9 @@ def build_world(base: Path, cache: bool = True) -> Path:
     write_image_shards(base / "world", base / "world" / "eval.jsonl", base / "shards-eval", 100, progress=False)
     init_random("tiny", base / "model", seed=0, dtype=torch.float32, **MODEL_OVERRIDES)
     if cache:
-        from imagegen.cache import cache_latents
-        from imagegen.config import ImagegenConfig
-        from pipeline.config import load_config
+        from atelier_studio.imagegen.cache import cache_latents
+        from atelier_studio.imagegen.config import ImagegenConfig
+        from atelier_studio.pipeline.config import load_config
 
         cache_latents(load_config(ImagegenConfig, DEMO, config_overrides(base)), base / "latents", shard_size=40)
     (base / "ready").write_text("ok\n")

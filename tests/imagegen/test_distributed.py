@@ -6,7 +6,9 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   run        4 steps, checkpoints at 2 and 4, activation checkpointing on, sharded (meta-device) init
   cut        the same run stopped at step 2, then resumed with 2 processes to step 4
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
-and the tests run the one-process twins here (1 rank x micro_batch 8: the same images and draws each step)
+  streams4   as run, with the data read as 4 streams: each rank holds 2 and runs their chunks one by one
+and the tests run the one-process twins here (1 rank x micro_batch 8 over the same 2 data streams: the same
+images and draws each step, as 2 chunks of 4)
 and compare losses and gradient norms (fp32, 1e-5), evaluation metrics, the exported transformer/ and ema/,
 and resumes of the 2-process checkpoint with 1 and with 2 processes.
 
@@ -29,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atelier_studio.pipeline.cli import main
+from atelier_studio.flows.cli import main
 from tests.imagegen._world import ROOT, build_world, cli_args
 
 pytestmark = pytest.mark.multigpu
@@ -37,7 +39,8 @@ pytestmark = pytest.mark.multigpu
 TOL = 1e-5
 COMMON = ("train.max_steps=4", "train.save_every=2", "train.eval_every=0", "train.warmup_steps=1", "train.lr=2e-3",
           "train.device=cpu", "text.caption_dropout=0.3", "ema.decay=0.9", "sample.every=2", "sample.steps=2",
-          "data.max_eval_images=13")  # 13: a short last eval batch, one rank's share empty in the 2-process run
+          "data.max_eval_images=13",  # 13: a short last eval batch, one rank's share empty in the 2-process run
+          "data.streams=2")  # the data is read as 2 streams on 1 process and on 2: the same batches
 TWO = ("train.micro_batch=4",)
 ONE = ("train.micro_batch=8",)
 
@@ -68,6 +71,7 @@ def two(world, tmp_path_factory) -> Path:
         "cut": cli_args(world, d / "cut", *COMMON, *TWO, "train.max_steps=2"),
         "cut_resumed": cli_args(world, d / "cut", *COMMON, *TWO),
         "full_init": cli_args(world, d / "full_init", *COMMON, *TWO, "train.distributed.init=full"),
+        "streams4": cli_args(world, d / "streams4", *COMMON, *TWO, "data.streams=4"),
     }, d)
     return d
 
@@ -120,6 +124,14 @@ def test_two_processes_equal_one(two, one):
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the EMA export is the average, not the weights
     # the sample grid was rendered by both ranks and written once
     assert sorted(p.name for p in (two / "run" / "samples").iterdir()) == ["step-2.png", "step-4.png"]
+
+
+def test_two_ranks_holding_two_streams_each_equal_one_process(world, two, tmp_path):
+    """data.streams = 4 on 2 processes: each rank runs its 2 chunks of 2 images as 2 micro-batches of the step
+    (every rank the same number of forwards under FSDP); one process runs all 4 and trains the same."""
+    out = tmp_path / "one-streams4"
+    assert main(cli_args(world, out, *COMMON, *ONE, "data.streams=4")) == 0
+    assert_same_losses(out, two / "streams4", range(1, 5))
 
 
 def test_full_init_trains_the_same(two):

@@ -123,7 +123,7 @@ def test_init_random_writes_a_loadable_model(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     with pytest.raises(ValueError, match="unknown MMDiTArgs override"):
         init_random("tiny", tmp_path / "bad", in_chans=3)
-    with pytest.raises(ValueError, match="unknown size"):
+    with pytest.raises(ValueError, match="unknown imagegen size"):
         init_random("huge", tmp_path / "bad")
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from imagegen.autoencoder import PixelCodec
-from imagegen.flow import FlowArgs, sampler_sigmas
-from imagegen.hf import init_random, load_pretrained
-from imagegen.sample import RUN_META, sample_images, sample_to_dir, to_pil, write_run_meta
-from imagegen.text import TextEncoder
+from atelier_studio.imagegen.autoencoder import PixelCodec
+from atelier_studio.imagegen.flow import FlowArgs, sampler_sigmas
+from atelier_studio.imagegen.hf import init_random, load_pretrained
+from atelier_studio.imagegen.sample import RUN_META, sample_images, sample_to_dir, to_pil, write_run_meta
+from atelier_studio.imagegen.text import TextEncoder
 from tests.imagegen._world import MODEL_OVERRIDES
 
 CAPTIONS = ["a small blue circle in the upper left on a pale yellow background", "a large red square in the center",
@@ -29,7 +29,7 @@ def setup(tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    from imagegen.hf import save_pretrained
+    from atelier_studio.imagegen.hf import save_pretrained
 
     save_pretrained(model, d / "run" / "ema")
     text = TextEncoder(None, "encoder", max_length=24)
@@ -69,8 +69,8 @@ def test_sample_images_equals_the_reference_loop(setup):
 
 def test_sample_to_dir_from_an_export(setup, tmp_path):
     d, _, _ = setup
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
     from tests.imagegen._world import DEMO
 
     cfg = load_config(ImagegenConfig, DEMO, ["model.path=x", "data.shards=x"])
@@ -98,8 +98,8 @@ def test_sample_to_dir_without_metadata_is_named(setup, tmp_path):
 
 
 def test_sample_to_dir_with_the_run_config(setup, tmp_path):
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config, save_config
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config, save_config
     from tests.imagegen._world import DEMO
 
     d, _, _ = setup

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imagegen.text import TextEncoder, TextEncoderError, default_text_encoder_path, pool_ref
+from atelier_studio.imagegen.text import TextEncoder, TextEncoderError, default_text_encoder_path, pool_ref
 
 CAPTIONS = ["a small blue circle in the upper left on a pale yellow background", "a red square", ""]
 
@@ -22,7 +22,7 @@ def qwen_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen3ForCausalLM saved with transformers, plus a locally trained byte-level BPE."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("qwen3")
     corpus = d / "corpus.txt"

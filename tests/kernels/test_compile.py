@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from designer.lora import LoraArgs, apply_lora
-from designer.model import ModelArgs, Qwen3
-from pipeline.policies import compile_blocks
+from atelier_studio.designer.lora import LoraArgs, apply_lora
+from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.pipeline.policies import compile_blocks
 
 
 

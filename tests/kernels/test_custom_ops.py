@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.causal_conv1d import causal_conv1d, conv_bwd, conv_fwd, doc_starts
-from kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd
-from kernels.lora_linear import lora_linear, lora_linear_bwd, lora_linear_fwd
-from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
-from kernels.rope import rope, rope_apply
-from kernels.swiglu import swiglu, swiglu_bwd, swiglu_fwd
+from atelier_studio.kernels.causal_conv1d import causal_conv1d, conv_bwd, conv_fwd, doc_starts
+from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd
+from atelier_studio.kernels.lora_linear import lora_linear, lora_linear_bwd, lora_linear_fwd
+from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
+from atelier_studio.kernels.rope import rope, rope_apply
+from atelier_studio.kernels.swiglu import swiglu, swiglu_bwd, swiglu_fwd
 from tests.kernels._compare import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from designer.config import DesignerConfig
-from pipeline.config import ConfigError, config_to_toml, load_config
+from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.pipeline.config import ConfigError, config_to_toml, load_config
 
 BASE = """
 [model]

@@ -137,14 +137,14 @@ def test_local_rows_of_a_plain_tensor_is_all_of_it():
 def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
     import subprocess
 
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     seen = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: seen.append(cmd) or 0)
     assert cli.main(["designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3", "--nproc", "4"]) == 0
     cmd = seen[-1]
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "1", "--standalone",
-                       "-m", "atelier_studio.pipeline.cli", "designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3"]
+                       "-m", "atelier_studio.flows.cli", "designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3"]
     assert cli.main(["imagegen", "train", "--config", "c.toml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
                      "--master-addr", "10.0.0.1", "--master-port", "29511"]) == 0
     assert seen[-1][3:13] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
@@ -152,7 +152,7 @@ def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
 
 
 def test_nproc_bad_values_are_named(clean_env, capsys):
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     assert cli.main(["designer", "train", "--config", "c.toml", "--nproc", "2", "--nnodes", "2",
                      "--node-rank", "2"]) == 2

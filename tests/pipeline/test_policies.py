@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from designer.lora import LoraArgs, apply_lora
-from designer.model import ModelArgs, Qwen3
-from imagegen.model import MMDiT, MMDiTArgs
-from pipeline.policies import (
+from atelier_studio.designer.lora import LoraArgs, apply_lora
+from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
+from atelier_studio.pipeline.policies import (
     apply_activation_checkpointing,
     compile_blocks,
     cpu_offload,

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from atelier_studio.pipeline.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+import atelier_studio.pipeline.checkpoint as ckpt_module
+from atelier_studio.pipeline.atomic import is_temporary
+from atelier_studio.pipeline.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.errors import WriteError
 from atelier_studio.pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
 from tests.kernels._compare import assert_within_rounding
 from tests.pipeline.toy_task import ToyTask
@@ -90,7 +104,77 @@ def test_checkpoint_files_and_pruning(tmp_path):
     assert [p.name for p in ckpts] == ["step-8", "step-12"]
     ck = load_checkpoint(ckpts[-1])
     assert ck.step == 12 and "0.weight" in ck.model and ck.state["task"] == {"cursor": 12}
-    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert not any(is_temporary(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def _ckpt(step: int, value: float) -> Checkpoint:
+    return Checkpoint(step=step, model={"w": torch.full((4,), value)}, optimizer={}, extra={}, state={"v": value})
+
+
+def test_resaving_a_step_keeps_the_old_checkpoint_until_the_new_one_is_in(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, _ckpt(4, 1.0))
+    real = ckpt_module.save_safetensors
+    seen = []
+
+    def check_old_is_whole(tensors, path, metadata=None):  # runs while the new step-4 is being written
+        verify_checkpoint(root / "step-4")
+        seen.append(load_checkpoint(root / "step-4").state["v"])
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(ckpt_module, "save_safetensors", check_old_is_whole)
+    save_checkpoint(root, _ckpt(4, 2.0))
+    assert seen == [1.0, 1.0, 1.0]  # the old one stayed loadable through every file of the new one
+    assert load_checkpoint(root / "step-4").state["v"] == 2.0
+    assert [p.name for p in root.iterdir()] == ["step-4"]
+
+
+KILLED_MID_RESAVE = """
+import os, sys
+from pathlib import Path
+import torch
+from atelier_studio.pipeline import atomic
+from atelier_studio.pipeline.checkpoint import Checkpoint, save_checkpoint
+real = os.replace
+def replace(src, dst):
+    real(src, dst)
+    if ".old-" in Path(dst).name:
+        os._exit(9)  # SIGKILL's effect: no cleanup, right after the old step-4 was moved aside
+atomic.os.replace = replace
+save_checkpoint(Path(sys.argv[1]), Checkpoint(4, {"w": torch.full((4,), 2.0)}, {}, {}, {"v": 2.0}))
+"""
+
+
+def test_a_kill_mid_resave_leaves_a_loadable_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, _ckpt(4, 1.0))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    code = subprocess.run([sys.executable, "-c", KILLED_MID_RESAVE, str(root)], env=env, timeout=300).returncode
+    assert code == 9 and not (root / "step-4").exists()  # killed between the two renames
+    assert [p.name for p in list_checkpoints(root)] == ["step-4"]  # the old one, put back
+    assert load_checkpoint(root / "step-4").state["v"] == 1.0
+    save_checkpoint(root, _ckpt(8, 3.0))
+    save_checkpoint(root, _ckpt(4, 2.0))  # a later save of that step clears what the killed one left
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-8"]
+    assert load_checkpoint(root / "step-4").state["v"] == 2.0
+
+
+def test_a_full_disk_during_a_save_leaves_no_temporary_and_the_older_checkpoints(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, _ckpt(4, 1.0))
+    real = ckpt_module.save_safetensors
+
+    def full_at_the_optimizer(tensors, path, metadata=None):
+        if path.name == "optimizer.safetensors":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(ckpt_module, "save_safetensors", full_at_the_optimizer)
+    with pytest.raises(WriteError, match=r"checkpoint .*step-8: cannot write it \(at .*step-8/optimizer.safetensors\): "
+                                         r"the write failed for lack of space"):
+        save_checkpoint(root, _ckpt(8, 2.0))
+    assert [p.name for p in root.iterdir()] == ["step-4"]
+    assert load_checkpoint(root / "step-4").state["v"] == 1.0
 
 
 def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):

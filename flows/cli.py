@@ -4,20 +4,23 @@
     atelier data synth --out DIR --n N --seed S
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR
+    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR  (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
-    atelier imagegen sample --model DIR --captions FILE --out DIR
+    atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
 
 Each command imports only what it needs, so `atelier --help` is instant. Errors a user can fix (a bad
-config key, a missing file, a malformed line) print one line naming what is wrong and exit with 2.
+config key, a missing file, a malformed line, a file where a directory should be, a full disk: every
+`pipeline.errors.AtelierError`, and the OS errors that name a path) print one line,
+`atelier: error: <what is wrong, naming the file, line or key>`, and exit with 2; nothing is left
+half-written (pipeline/atomic.py). `data validate` exits 2 as well when it finds anything bad.
 """
 
 from __future__ import annotations
@@ -28,24 +31,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from data.chat import DataError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config import ConfigError
-    from pipeline.distributed import DistributedError
-    from pipeline.trainer import TrainingError
-
-    errors: list[type[BaseException]] = [ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError,
-                                         DistributedError]
-    for module, name in (("designer.hf", "ModelLoadError"), ("imagegen.hf", "ModelLoadError"),
-                         ("data.shards", "ShardError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
 # ----------------------------------------------------------------------------- designer
 
 
@@ -54,9 +39,9 @@ def _torchrun(args: argparse.Namespace) -> int | None:
     import os
     import subprocess
 
-    from pipeline.distributed import launched_by_torchrun
+    from atelier_studio.pipeline.distributed import launched_by_torchrun
 
-    from pipeline.distributed import DistributedError
+    from atelier_studio.pipeline.distributed import DistributedError
 
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise DistributedError(f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank}: need "
@@ -70,7 +55,7 @@ def _torchrun(args: argparse.Namespace) -> int | None:
     else:
         cmd += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr or "127.0.0.1",
                 "--master-port", str(args.master_port)]
-    cmd += ["-m", "pipeline.cli", args.group, args.command, "--config", args.config]
+    cmd += ["-m", "atelier_studio.flows.cli", args.group, args.command, "--config", args.config]
     for item in args.set:
         cmd += ["--set", item]
     # this process's process group is the launcher's: a cancelled flow kills both (flows/launch.py)
@@ -83,21 +68,20 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import inspect
     import os
 
-    from pipeline.config import load_config, save_config
-    from pipeline.distributed import DistributedError, init_distributed, shutdown
-    from pipeline.trainer import Trainer, exit_code, seed_everything
+    from atelier_studio.pipeline.atomic import check_dir_path, ensure_dir
+    from atelier_studio.pipeline.config import load_config, save_config
+    from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
+    from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
     if launched is not None:
         return launched
     cfg = load_config(config_cls, args.config, args.set)
+    out = Path(cfg.output.dir)
+    check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
     dist = init_distributed(cfg.train)
     try:
         seed_everything(cfg.train.seed)
-        out = Path(cfg.output.dir)
-        if dist.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.toml")
         # progress lines from rank 0 only; errors (stderr) from every rank
         quiet = contextlib.nullcontext() if dist.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))
         if dist.enabled and "dist" not in inspect.signature(task_cls).parameters:
@@ -105,7 +89,10 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             raise DistributedError(f"{task_cls.__name__} does not support several processes yet (it takes no "
                                    f"`dist` context); run it with --nproc 1")
         with quiet:
+            # the task reads and checks the data and the model; the run's files are written only after that
             task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
+            if dist.is_main:
+                save_config(cfg, ensure_dir(out, "output.dir") / "config.toml")
             result = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist).fit()
         if dist.is_main:
             _write_summary(out, result)
@@ -115,8 +102,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
 
 
 def designer_train(args: argparse.Namespace) -> int:
-    from designer.config import DesignerConfig
-    from designer.task import DesignerTask
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.designer.task import DesignerTask
 
     return _train(args, DesignerConfig, DesignerTask)
 
@@ -124,16 +111,17 @@ def designer_train(args: argparse.Namespace) -> int:
 def designer_init(args: argparse.Namespace) -> int:
     import torch
 
-    from designer.hf import init_random
+    from atelier_studio.designer.hf import init_random
+    from atelier_studio.designer.registry import family_of_size
 
+    family = family_of_size(args.size)  # an unknown size lists the registered ones
     path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
-    kind = "Qwen3.5" if args.size.startswith("qwen3.5") else "Qwen3"
-    print(f"wrote a random-init {kind} {args.size} model to {path}")
+    print(f"wrote a random-init {family.name} {args.size} model to {path}")
     return 0
 
 
 def designer_generate(args: argparse.Namespace) -> int:
-    from designer.captions import generate_captions
+    from atelier_studio.designer.captions import generate_captions
 
     generate_captions(model_dir=Path(args.model), adapter_dir=Path(args.adapter) if args.adapter else None,
                       briefs_file=Path(args.briefs), out_file=Path(args.out), max_new_tokens=args.max_new_tokens,
@@ -145,8 +133,8 @@ def designer_generate(args: argparse.Namespace) -> int:
 
 
 def imagegen_train(args: argparse.Namespace) -> int:
-    from imagegen.config import ImagegenConfig
-    from imagegen.task import ImagegenTask
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.imagegen.task import ImagegenTask
 
     return _train(args, ImagegenConfig, ImagegenTask)
 
@@ -154,20 +142,22 @@ def imagegen_train(args: argparse.Namespace) -> int:
 def imagegen_init(args: argparse.Namespace) -> int:
     import torch
 
-    from imagegen.hf import init_random
+    from atelier_studio.imagegen.hf import init_random
+    from atelier_studio.imagegen.registry import family_of_size
 
+    family = family_of_size(args.size)  # an unknown size lists the registered ones
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
                                                          "joint_attention_dim", "pooled_projection_dim")
                  if getattr(args, name)}
     path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
-    print(f"wrote a random-init MMDiT {args.size} to {path}")
+    print(f"wrote a random-init {family.name} {args.size} to {path}")
     return 0
 
 
 def imagegen_cache(args: argparse.Namespace) -> int:
-    from imagegen.cache import cache_latents
-    from imagegen.config import ImagegenConfig
-    from pipeline.config import load_config
+    from atelier_studio.imagegen.cache import cache_latents
+    from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
 
     cfg = load_config(ImagegenConfig, args.config, args.set)
     cache_latents(cfg, Path(args.out), shard_size=args.shard_size)
@@ -175,10 +165,11 @@ def imagegen_cache(args: argparse.Namespace) -> int:
 
 
 def imagegen_sample(args: argparse.Namespace) -> int:
-    from imagegen.sample import sample_to_dir
+    from atelier_studio.imagegen.sample import sample_to_dir
 
     sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
-                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config)
+                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
+                  resolution=args.resolution)
     return 0
 
 
@@ -186,7 +177,7 @@ def imagegen_sample(args: argparse.Namespace) -> int:
 
 
 def data_tokenizer(args: argparse.Namespace) -> int:
-    from data.tokenizer import train_tokenizer
+    from atelier_studio.data.tokenizer import train_tokenizer
 
     path = train_tokenizer([Path(p) for p in args.corpus], args.vocab_size, Path(args.out))
     print(f"wrote a byte-level BPE tokenizer ({args.vocab_size} tokens) to {path}")
@@ -194,7 +185,7 @@ def data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def data_synth(args: argparse.Namespace) -> int:
-    from data.synthetic import generate_world
+    from atelier_studio.data.synthetic import generate_world
 
     stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size)
     print(f"wrote the shapes world to {args.out}: {stats}")
@@ -202,7 +193,7 @@ def data_synth(args: argparse.Namespace) -> int:
 
 
 def data_shards(args: argparse.Namespace) -> int:
-    from data.shards import write_image_shards
+    from atelier_studio.data.shards import write_image_shards
 
     stats = write_image_shards(Path(args.images), Path(args.captions), Path(args.out), args.shard_size)
     print(f"wrote shards to {args.out}: {stats}")
@@ -210,15 +201,20 @@ def data_shards(args: argparse.Namespace) -> int:
 
 
 def data_validate(args: argparse.Namespace) -> int:
-    from data.shards import validate_shards
+    """The report as JSON on stdout; anything bad (samples, tars, index) is also one error line and status 2."""
+    import json
+
+    from atelier_studio.data.shards import ShardError, validate_shards
 
     report = validate_shards(Path(args.dir))
-    print(report)
+    print(json.dumps(report.as_dict(), indent=1))
+    if not report.ok:
+        raise ShardError(report.summary())
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from flows.evaluate import evaluate_brief_to_image
+    from atelier_studio.flows.evaluate import evaluate_brief_to_image
 
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed)
@@ -232,11 +228,11 @@ def run_eval(args: argparse.Namespace) -> int:
 def _write_summary(out: Path, result) -> None:
     import json
 
+    from atelier_studio.pipeline.atomic import atomic_write_text
+
     summary = {"step": result.step, "interrupted": result.interrupted, "final_loss": result.final_loss,
                "exports": {k: str(v) for k, v in result.exports.items()}, **result.summary}
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "summary.json")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1), what="run summary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,9 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
     train_args(sp)
     launch_args(sp)
-    sp = command(d, "init", designer_init, "write a random-init Qwen3 / Qwen3.5 model directory (HF layout)")
+    sp = command(d, "init", designer_init, "write a random-init model directory of a registered family (HF layout)")
     sp.add_argument("--size", required=True,
-                    help="Qwen3: tiny, demo, 0.6b, 1.7b, 4b, 8b, 14b, 32b; Qwen3.5 (hybrid): qwen3.5-tiny, qwen3.5-9b")
+                    help="a size of a registered family (designer/registry.py), e.g. Qwen3's tiny, demo, 0.6b ... 32b "
+                         "or Qwen3.5's qwen3.5-tiny, qwen3.5-9b; an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
@@ -287,8 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(i, "train", imagegen_train, "train the MMDiT with rectified flow")
     train_args(sp)
     launch_args(sp)
-    sp = command(i, "init", imagegen_init, "write a random-init MMDiT (diffusers layout)")
-    sp.add_argument("--size", required=True, help="tiny, sd3-medium, sd3.5-medium, sd3.5-large")
+    sp = command(i, "init", imagegen_init, "write a random-init model of a registered family (diffusers layout)")
+    sp.add_argument("--size", required=True,
+                    help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, sd3-medium, "
+                         "sd3.5-medium, sd3.5-large; an unknown size lists them all")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -304,13 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--shard-size", type=int, default=1000)
     sp = command(i, "sample", imagegen_sample, "render images for captions (one per line)")
-    sp.add_argument("--model", required=True, help="a transformer/ or ema/ directory from a run")
+    sp.add_argument("--model", required=True,
+                    help="a transformer/ or ema/ directory from a run, or a diffusers SD3 pipeline directory")
     sp.add_argument("--captions", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config", default=None, help="the run's config.toml (default: next to the model dir)")
     sp.add_argument("--steps", type=int, default=28)
     sp.add_argument("--guidance", type=float, default=4.0)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--resolution", type=int, default=0,
+                    help="image side in pixels (default: the run's data.resolution, or the pipeline's default size)")
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")
@@ -340,12 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from atelier_studio.pipeline.errors import AtelierError, one_line, user_os_error
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except _user_errors() as e:
-        print(f"atelier: error: {e}", file=sys.stderr)
-        return 2
+    except AtelierError as e:
+        message = str(e)
+    except OSError as e:  # a missing file, a file in the way, no permission, a full disk: the path is named
+        message = user_os_error(e)
+        if message is None:
+            raise
+    print(f"atelier: error: {one_line(message)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,458 @@
+"""Bad input through the real CLI: one table of cases, each a clear one-line error, status 2, nothing half-written.
+
+Each row of CASES builds one bad input under the test's tmp directory, runs the command through the CLI's
+entry point (`atelier_studio.flows.cli.main`, which `python -m atelier_studio.flows.cli` exits with; rows marked `subprocess`, and the
+disk-full row, run `python -m atelier_studio.flows.cli` itself in a subprocess) and checks:
+
+- the exit status (2: a user-fixable error);
+- stderr is exactly one line, `atelier: error: ...`, with no traceback, containing every `expect` substring
+  (the file, line, key or path, and what is wrong);
+- no path matching an `absent` glob exists afterwards (e.g. the run directory, a half-written shard set),
+  every file matching an `unchanged` glob has the bytes it had before the command, and no temporary or
+  aside name of pipeline/atomic.py is left anywhere under tmp.
+
+In this process, stderr is what Python code writes to sys.stderr (pytest collects warnings elsewhere); a
+subprocess row checks the whole stream of a real command. A new bad input is one more row. `{tmp}` in
+`expect` is the case's directory, `{fixture}` the designer's fixture JSONL. Disk full is simulated in the
+subprocess with RLIMIT_FSIZE (writes past the limit fail with EFBIG; Python ignores SIGXFSZ), the same
+errno path as ENOSPC.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from atelier_studio.pipeline.atomic import is_temporary
+from atelier_studio.flows.cli import main
+
+ROOT = Path(__file__).parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
+DESIGNER_DEMO = ROOT / "configs" / "designer" / "demo.toml"
+IMAGEGEN_DEMO = ROOT / "configs" / "imagegen" / "demo.toml"
+NOT_UTF8 = b"\xff\xfe not utf-8"  # 0xff never occurs in UTF-8
+DISK_LIMIT = 32 * 1024  # bytes a file may grow to in the disk-full case: above config.toml and metrics.jsonl
+
+
+@dataclass(frozen=True)
+class World:
+    """A tokenizer and a tiny random Qwen3 (fp32), built once for the module."""
+
+    tokenizer: Path
+    model: Path
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[Path, World], list[str]]  # makes the bad input under tmp; returns the argv after `atelier`
+    expect: tuple[str, ...]  # substrings of the one error line
+    absent: tuple[str, ...] = ()  # globs under tmp that must match nothing afterwards
+    unchanged: tuple[str, ...] = ()  # globs under tmp whose files must keep their bytes
+    status: int = 2
+    file_size_limit: int | None = None  # RLIMIT_FSIZE of the command (a full disk); runs it in a subprocess
+    subprocess: bool = False  # run `python -m atelier_studio.flows.cli` in a subprocess instead of `main()` in this one
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    d = tmp_path_factory.mktemp("bad-input-world")
+    assert main(["data", "tokenizer", "--corpus", str(FIXTURE), "--vocab-size", "400", "--out", str(d / "tok")]) == 0
+    assert main(["designer", "init", "--size", "tiny", "--tokenizer", str(d / "tok"), "--out", str(d / "model"),
+                 "--dtype", "float32"]) == 0
+    return World(d / "tok", d / "model")
+
+
+# ----------------------------------------------------------------------------- building bad inputs
+
+
+def designer_train(tmp: Path, w: World, *sets: str, config: Path = DESIGNER_DEMO) -> list[str]:
+    """`designer train` on the fixture data: 2 steps, no saves but the last, output in tmp/run; `sets` override."""
+    base = {"model.path": w.model, "data.train": FIXTURE, "data.eval": "", "data.seq_len": 128,
+            "train.micro_batch": 2, "train.max_steps": 2, "train.warmup_steps": 1, "train.save_every": 0,
+            "train.eval_every": 0, "train.log_every": 1, "output.tensorboard": "false", "output.dir": tmp / "run"}
+    argv = ["designer", "train", "--config", str(config)]
+    for item in [f"{k}={v}" for k, v in base.items()] + list(sets):
+        argv += ["--set", item]
+    return argv
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def fixture_lines(n: int) -> list[bytes]:
+    return FIXTURE.read_bytes().splitlines(keepends=True)[:n]
+
+
+def png_bytes(seed: int, side: int = 24) -> bytes:
+    """A noise PNG: noise does not compress, so the pixel data (IDAT) is most of the file."""
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_set(tmp: Path, n: int = 3, images: dict[str, bytes] | None = None,
+              lines: list[bytes] | None = None) -> list[str]:
+    """tmp/images/img<i>.png and tmp/captions.jsonl (`images` replaces files, `lines` the JSONL); the shards argv."""
+    for i in range(n):
+        write(tmp / "images" / f"img{i}.png", png_bytes(i))
+    for name, data in (images or {}).items():
+        write(tmp / "images" / name, data)
+    if lines is None:
+        lines = [json.dumps({"image": f"img{i}.png", "caption": f"a red square, number {i}"}).encode() + b"\n"
+                 for i in range(n)]
+    write(tmp / "captions.jsonl", b"".join(lines))
+    return ["data", "shards", "--images", str(tmp / "images"), "--captions", str(tmp / "captions.jsonl"),
+            "--out", str(tmp / "shards"), "--shard-size", "1"]
+
+
+def good_shards(tmp: Path, n: int = 3) -> Path:
+    """A complete image shard set at tmp/shards (one sample per shard), written in-process."""
+    assert main(image_set(tmp, n)) == 0
+    return tmp / "shards"
+
+
+def caption_row(image: str, caption: str = "a blue circle") -> bytes:
+    return json.dumps({"image": image, "caption": caption}).encode() + b"\n"
+
+
+# a designer world that fails at the save: the checkpoint is far larger than the file-size limit
+def disk_full_at_checkpoint(tmp: Path, w: World) -> list[str]:
+    model_bytes = (w.model / "model.safetensors").stat().st_size
+    assert model_bytes > 4 * DISK_LIMIT, "the checkpoint must not fit under the limit, or the case cannot fail"
+    return designer_train(tmp, w, "train.max_steps=1", "lora.rank=0")
+
+
+def truncated_checkpoint(tmp: Path, w: World) -> list[str]:
+    assert main(designer_train(tmp, w, "train.save_every=1")) == 0
+    f = tmp / "run" / "checkpoints" / "step-2" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    return designer_train(tmp, w, "train.save_every=1", "train.max_steps=4")
+
+
+def shard_with_undecodable_image(tmp: Path, w: World) -> list[str]:
+    shards = good_shards(tmp)
+    with tarfile.open(shards / "shard-000001.tar") as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(shards / "shard-000001.tar", "w") as tar:
+        for m, data in members:
+            data = data[:40] + b"\x00" * (len(data) - 40) if m.name.endswith(".png") else data  # same size, bad body
+            tar.addfile(m, io.BytesIO(data))
+    return ["data", "validate", str(shards)]
+
+
+def truncated_tar(tmp: Path, w: World) -> list[str]:
+    f = good_shards(tmp) / "shard-000002.tar"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    return ["data", "validate", str(tmp / "shards")]
+
+
+def index_count_mismatch(tmp: Path, w: World) -> list[str]:
+    index = good_shards(tmp) / "index.json"
+    data = json.loads(index.read_text())
+    data["shards"][0]["count"] = 5
+    index.write_text(json.dumps(data))
+    return ["data", "validate", str(tmp / "shards")]
+
+
+def missing_shard(tmp: Path, w: World) -> list[str]:
+    (good_shards(tmp) / "shard-000001.tar").unlink()
+    return ["data", "validate", str(tmp / "shards")]
+
+
+def failed_rewrite_of_a_shard_set(tmp: Path, w: World) -> list[str]:
+    good_shards(tmp)  # a complete set is there; the new one fails at line 3
+    lines = [caption_row("img0.png"), caption_row("img1.png"), caption_row("img9.png")]
+    return image_set(tmp, lines=lines)
+
+
+SD3_CONFIG = ROOT / "configs" / "imagegen" / "sd3-medium.toml"
+
+
+def sd3_index(tmp: Path, scheduler: dict | None = None, **parts) -> Path:
+    """An SD3 pipeline directory's model_index.json (and scheduler config), without the models: what the checks
+    that run before anything is loaded read."""
+    index = {"_class_name": "StableDiffusion3Pipeline", **{k: ["transformers", "X"] for k in (
+        "transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+        "tokenizer_2", "tokenizer_3")}, **parts}
+    write(tmp / "pipe" / "model_index.json", json.dumps(index))
+    if scheduler is not None:
+        write(tmp / "pipe" / "scheduler" / "scheduler_config.json",
+              json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, **scheduler}))
+    return tmp / "pipe"
+
+
+def sd3_cache(tmp: Path, *sets: str) -> list[str]:
+    argv = ["imagegen", "cache", "--config", str(SD3_CONFIG), "--out", str(tmp / "latents"),
+            "--set", f"data.image_shards={tmp / 'shards'}"]
+    return argv + [a for s in sets for a in ("--set", s)]
+
+
+def sd3_sample_with_karras_sigmas(tmp: Path, w: World) -> list[str]:
+    pipe = sd3_index(tmp, scheduler={"use_karras_sigmas": True})
+    return ["imagegen", "sample", "--model", str(pipe), "--captions", str(write(tmp / "c.txt", "a red square\n")),
+            "--out", str(tmp / "samples")]
+
+
+def eval_args(tmp: Path, w: World) -> list[str]:
+    write(tmp / "mmdit" / "config.json", "{}")  # only its presence is checked before the briefs are read
+    write(tmp / "briefs.txt", b"a calm circle\n" + NOT_UTF8 + b"\n")
+    return ["eval", "--designer", str(w.model), "--imagegen", str(tmp / "mmdit"), "--briefs", str(tmp / "briefs.txt"),
+            "--out", str(tmp / "eval")]
+
+
+def train_on(tmp: Path, w: World, key: str, name: str, data: str | bytes) -> list[str]:
+    """`designer train` with data.train or data.eval (`key`) pointing at tmp/name holding `data`."""
+    return designer_train(tmp, w, f"{key}={write(tmp / name, data)}")
+
+
+def broken_model(tmp: Path, w: World, name: str, cut: int | None = None, text: str | None = None) -> list[str]:
+    """A copy of the tiny model with file `name` cut to `cut` bytes or replaced by `text`; `designer train` on it."""
+    shutil.copytree(w.model, tmp / "model")
+    f = tmp / "model" / name
+    f.write_bytes(f.read_bytes()[:cut] if text is None else text.encode())
+    return designer_train(tmp, w, f"model.path={tmp / 'model'}")
+
+
+def output_dir_is_a_file(tmp: Path, w: World) -> list[str]:
+    write(tmp / "run", "a file")
+    return designer_train(tmp, w)
+
+
+def generate(tmp: Path, w: World, briefs: Path, out: Path) -> list[str]:
+    return ["designer", "generate", "--model", str(w.model), "--briefs", str(briefs), "--out", str(out)]
+
+
+def generate_into_a_directory(tmp: Path, w: World) -> list[str]:
+    (tmp / "outdir").mkdir()
+    return generate(tmp, w, write(tmp / "briefs.txt", "a calm circle\n"), tmp / "outdir")
+
+
+def shards_into_a_file(tmp: Path, w: World) -> list[str]:
+    write(tmp / "shards", "a file")
+    return image_set(tmp)
+
+
+def shards_into_other_files(tmp: Path, w: World) -> list[str]:
+    write(tmp / "shards" / "notes.txt", "not a shard")
+    return image_set(tmp)
+
+
+EMPTY_CAPTION = '{"brief": "a calm circle", "caption": ""}\n'
+
+CASES = [
+    # ---------------------------------------------------------------- configs
+    Case("config-unknown-key", lambda t, w: designer_train(t, w, "train.lr_max=1"),
+         ("train.lr_max: unknown key",), absent=("run",)),
+    Case("config-wrong-type", lambda t, w: designer_train(t, w, "train.micro_batch=two"),
+         ("train.micro_batch: expected an integer",), absent=("run",)),
+    Case("config-bool-for-a-choice",
+         lambda t, w: designer_train(t, w, "train.distributed.activation_checkpointing=true"),
+         ("train.distributed.activation_checkpointing", "selective"), absent=("run",)),
+    Case("config-file-missing", lambda t, w: designer_train(t, w, config=t / "nope.toml"),
+         ("config file not found", "{tmp}/nope.toml"), absent=("run",)),
+    Case("config-invalid-toml", lambda t, w: designer_train(t, w, config=write(t / "bad.toml", "[train\nlr = ")),
+         ("{tmp}/bad.toml: invalid TOML",), absent=("run",)),
+    Case("config-not-utf8",
+         lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
+         ("{tmp}/bad.toml:3: not valid UTF-8",), absent=("run",)),
+    Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
+         ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
+    Case("imagegen-ema-decay-out-of-range",
+         lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "ema.decay=1.5",
+                       "--set", f"output.dir={t / 'run'}"],
+         ("ema.decay", "[0, 1)"), absent=("run",)),
+    Case("imagegen-resolution-zero",
+         lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.resolution=0",
+                       "--set", f"output.dir={t / 'run'}"],
+         ("data.resolution",), absent=("run",)),
+    Case("imagegen-negative-streams",
+         lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.streams=-2",
+                       "--set", f"output.dir={t / 'run'}"],
+         ("data.streams", ">= 0", "-2"), absent=("run",)),
+    Case("sd3-pipeline-without-t5",
+         lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
+         ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),
+    Case("sd3-not-an-sd3-pipeline",
+         lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, _class_name='FluxPipeline')}", "autoencoder.spec=pixel"),
+         ("{tmp}/pipe/model_index.json", "_class_name is 'FluxPipeline'", "StableDiffusion3Pipeline"),
+         absent=("latents",)),
+    Case("sd3-spec-model-without-vae", lambda t, w: sd3_cache(t, f"model.path={t / 'plain'}"),
+         ("no AutoencoderKL found at {tmp}/plain", "vae"), absent=("latents",)),
+    Case("sd3-max-sequence-length-too-long",
+         lambda t, w: sd3_cache(t, "model.path=x", "text.max_sequence_length=600"),
+         ("text.max_sequence_length", "[1, 512]", "600"), absent=("latents",)),
+    Case("sd3-unsupported-scheduler", sd3_sample_with_karras_sigmas,
+         ("{tmp}/pipe/scheduler/scheduler_config.json", "use_karras_sigmas"), absent=("samples",)),
+    # ---------------------------------------------------------------- designer training data
+    Case("jsonl-malformed-line",
+         lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(1)) + b"{x\n"),
+         ("{tmp}/bad.jsonl:2", "malformed JSON"), absent=("run",)),
+    Case("jsonl-empty-caption", lambda t, w: train_on(t, w, "data.train", "bad.jsonl", EMPTY_CAPTION),
+         ("{tmp}/bad.jsonl:1", "caption is empty"), absent=("run",)),
+    Case("jsonl-not-utf8",
+         lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(2)) + NOT_UTF8),
+         ("{tmp}/bad.jsonl:3", "not valid UTF-8", "0xff"), absent=("run",)),
+    Case("eval-jsonl-not-utf8", lambda t, w: train_on(t, w, "data.eval", "eval.jsonl", NOT_UTF8 + b"\n"),
+         ("{tmp}/eval.jsonl:1", "not valid UTF-8"), absent=("run",)),
+    Case("jsonl-missing", lambda t, w: designer_train(t, w, f"data.train={t / 'missing.jsonl'}"),
+         ("{tmp}/missing.jsonl: no such file",), absent=("run",)),
+    Case("seq-len-shorter-than-a-brief", lambda t, w: designer_train(t, w, "data.seq_len=16"),
+         ("data.seq_len = 16", "{fixture}:1", "set data.seq_len >="), absent=("run",)),
+    Case("model-dir-missing", lambda t, w: designer_train(t, w, f"model.path={t / 'no-such-model'}"),
+         ("model.path: {tmp}/no-such-model is not a directory",), absent=("run",)),
+    Case("model-config-not-json", lambda t, w: broken_model(t, w, "config.json", text="{oops"),
+         ("{tmp}/model/config.json:1: invalid JSON",), absent=("run",)),
+    Case("model-weights-truncated", lambda t, w: broken_model(t, w, "model.safetensors", cut=4096),
+         ("{tmp}/model/model.safetensors", "truncated file"), absent=("run",)),
+    # ---------------------------------------------------------------- outputs
+    Case("output-dir-is-a-file", output_dir_is_a_file,
+         ("output.dir {tmp}/run: exists and is a file",), unchanged=("run",)),
+    Case("output-dir-under-a-file", lambda t, w: designer_train(t, w, f"output.dir={write(t / 'file', 'x') / 'run'}"),
+         ("output.dir {tmp}/file/run", "{tmp}/file is a file"), unchanged=("file",)),
+    Case("disk-full-at-the-checkpoint", disk_full_at_checkpoint,
+         ("checkpoint {tmp}/run/checkpoints/step-1", "model.safetensors", "lack of space", "file-size limit"),
+         absent=("run/checkpoints/step-*", "run/checkpoints/.step-*"), file_size_limit=DISK_LIMIT),
+    Case("truncated-checkpoint-on-resume", truncated_checkpoint,
+         ("{tmp}/run/checkpoints/step-2/model.safetensors", "truncated"), unchanged=("run/checkpoints/*/*",)),
+    Case("nproc-zero", lambda t, w: designer_train(t, w) + ["--nproc", "0"], ("--nproc 0",), absent=("run",)),
+    # ---------------------------------------------------------------- designer generate / init, tokenizer, synth
+    Case("briefs-not-utf8",
+         lambda t, w: generate(t, w, write(t / "briefs.txt", b"a calm circle\n" + NOT_UTF8 + b"\n"), t / "c.jsonl"),
+         ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("c.jsonl",)),
+    Case("briefs-missing", lambda t, w: generate(t, w, t / "nope.txt", t / "c.jsonl"),
+         ("{tmp}/nope.txt: briefs file not found",), absent=("c.jsonl",)),
+    Case("generate-out-is-a-directory", generate_into_a_directory, ("--out {tmp}/outdir: is a directory",)),
+    Case("init-unknown-size",
+         lambda t, w: ["designer", "init", "--size", "huge", "--tokenizer", str(w.tokenizer), "--out", str(t / "m")],
+         ("unknown designer size 'huge'",), absent=("m",)),
+    Case("imagegen-init-unknown-size", lambda t, w: ["imagegen", "init", "--size", "huge", "--out", str(t / "m")],
+         ("unknown imagegen size 'huge'",), absent=("m",)),
+    Case("corpus-not-utf8",
+         lambda t, w: ["data", "tokenizer", "--corpus", str(write(t / "corpus.txt", b"one\ntwo\n" + NOT_UTF8)),
+                       "--vocab-size", "300", "--out", str(t / "tok")],
+         ("{tmp}/corpus.txt:3", "not valid UTF-8"), absent=("tok",)),
+    Case("synth-out-is-a-file", lambda t, w: ["data", "synth", "--out", str(write(t / "world", "x")), "--n", "10"],
+         ("{tmp}/world", "is a file, not a directory"), unchanged=("world",)),
+    # ---------------------------------------------------------------- data shards
+    Case("shards-corrupt-png", lambda t, w: image_set(t, images={"img1.png": b"this is not a png"}),
+         ("{tmp}/captions.jsonl:2", "cannot decode image {tmp}/images/img1.png (not an image format"),
+         absent=("shards",)),
+    Case("shards-zero-byte-image", lambda t, w: image_set(t, images={"img1.png": b""}),
+         ("{tmp}/captions.jsonl:2", "is empty (0 bytes)"), absent=("shards",)),
+    Case("shards-missing-image", lambda t, w: image_set(t, lines=[caption_row("img0.png"), caption_row("nope.png")]),
+         ("{tmp}/captions.jsonl:2", "image file not found", "nope.png"), absent=("shards",)),
+    Case("shards-png-body-cut-off", lambda t, w: image_set(t, images={"img2.png": png_bytes(7, side=64)[:6000]}),
+         ("{tmp}/captions.jsonl:3", "cannot decode image", "img2.png"), absent=("shards",), subprocess=True),
+    Case("shards-captions-not-utf8", lambda t, w: image_set(t, lines=[caption_row("img0.png"), NOT_UTF8 + b"\n"]),
+         ("{tmp}/captions.jsonl:2", "not valid UTF-8"), absent=("shards",)),
+    Case("shards-malformed-json", lambda t, w: image_set(t, lines=[caption_row("img0.png"), b"{oops\n"]),
+         ("{tmp}/captions.jsonl:2", "invalid JSON"), absent=("shards",)),
+    Case("shards-out-is-a-file", shards_into_a_file, ("{tmp}/shards: exists and is a file",), unchanged=("shards",)),
+    Case("shards-out-holds-other-files", shards_into_other_files, ("{tmp}/shards", "not a shard set"),
+         unchanged=("shards/*",)),
+    Case("shards-size-zero", lambda t, w: image_set(t)[:-1] + ["0"], ("--shard-size", "got 0"), absent=("shards",)),
+    Case("shards-failed-rewrite-keeps-the-old-set", failed_rewrite_of_a_shard_set,
+         ("{tmp}/captions.jsonl:3", "img9.png"), unchanged=("shards/*",)),
+    # ---------------------------------------------------------------- data validate
+    Case("validate-missing-folder", lambda t, w: ["data", "validate", str(t / "nope")],
+         ("{tmp}/nope: no such directory",), subprocess=True),
+    Case("validate-undecodable-image", shard_with_undecodable_image,
+         ("{tmp}/shards: 1 bad sample (shard-000001.tar: 1 undecodable image)",), unchanged=("shards/*",)),
+    Case("validate-truncated-tar", truncated_tar, ("shard-000002.tar", "truncated tar"), unchanged=("shards/*",)),
+    Case("validate-index-count-mismatch", index_count_mismatch,
+         ("shard-000000.tar: index.json says 5 samples, read 1 good + 0 bad",), unchanged=("shards/*",)),
+    Case("validate-listed-shard-missing", missing_shard, ("shard-000001.tar: listed in index.json but missing",)),
+    # ---------------------------------------------------------------- sampling and evaluation inputs
+    Case("sample-captions-not-utf8",
+         lambda t, w: ["imagegen", "sample", "--model", str(t / "m"), "--captions",
+                       str(write(t / "captions.txt", NOT_UTF8)), "--out", str(t / "samples")],
+         ("{tmp}/captions.txt:1", "not valid UTF-8"), absent=("samples",)),
+    Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
+]
+
+
+def run_cli(argv: list[str], cwd: Path, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m atelier_studio.flows.cli ARGV` in a subprocess (this checkout's code first on the path)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600, preexec_fn=limit_file_size if file_size_limit else None)
+
+
+def run_in_process(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture, monkeypatch) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `main(argv)`; an exception that escapes it fails the test with its traceback."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()  # drop what building the input printed
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        status = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def snapshot(tmp: Path, globs: tuple[str, ...]) -> dict[str, bytes]:
+    files = {p for g in globs for p in tmp.glob(g) if p.is_file()}
+    return {str(p.relative_to(tmp)): p.read_bytes() for p in sorted(files)}
+
+
+def test_the_table_names_every_case_once():
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_clear_error(case: Case, world: World, tmp_path: Path, capsys, monkeypatch):
+    argv = case.build(tmp_path, world)
+    assert argv, f"{case.name}: the build returned no command"
+    before = snapshot(tmp_path, case.unchanged)
+    assert before or not case.unchanged, f"{case.name}: `unchanged` matched no file before the run"
+    if case.subprocess or case.file_size_limit:
+        result = run_cli(argv, tmp_path, case.file_size_limit)
+        status, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        status, out, err = run_in_process(argv, tmp_path, capsys, monkeypatch)
+    detail = f"\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert status == case.status, detail
+    assert "Traceback" not in err, detail
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("atelier: error: "), detail
+    for needle in case.expect:
+        assert needle.format(tmp=tmp_path, fixture=FIXTURE) in lines[0], detail
+    for pattern in case.absent:
+        assert not list(tmp_path.glob(pattern)), f"{pattern} exists after the failure{detail}"
+    assert snapshot(tmp_path, case.unchanged) == before, f"files changed: {case.unchanged}{detail}"
+    leftovers = [str(p) for p in tmp_path.rglob(".*") if is_temporary(p.name)]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+
+
+def test_validate_accepts_a_good_set(tmp_path, capsys, monkeypatch):
+    """The counterpart of the validate rows: a complete, intact set exits 0 and reports every sample good."""
+    shards = good_shards(tmp_path)
+    status, out, err = run_in_process(["data", "validate", str(shards)], tmp_path, capsys, monkeypatch)
+    assert status == 0 and not err.strip(), err
+    report = json.loads(out)
+    assert report["total_ok"] == 3 and report["total_bad"] == 0 and report["problems"] == []
