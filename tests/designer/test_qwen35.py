@@ -432,7 +432,7 @@ def test_fast_path_matches_the_reference_in_bf16():
 
     if not has_fla():
         pytest.skip("needs fla-core (pip install fla-core)")
-    model = random_qwen35(9).cuda()
+    model = random_qwen35(9, gdn_key_head_dim=128, gdn_value_head_dim=64).cuda()  # fla's fast-tier heads
     g = torch.Generator().manual_seed(10)
     docs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (300, 1, 64, 65, 80)]
     ids, pos, cu, max_len, _ = packed_inputs(docs, [[0, 1, 2], [3, 4]], seq_len=365)
@@ -596,10 +596,11 @@ def test_decoding_a_bf16_model_on_the_gpu_is_as_close_to_fp32_as_its_training_fo
         pytest.skip("needs fla-core (pip install fla-core)")
     g = torch.Generator().manual_seed(14)
     seqs = [torch.randint(3, V, (n + 5,), generator=g).tolist() for n in (3, 40, 130)]
-    fp32 = random_qwen35(15).cuda().eval()
+    heads = dict(gdn_key_head_dim=128, gdn_value_head_dim=64)  # fla's fast-tier heads: its autotune runs once
+    fp32 = random_qwen35(15, **heads).cuda().eval()
     fp32.args = dataclasses.replace(fp32.args, delta_rule_impl="ref", attention_impl="sdpa")
     truth = [_forward_hidden(fp32, x) for x in seqs]
-    bf16 = random_qwen35(15).cuda().to(torch.bfloat16).eval()
+    bf16 = random_qwen35(15, **heads).cuda().to(torch.bfloat16).eval()
     for r, (dec, x, t) in enumerate(zip(_decoded_hidden(bf16, seqs, 5), seqs, truth)):
         fwd = _forward_hidden(bf16, x)
         dec_err, fwd_err = _rms_ratio(dec, t), _rms_ratio(fwd, t)
