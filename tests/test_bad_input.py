@@ -274,6 +274,9 @@ CASES = [
     Case("config-not-utf8",
          lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
          ("{tmp}/bad.toml:3: not valid UTF-8",), absent=("run",)),
+    # the family is known only from model.path's config.json, so the names are checked when the run starts
+    Case("lora-target-not-in-the-family", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.targets=q,qkv"),
+         ("lora.targets", "['qkv'] are not Qwen3 linears", "q, k, v, o, gate, up, down"), absent=("run/checkpoints",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",

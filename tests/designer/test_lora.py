@@ -63,6 +63,9 @@ def test_training_matches_peft(tmp_path, lora):
         loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), ours.lm_head_weight, labels.reshape(-1))
         loss = loss / (labels != -100).sum()
         loss_peft = peft(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        # two implementations of the same fp32 training: the loss (~4.5) differs by a few ulps (at most 1.4e-6
+        # over the 20 steps on AVX-512 and DEFAULT kernels, not growing: B is random, so no coordinate's gradient
+        # is rounding noise for Adam to amplify); 1e-4 is ~200 ulps
         assert abs(loss.item() - loss_peft.item()) <= 1e-4, f"step {step}: {loss.item()} vs {loss_peft.item()}"
         for opt, l in ((opt_ours, loss), (opt_peft, loss_peft)):
             opt.zero_grad()
