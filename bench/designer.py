@@ -23,7 +23,7 @@ detects the restarts (masking_utils.find_packed_sequence_indices) and gives SDPA
 mask, so the peer's attention is exact (no leaking) and losses are comparable on the packed batches
 themselves. The peer's mask is dense T×T and its kernel cannot skip masked blocks: that is its real cost.
 
-FLOPs: Atelier's `Qwen3.train_flops` (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
+FLOPs: the family's own counter (`Qwen3.train_flops`, designer/family.py) (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
 FT, LM head on the loss tokens: the head FLOPs Atelier performs) — the same count is used for the peers' MFU
 (same tokens). `mfu_4n_head_all` is the peers' convention (docs/mfu.md), the LM head counted on every
 token (the peers compute it there; Atelier computes it only where a loss is taken). `mfu_6n` is the 6·N_mm
@@ -56,10 +56,9 @@ from atelier_studio.data.chat import EncodedDoc
 from atelier_studio.data.packing import Batch, fixed_shape, make_batch, pack_documents
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
-from atelier_studio.designer.qwen35 import Qwen35Args
+from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
-from atelier_studio.kernels.gated_delta_rule import fla_guard_lifted, has_fla
-from atelier_studio.pipeline.policies import apply_activation_checkpointing, compile_blocks, cpu_offload
+from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list, cpu_offload
 
 # hf-amp: PEFT's fp32 adapters under bf16 autocast, as transformers' Trainer runs LoRA with bf16=True
 PEERS = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
@@ -71,7 +70,7 @@ PARITY_PEER = {"bfloat16": ("hf-liger-bf16lora",), "float32": ("hf",), "mixed": 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    size: str                      # designer.model.SIZES or designer.qwen35.SIZES key
+    size: str                      # a registered designer size (designer/registry.py)
     lora: bool                     # LoRA r16/alpha32 on every linear (all 7 / 12 targets), or full fine-tuning
     seq_len: int                   # T
     micro_batches: tuple[int, ...]
@@ -110,7 +109,7 @@ class Variant:
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
     """The same code path at CPU size: tiny model, short rows, fp32."""
-    tiny = "qwen3.5-tiny" if cfg.size.startswith("qwen3.5") else "tiny"
+    tiny = family_of_size(cfg.size).tiny_size
     return dataclasses.replace(cfg, size=tiny, seq_len=96 if not cfg.one_doc else 64, micro_batches=(1, 2),
                                vocab_size=256)
 
@@ -228,9 +227,10 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
                     p.copy_(lora_sd[name])
     else:
         model.requires_grad_(True)
-    apply_activation_checkpointing(model, cfg.ac)
+    blocks = family_of_args(args).blocks(model)  # the family's parallelize plan: its repeated blocks
+    checkpoint_blocks(blocks, cfg.ac)
     if v.compile:
-        compile_blocks(model)
+        compile_block_list(blocks)
     # full FT: fp32 master weights under bf16 autocast (docs/training.md); "mixed" LoRA likewise for its adapters
     autocast = not exact and (not cfg.lora or v.lora_dtype == "mixed")
     dev = next(model.parameters()).device
@@ -285,8 +285,8 @@ def _reload_modeling(name: str) -> None:
 
 
 def _modeling_module(args: Args) -> str:
-    return ("transformers.models.qwen3.modeling_qwen3" if args.to_hf_config()["model_type"] == "qwen3"
-            else "transformers.models.qwen3_5.modeling_qwen3_5")
+    """The transformers modeling module of the family's reference class (designer/family.py HFReference)."""
+    return family_of_args(args).hf_reference.modeling_module
 
 
 @contextlib.contextmanager
@@ -309,12 +309,13 @@ def with_liger(args: Args) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_fla() -> Iterator[None]:
-    """transformers' Qwen3.5 as a machine without fla-core runs it (its torch fallback for the delta rule and the
-    conv): fla made unimportable and the modeling module re-imported, for the duration (build AND run inside)."""
+def without_fla(args: Args) -> Iterator[None]:
+    """The family's transformers model as a machine without fla-core runs it (Qwen3.5: its torch fallback for the
+    delta rule and the conv): fla made unimportable and the modeling module re-imported, for the duration (build
+    AND run inside)."""
     import sys
 
-    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    name = _modeling_module(args)
     hidden = {k: sys.modules[k] for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
     for k in hidden:
         del sys.modules[k]
@@ -373,18 +374,16 @@ def peer_context(name: str, args: Args) -> contextlib.AbstractContextManager:
     """What a peer runs inside: "hf-liger*" with Liger's kernels, "hf-nofla" without fla-core (Qwen3.5's slow
     path), "hf" as transformers is installed. Each undoes itself, so peers never leak into one another.
 
-    A Qwen3.5 peer that runs fla-core on a Hopper GPU with Triton < 3.7.1 gets the same lift of fla's #640 guard
-    that Atelier's fast path applies to itself (kernels/gated_delta_rule.py), so both run the same fla kernels."""
+    Any other peer runs inside its family's own peer context (designer/family.py HFReference.peer_context: a
+    Qwen3.5 peer on fla-core gets the lift of fla's Hopper guard that Atelier's fast path applies to itself)."""
     stack = contextlib.ExitStack()
     if "liger" in name:
         stack.enter_context(with_liger(args))
+    own = family_of_args(args).hf_reference.peer_context
     if name == "hf-nofla":
-        stack.enter_context(without_fla())
-    elif isinstance(args, Qwen35Args) and torch.cuda.is_available() and has_fla():
-        try:
-            stack.enter_context(fla_guard_lifted(args.gdn_key_head_dim, torch.device("cuda")))
-        except RuntimeError:  # not a case Atelier lifts: the peer meets fla's own #640 error in its backward
-            pass
+        stack.enter_context(without_fla(args))
+    elif own is not None:
+        stack.enter_context(own(args))
     return stack
 
 
@@ -426,13 +425,14 @@ def step_flops(cfg: BenchConfig, args: Args, batches: list[Batch]) -> tuple[list
         m = build_model(args)
     if cfg.lora:
         apply_lora(m, LoraArgs(rank=16, alpha=32.0))
-    useful = [m.train_flops(b.doc_lens, head_tokens=b.num_loss_tokens) for b in batches]
-    head_all = [m.train_flops(b.doc_lens, head_tokens=sum(b.doc_lens)) for b in batches]
+    train_flops = family_of_args(args).train_flops  # the family's own counter
+    useful = [train_flops(m, b.doc_lens, b.num_loss_tokens) for b in batches]
+    head_all = [train_flops(m, b.doc_lens, sum(b.doc_lens)) for b in batches]
     m.requires_grad_(True)  # every matmul with a weight gradient: the 6N convention
     for mod in m.modules():
         if isinstance(mod, LoRALinear):
             mod.lora_A.requires_grad_(False), mod.lora_B.requires_grad_(False)
-    six = [m.train_flops(b.doc_lens, head_tokens=b.num_loss_tokens) for b in batches]
+    six = [train_flops(m, b.doc_lens, b.num_loss_tokens) for b in batches]
     return useful, six, head_all
 
 

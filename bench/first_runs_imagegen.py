@@ -12,7 +12,7 @@ Steps (each skipped when its output already exists, so a re-run only trains agai
    tiny widths -> WORK/vae. `ImagegenTask` loads one at startup and checks in_channels == latent_channels
    and that buckets tile by downsample_factor x patch; no `pixel:<p>` spec gives 16 channels (it gives
    3p²). With samples and eval off it is never run.
-4. Random latent shards (BENCHMARKS: random data, never zeros) in the layout `atelier imagegen cache`
+4. Random latent shards (random data, never zeros: zeros run faster) in the layout `atelier imagegen cache`
    writes: shard-*.tar + index.json (`data.shards.write_latent_shards`) + cache.json -> WORK/latents.
 5. `atelier imagegen train` with WORK/ig.toml: bf16 autocast over fp32 master weights, logit-normal
    timesteps with shift 3.0, EMA 0.9999, 20 steps, micro-batch 16, then 8 only if 16 ran out of memory.

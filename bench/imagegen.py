@@ -2,10 +2,10 @@
 
     python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
         [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
-        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny]
+        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
-L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, PITFALLS "Padding costs compute"), E = 4096 text
+L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, SD3 uses no text mask), E = 4096 text
 width, P = 2048 pooled width, D = 1536 model dim.
 
 Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
@@ -27,8 +27,9 @@ choice is made by measurement.
 
 FLOPs: MMDiT.train_flops (docs/mfu.md: each token through its own stream's weights, modulation linears once per
 image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MFU against 989 TFLOP/s and against the
-bf16 matmul rate measured in this run. Loader: images/s reading latent shards (data/shards.ShardReader) through a
-DataLoader with workers, batched and moved to the device, against the training rate (target ≥ 2×).
+bf16 matmul rate measured in this run. Loader: images/s of the trainer's own streaming loader
+(data/latent_stream.LatentStream with `--loader-workers` loader threads), batched and moved to the device,
+against the training rate (target ≥ 10×).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, gu
                            train_step, write_report)
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.imagegen.registry import family_of_size
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
@@ -66,7 +68,7 @@ QK_NORM = re.compile(r"\.norm_(added_)?[qk]\.weight$")  # SD3.5's QK-RMSNorm wei
 
 @dataclass(frozen=True)
 class BenchConfig:
-    size: str                     # imagegen.model.SIZES key
+    size: str                     # a registered imagegen size (imagegen/registry.py)
     resolution: int               # pixel side of the one square bucket
     text_tokens: int              # L
     batches: tuple[int, ...]      # micro-batch sweep
@@ -102,7 +104,7 @@ def tiny_config(cfg: BenchConfig) -> BenchConfig:
 
 
 def model_args(cfg: BenchConfig) -> MMDiTArgs:
-    return SIZES[cfg.size]
+    return family_of_size(cfg.size).args_of_size(cfg.size)
 
 
 def image_tokens(cfg: BenchConfig, args: MMDiTArgs) -> int:
@@ -285,36 +287,42 @@ def random_latent_samples(cfg: BenchConfig, args: MMDiTArgs, n: int, seed: int) 
                "bucket": (cfg.resolution, cfg.resolution), "caption": f"random sample {i}"}
 
 
-def _stack(samples: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k] for s in samples]) for k in ("latent", "text_states", "pooled")}
-
-
 def loader_throughput(cfg: BenchConfig, args: MMDiTArgs, batch: int, workers: int, device: torch.device,
                       work: Path) -> dict[str, Any]:
-    """Images/s of latent shards → ShardReader (webdataset) → DataLoader workers → stacked batch on the device.
+    """Images/s of the trainer's loader: latent shards → data.latent_stream.LatentStream (planned from the tar
+    headers, tensors read ahead by `workers` threads straight into the batch, page-locked on CUDA) → the device,
+    as imagegen/task.py reads them.
 
-    Writes cfg.shard_samples random samples in shards of cfg.shard_size (at least one shard per worker), reads
-    them twice (the first pass warms the page cache, as a long run's data is warm), times the second pass.
+    Writes cfg.shard_samples random samples in shards of cfg.shard_size; the stream is endless, so it reads one
+    epoch untimed (worker start-up, and the page cache warm as a long run's data is) and times the next.
     """
-    from atelier_studio.data.shards import ShardReader, write_latent_shards
+    from atelier_studio.data.latent_stream import LatentStream, StreamConfig
+    from atelier_studio.data.shards import write_latent_shards
 
     shards = work / "latents"
     write_latent_shards(random_latent_samples(cfg, args, cfg.shard_samples, seed=0), shards, cfg.shard_size)
-    pin = device.type == "cuda"
-    rates = []
-    for _ in range(2):
-        reader = ShardReader(shards, kind="latent", num_workers=workers)
-        loader = torch.utils.data.DataLoader(reader, batch_size=batch, num_workers=workers, collate_fn=_stack,
-                                             pin_memory=pin, persistent_workers=False)
-        n, t0 = 0, time.perf_counter()
-        for b in loader:
-            b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-            n += b["latent"].shape[0]
-        if pin:
+    stream = LatentStream(shards, StreamConfig(batch, workers=workers, pin_memory=device.type == "cuda"))
+    per_epoch = max(1, cfg.shard_samples // batch)
+    chunks = stream.chunks()
+
+    def read(n: int) -> int:
+        images = 0
+        for _ in range(n):
+            for c in next(chunks):
+                for k in ("latent", "text_states", "pooled"):
+                    c[k].to(device, non_blocking=True)
+                images += c["latent"].shape[0]
+        if device.type == "cuda":
             torch.cuda.synchronize()
-        rates.append(n / (time.perf_counter() - t0))
-    return {"images_per_s": rates[-1], "workers": workers, "batch": batch, "samples": cfg.shard_samples,
-            "shard_size": cfg.shard_size, "bytes_per_image": _sample_bytes(cfg, args)}
+        return images
+
+    read(per_epoch)
+    t0 = time.perf_counter()
+    n = read(per_epoch)
+    rate = n / (time.perf_counter() - t0)
+    chunks.close()
+    return {"images_per_s": rate, "workers": workers, "batch": batch, "samples": cfg.shard_samples,
+            "shard_size": cfg.shard_size, "bytes_per_image": _sample_bytes(cfg, args), "loader": "LatentStream"}
 
 
 def _sample_bytes(cfg: BenchConfig, args: MMDiTArgs) -> int:
@@ -486,6 +494,18 @@ def write(report: dict[str, Any], out: Path) -> Path:
                         lambda path: ablation_chart(report, path))
 
 
+def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
+    """Print the loader's images/s at the config's sample shapes for 0..`workers` threads (no model, no report)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = model_args(cfg)
+    for w in sorted({0, workers}):
+        with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
+            r = loader_throughput(cfg, args, batches[-1], w, device, Path(tmp))
+        print(f"loader {cfg.resolution} px, batch {r['batch']}, {w} threads: {r['images_per_s']:.1f} images/s "
+              f"({r['images_per_s'] * r['bytes_per_image'] / 2**20:.0f} MiB/s) to {device}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
@@ -503,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Atelier's SDPA backend (MMDiTArgs.attention); the sdpa_* ablation rows measure each")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
+    p.add_argument("--loader-only", action="store_true",
+                   help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
     bad = [x for x in peers if x not in PEERS]
@@ -516,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.loader_workers < 0:
         p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
     cfg = CONFIGS[a.config]
+    if a.loader_only:
+        return loader_only(cfg, a.batches or list(cfg.batches), a.loader_workers)
     device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if a.tiny:
         cfg = tiny_config(cfg)

@@ -17,7 +17,7 @@ segment and varlen attention never mixes padding into a document.
 
 Fixed-length rows fix every tensor's shape but cu_seqlens' (its length is the segment count). For per-block
 compiled models compile_shape pads that too, to a multiple of SEGMENT_BUCKET empty segments, so a run
-compiles once per bucket it meets instead of once per segment count (PITFALLS "Recompiles"). Every count a
+compiles once per bucket it meets instead of once per segment count. Every count a
 trainer logs (tokens, loss tokens, document lengths) is a Python int computed on the host when a batch
 is built, so reading it never syncs with the device.
 """

@@ -1,7 +1,8 @@
 """WebDataset shards: image shards in, latent shards out, and the corrupt-sample policy.
 
 Two shard kinds live in a directory `out_dir/shard-000000.tar, shard-000001.tar, ...` with an
-`index.json` ({"kind", "shards": [{"name", "count"}], "total"}). A writer builds the whole set in a
+`index.json` ({"kind", "shards": [{"name", "count"}], "total"}; a latent shard's entry also counts its samples
+per bucket, "buckets": {"HxW": n}). A writer builds the whole set in a
 temporary directory and installs it at out_dir only once every sample is written (pipeline/atomic.py):
 a failed write (a bad input line, a full disk) leaves out_dir as it was, never a partial set. Keys
 are `%09d` ordinals (image shards) or the caller's key (latent shards); keys never contain "." or
@@ -31,9 +32,9 @@ Several ranks (fewer shards than ranks x workers would hang a rank): shards are 
 g = rank * num_workers + worker out of G = world_size * num_workers. Without resampling, fewer
 shards than G raises `ShardError` at construction (a worker without shards would end its epoch
 early and hang the others); that mode is for single passes where each rank handles its own slice
-(`atelier imagegen cache`, validation). For multi-rank training use `resample=True`: every worker
-draws shards with replacement forever, seeded by (seed, epoch, g), and the trainer fixes the
-number of steps, so every rank takes the same number of steps.
+(`atelier imagegen cache`, validation, the in-memory eval set). With `resample=True` every worker draws
+shards with replacement forever, seeded by (seed, epoch, g). The imagegen trainer reads its training
+latents through data/latent_stream.py instead: bounded memory, equal batches per rank, exact resume.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class _ShardSink:
         self.out_dir, self.shard_size, self.kind = Path(out_dir), shard_size, kind
         self.names: list[str] = []
         self.counts: list[int] = []
+        self.buckets: list[Counter] = []  # latent shards: samples per "HxW" bucket, for the index
         self.writer: wds.TarWriter | None = None
 
     def __enter__(self) -> "_ShardSink":
@@ -177,16 +179,19 @@ class _ShardSink:
     def __exit__(self, *exc: object) -> None:
         self._close_current()
 
-    def write(self, sample: dict) -> None:
+    def write(self, sample: dict, bucket: tuple[int, int] | None = None) -> None:
         if self.writer is None or self.counts[-1] == self.shard_size:
             self._roll()
         self.writer.write(sample)
         self.counts[-1] += 1
+        if bucket is not None:
+            self.buckets[-1][f"{bucket[0]}x{bucket[1]}"] += 1
 
     def _roll(self) -> None:
         self._close_current()
         self.names.append(SHARD_PATTERN.format(len(self.names)))
         self.counts.append(0)
+        self.buckets.append(Counter())
         # encoder=False: values are bytes already; mtime fixed so the same input gives the same tar
         self.writer = wds.TarWriter(str(self.out_dir / self.names[-1]), encoder=False, mtime=0.0)
 
@@ -197,8 +202,11 @@ class _ShardSink:
 
     def finish(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         self._close_current()
-        index = {"kind": self.kind, "shards": [{"name": n, "count": c} for n, c in zip(self.names, self.counts)],
-                 "total": sum(self.counts)}
+        shards = [{"name": n, "count": c} for n, c in zip(self.names, self.counts)]
+        if self.kind == "latent":  # the streaming loader plans with these (data/latent_stream.py)
+            for entry, hist in zip(shards, self.buckets):
+                entry["buckets"] = dict(sorted(hist.items()))
+        index = {"kind": self.kind, "shards": shards, "total": sum(self.counts)}
         (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1))
         return tuple(self.names), tuple(self.counts)
 
@@ -392,7 +400,8 @@ def write_latent_shards(samples: Iterable[dict], out_dir: Path, shard_size: int)
 
     def write(sink: _ShardSink) -> None:
         for i, sample in enumerate(samples):
-            sink.write(encode_latent_sample(sample, where=f"sample {i}"))
+            encoded = encode_latent_sample(sample, where=f"sample {i}")
+            sink.write(encoded, bucket=tuple(int(v) for v in sample["bucket"]))
 
     return _shard_set(Path(out_dir), shard_size, "latent", write)
 

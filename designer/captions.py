@@ -19,7 +19,7 @@ from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.generate import generate
 from atelier_studio.designer.hf import load_pretrained
 from atelier_studio.designer.lora import load_peft_adapter
-from atelier_studio.designer.model import Qwen3
+from atelier_studio.designer.model import CausalLM
 from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
 from atelier_studio.pipeline.errors import ModelLoadError, WriteError
 
@@ -48,7 +48,7 @@ def read_briefs(path: Path) -> list[str]:
     return briefs
 
 
-def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Qwen3, object]:
+def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, object]:
     """A model directory, or an adapter directory applied to its base. Returns (model, tokenizer)."""
     path = Path(path)
     adapter_cfg = path / "adapter_config.json"

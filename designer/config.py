@@ -10,11 +10,6 @@ from typing import Literal
 
 from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 
-# designer.lora.TARGETS' short names (not imported: parsing a config needs no torch): Qwen3 and Qwen3.5 attention
-# and MLP linears, then Qwen3.5's Gated DeltaNet projections. The default is all of them ("all linear"); each
-# block takes the ones it has.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "z", "b", "a", "out")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -56,7 +51,10 @@ class LoraConfig:
     rank: int = 16  # 0 = full fine-tuning
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = LORA_TARGETS
+    # short names of the model family's linears (designer/family.py lora_targets: Qwen3 q k v o gate up down,
+    # Qwen3.5 those and qkv z b a out); empty = the family's default, every linear. Checked against the family
+    # of model.path when the run starts (the family is known only from its config.json).
+    targets: tuple[str, ...] = ()
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     dtype: Literal["float32", "bfloat16"] = "float32"  # adapter weights' dtype
     init_adapter: str = ""  # a PEFT adapter directory to continue training from
@@ -64,11 +62,9 @@ class LoraConfig:
     def validate(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        bad = [t for t in self.targets if not t.strip()]
         if bad:
-            raise ConfigError(f"targets: unknown {bad}; allowed: {', '.join(LORA_TARGETS)}")
-        if self.rank > 0 and not self.targets:
-            raise ConfigError("targets: at least one target module is needed when rank > 0")
+            raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
 

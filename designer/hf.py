@@ -1,8 +1,8 @@
 """Hugging Face layout I/O for the designer: config.json + safetensors (one file, or shards + index).
 
-Two architectures, told apart by config.json's model_type: "qwen3" (designer.model.Qwen3) and
-"qwen3_5_text" (designer.qwen35.Qwen35, transformers' Qwen3_5ForCausalLM). Directory layout written and read
-(the one transformers uses for both):
+The architecture is config.json's model_type, looked up in designer/registry.py ("qwen3": designer.model.Qwen3,
+"qwen3_5_text": designer.qwen35.Qwen35, ...); the family gives the args, the model class and the key layout.
+Directory layout written and read (the one transformers uses for every family):
   config.json, generation_config.json,
   model.safetensors                         — one shard, or
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"})
@@ -15,8 +15,6 @@ cannot be loaded is a ModelLoadError (or FileNotFoundError) naming it.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import math
 import os
@@ -26,13 +24,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from atelier_studio.designer import model as qwen3
-from atelier_studio.designer import qwen35
-from atelier_studio.designer.model import ModelArgs, Qwen3
 from atelier_studio.data.textfile import read_json
-from atelier_studio.designer.qwen35 import Qwen35, Qwen35Args
+from atelier_studio.designer.family import DesignerArgs
+from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
-from atelier_studio.pipeline.errors import ModelLoadError, UsageError
+from atelier_studio.pipeline.errors import ModelLoadError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -112,68 +109,52 @@ def file_key(key: str, file_keys) -> str:
     return VLM_TEXT + key[len("model."):]
 
 
-# --- the two architectures -----------------------------------------------------------------------
-Args = ModelArgs | Qwen35Args
-Model = Qwen3 | Qwen35
+# --- the families (designer/registry.py) ----------------------------------------------------------
+Args = DesignerArgs
+Model = CausalLM
 
 
 def args_from_hf_config(cfg: dict, attention_impl: str = "auto", source: str = "config.json",
                         delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
-    """ModelArgs (model_type "qwen3") or Qwen35Args ("qwen3_5_text") from a config.json dict."""
-    kind = cfg.get("model_type")
-    if kind in qwen35.MODEL_TYPES:
-        return dataclasses.replace(Qwen35Args.from_hf_config(cfg, attention_impl, delta_rule_impl, source=source),
-                                   kernels=kernels)
-    if kind == "qwen3_5":  # the vision-language checkpoint: read its text model (weight_files renames the keys)
-        text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ModelLoadError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
-        inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-                     if k in cfg and k not in text}
-        args = Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"}, attention_impl,
-                                         delta_rule_impl, source=f"{source} text_config")
-        return dataclasses.replace(args, kernels=kernels)
-    if kind != "qwen3":
-        raise ModelLoadError(f"{source}: model_type must be 'qwen3' or one of {qwen35.MODEL_TYPES}, got {kind!r}")
-    return ModelArgs.from_hf_config(cfg, attention_impl, source=source, kernels=kernels)
+    """The args of a config.json dict, of the family its model_type names, with the implementation choices."""
+    family = family_of_model_type(cfg.get("model_type"), source)
+    try:
+        return family.args_from_hf_config(cfg, source, attention_impl=attention_impl, delta_rule_impl=delta_rule_impl,
+                                          kernels=kernels)
+    except ValueError as e:  # the args' checks, which name config.json and the key
+        raise ModelLoadError(str(e)) from None
 
 
 def args_from_size(size: str, vocab_size: int, **overrides) -> Args:
-    """Args of a named size: designer.model.SIZES (Qwen3) or designer.qwen35.SIZES ("qwen3.5-*")."""
-    if size in qwen35.SIZES:
-        return Qwen35Args.from_size(size, vocab_size, **overrides)
-    if size not in qwen3.SIZES:
-        raise UsageError(f"unknown designer size {size!r}; known: {sorted(qwen3.SIZES) + sorted(qwen35.SIZES)}")
-    return ModelArgs.from_size(size, vocab_size, **overrides)
+    """Args of a named size of a registered family; an unknown size lists every registered one."""
+    return family_of_size(size).args_of_size(size, vocab_size, **overrides)
 
 
 def build_model(args: Args) -> Model:
     """The (uninitialised) model of `args`, on the current default device."""
-    return Qwen35(args) if isinstance(args, Qwen35Args) else Qwen3(args)
+    return family_of_args(args).model_cls(args)
 
 
 def hf_param_shapes(args: Args) -> dict[str, tuple[int, ...]]:
-    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).hf_param_shapes(args)
+    return family_of_args(args).hf_param_shapes(args)
 
 
 def init_param(args: Args, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    return (qwen35 if isinstance(args, Qwen35Args) else qwen3).init_param(name, shape, gen)
+    return family_of_args(args).init_param(name, shape, gen)
 
 
 def read_args(d: Path, attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Args:
-    """The Args of the HF directory d (its config.json); `kernels` is Qwen3's ModelArgs.kernels."""
-    try:
-        return args_from_hf_config(_read_json(d / "config.json"), attention_impl, str(d / "config.json"),
-                                   delta_rule_impl, kernels)
-    except ModelLoadError:
-        raise
-    except ValueError as e:  # ModelArgs / Qwen35Args checks, which name config.json and the key
-        raise ModelLoadError(str(e)) from None
+    """The Args of the HF directory d (its config.json), with the run's implementation choices."""
+    cfg = _read_json(d / "config.json")
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{d / 'config.json'}: expected a JSON object, got {type(cfg).__name__}")
+    return args_from_hf_config(cfg, attention_impl, str(d / "config.json"), delta_rule_impl, kernels)
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     attention_impl: str = "auto", delta_rule_impl: str = "auto", kernels: str = "auto") -> Model:
-    """Qwen3 or Qwen3.5 from an HF directory (config.json + safetensors), every key and shape checked."""
+    """The model of an HF directory (config.json + safetensors, any registered family), every key and shape
+    checked."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
@@ -268,7 +249,7 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
 
 def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-    """Write `model` as an HF Qwen3 / Qwen3.5 directory (merge LoRA first: designer.lora.merge_lora)."""
+    """Write `model` as an HF directory of its family (merge LoRA first: designer.lora.merge_lora)."""
     state = model.state_dict()
     lora = [k for k in state if "lora_" in k or ".base_layer." in k]
     if lora:
@@ -280,17 +261,18 @@ def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype
 
 def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0,
                 dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """A random-init HF directory of a SIZES entry, vocab and special tokens from the tokenizer (copied in).
+    """A random-init HF directory of a registered size, vocab and special tokens from the tokenizer (copied in).
 
-    Streams the same draws as init_weights(seed) (Qwen3 or Qwen35), one tensor at a time, so no model is built.
+    Streams the same draws as the model's init_weights(seed), one tensor at a time, so no model is built.
     """
     from transformers import AutoTokenizer
 
+    family = family_of_size(size)  # an unknown size fails before the tokenizer is read
     if not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"init_random: tokenizer directory {tokenizer_dir} does not exist")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    args = args_from_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
+    args = family.args_of_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
     shapes = hf_param_shapes(args)
     gen = torch.Generator().manual_seed(seed)
     # make() is called in state-dict order, which is named_parameters() order: same draws as init_weights.

@@ -11,10 +11,11 @@ Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors
 `base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
 `modules_to_save`, so PEFT and vLLM load them.
 
-Targets are short names for the linears of both designer architectures (TARGETS). A block gets the targets
-it has: Qwen3's blocks and Qwen3.5's full-attention blocks have self_attn (q, k, v, o), Qwen3.5's Gated
-DeltaNet blocks have linear_attn (qkv, z, b, a, out), every block has mlp (gate, up, down). The default is
-all of them, i.e. every linear of either architecture ("all linear"); a target set that wraps nothing raises.
+Targets are short names for the linears of a family, from its Family record (designer/family.py,
+`lora_targets`: name → module path inside a block; Qwen3: q k v o gate up down; Qwen3.5 adds its Gated DeltaNet
+projections qkv z b a out). A block gets the targets it has: Qwen3.5's full-attention blocks have self_attn,
+its Gated DeltaNet blocks linear_attn, every block mlp. No targets (the default) means the family's default,
+every linear ("all linear"); a target set that wraps nothing raises.
 """
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ import torch
 from torch import nn
 
 from atelier_studio.data.textfile import read_json
+from atelier_studio.designer.family import Family
 from atelier_studio.designer.hf import read_safetensors_header
-from atelier_studio.designer.model import Qwen3
-from atelier_studio.designer.qwen35 import Qwen35
+from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.registry import family_of_args, lora_target_names
 from atelier_studio.kernels.lora_linear import lora_linear
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
 
+<<<<<<< HEAD
 if TYPE_CHECKING:
     from atelier_studio.kernels.fp8_linear import Fp8FrozenWeight
 
@@ -47,6 +50,9 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}
 ALL_TARGETS = tuple(TARGETS)
 Model = Qwen3 | Qwen35
+=======
+Model = CausalLM
+>>>>>>> main
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -57,7 +63,7 @@ class LoraArgs:
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = ALL_TARGETS
+    targets: tuple[str, ...] = ()  # short names of the family's linears; () = its default (every linear)
     rslora: bool = False
     dtype: str = "float32"  # adapter weights and adapter compute
 
@@ -66,9 +72,10 @@ class LoraArgs:
             raise ValueError(f"LoraArgs.rank must be a positive int, got {self.rank!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoraArgs.dropout must be in [0, 1), got {self.dropout}")
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise ValueError(f"LoraArgs.targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+        known = lora_target_names()  # a name no family has is a typo; each family checks its own at apply time
+        bad = [t for t in self.targets if t not in known]
+        if bad:
+            raise ValueError(f"LoraArgs.targets {bad} are no registered family's linears; known: {', '.join(known)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LoraArgs.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -76,11 +83,6 @@ class LoraArgs:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    @property
-    def target_modules(self) -> list[str]:
-        """PEFT's target_modules: the leaf names (q_proj, ..., down_proj)."""
-        return [TARGETS[t].split(".")[1] for t in self.targets]
 
 
 @dataclass(frozen=True)
@@ -147,15 +149,20 @@ class LoRALinear(nn.Module):
 
 def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
     """(full module name, parent, attribute) of every target linear the model's blocks have."""
+    family = family_of_args(model.args)
+    targets = family.resolve_lora_targets(args.targets)
+    names = {m: n for n, m in model.named_modules()}
     out = []
-    for i, block in enumerate(model.model.layers):
-        for t in args.targets:
-            parent_name, leaf = TARGETS[t].split(".")
-            parent = getattr(block, parent_name, None)  # a Qwen3.5 block has self_attn or linear_attn
-            if parent is not None:
-                out.append((f"model.layers.{i}.{TARGETS[t]}", parent, leaf))
+    for block in family.blocks(model):
+        for t in targets:
+            parent_path, leaf = family.lora_targets[t].rsplit(".", 1)
+            try:
+                parent = block.get_submodule(parent_path)
+            except AttributeError:  # a block without this mixer (a Qwen3.5 block has self_attn or linear_attn)
+                continue
+            out.append((f"{names[block]}.{family.lora_targets[t]}", parent, leaf))
     if not out:
-        raise ValueError(f"LoRA targets {list(args.targets)} name no linear of this {type(model).__name__}")
+        raise ValueError(f"LoRA targets {list(targets)} name no linear of this {type(model).__name__}")
     return out
 
 
@@ -210,8 +217,9 @@ def save_peft_adapter(model: Model, args: LoraArgs, out_dir: str | os.PathLike, 
     return out
 
 
-def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
-    """LoraArgs from a PEFT adapter_config.json dict; unsupported PEFT features raise, naming the key."""
+def lora_args_from_peft_config(cfg: dict, source: str, family: Family) -> LoraArgs:
+    """LoraArgs from a PEFT adapter_config.json dict for a model of `family`; unsupported PEFT features raise,
+    naming the key."""
     if cfg.get("peft_type") != "LORA":
         raise ModelLoadError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
     for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
@@ -222,11 +230,11 @@ def lora_args_from_peft_config(cfg: dict, source: str) -> LoraArgs:
     modules = cfg.get("target_modules")
     if not isinstance(modules, list):
         raise ModelLoadError(f"{source}: target_modules must be a list of module names, got {modules!r}")
-    by_leaf = {v.split(".")[1]: k for k, v in TARGETS.items()}
+    by_leaf = {path.rsplit(".", 1)[-1]: t for t, path in family.lora_targets.items()}
     unknown = [m for m in modules if m not in by_leaf]
     if unknown:
-        raise ModelLoadError(f"{source}: target_modules {unknown} are not designer linears {list(by_leaf)}")
-    order = [t for t in TARGETS if t in {by_leaf[m] for m in modules}]
+        raise ModelLoadError(f"{source}: target_modules {unknown} are not {family.name} linears {list(by_leaf)}")
+    order = [t for t in family.lora_targets if t in {by_leaf[m] for m in modules}]
     try:
         return LoraArgs(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=tuple(order), rslora=bool(cfg.get("use_rslora", False)))
@@ -245,7 +253,7 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     cfg = read_json(cfg_path, ModelLoadError)
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-    args = lora_args_from_peft_config(cfg, str(cfg_path))
+    args = lora_args_from_peft_config(cfg, str(cfg_path), family_of_args(model.args))
     file = d / ADAPTER_FILE
     header = read_safetensors_header(file)
     existing = [m for m in model.modules() if isinstance(m, LoRALinear)]

@@ -7,7 +7,7 @@ Block (pre-norm, as Qwen3):  x += o_proj(attn(rope(q_norm(q_proj(n(x)))), rope(k
                              x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))
 The model runs PACKED rows: several documents share a row, positions restart at 0 per document and
 `cu_seqlens` marks document boundaries over the flattened B·T tokens, so no document attends to
-another. HF layout I/O lives in designer/hf.py.
+another. HF layout I/O lives in designer/hf.py; FAMILY (at the end) is this architecture's registry record.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from atelier_studio.designer.decode import kv_cache_batch
+from atelier_studio.designer.family import Family, HFReference, decoder_layers
 from atelier_studio.kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
 from atelier_studio.kernels.fp8_group import fp8_lora_linear_group
 from atelier_studio.kernels.lora_linear import lora_linear_group
@@ -438,3 +440,14 @@ def hf_param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def num_params(args: ModelArgs) -> int:
     """Parameter count (the tied LM head counted once)."""
     return sum(math.prod(s) for s in hf_param_shapes(args).values())
+
+
+FAMILY = Family(
+    name="Qwen3", model_types=("qwen3",), args_cls=ModelArgs, model_cls=Qwen3, sizes=SIZES, tiny_size="tiny",
+    hf_param_shapes=hf_param_shapes, init_param=init_param,
+    # short LoRA target names → module paths inside a block; the default is all of them ("all linear")
+    lora_targets={"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                  "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    train_flops=Qwen3.train_flops, decode_batch=kv_cache_batch, blocks=decoder_layers,
+    hf_reference=HFReference("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+)

@@ -20,35 +20,45 @@ The model runs PACKED rows as designer/model.py does: positions restart per docu
 marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
 at zero per document) — so a packed row equals its documents run one by one (without the boundaries, the conv
-and the state would carry one document into the next). HF layout I/O lives in designer/hf.py (dispatching on config.json's model_type).
+and the state would carry one document into the next). HF layout I/O lives in designer/hf.py; FAMILY (at the
+end) is this architecture's registry record (model_type qwen3_5_text, or qwen3_5: the text model of the
+released vision-language checkpoints).
 
-Decoding (designer/generate.py) runs the same blocks through `decode_hidden_states`: full attention from a
-K/V cache, each Gated DeltaNet layer from a LinearAttentionState (the last K−1 conv inputs and S) advanced by
-the recurrence above one token at a time.
+Decoding (designer/generate.py, through `hybrid_cache_batch`) runs the same blocks through
+`decode_hidden_states`: full attention from a K/V cache (designer/decode.py), each Gated DeltaNet layer from
+a LinearAttentionState (the last K−1 conv inputs and S) advanced by the recurrence above one token at a time.
 
 Qwen3.5 uses M-RoPE (separate t/h/w position sections) for images; for text the three position streams
 are equal, so it is plain RoPE on the first R dims (mrope_section / mrope_interleaved only round-trip).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atelier_studio.designer.decode import KVCache, decode_loop, left_padded
+from atelier_studio.designer.family import Family, HFReference, decoder_layers
 from atelier_studio.designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
 from atelier_studio.designer.model import init_param as qwen3_init_param
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.causal_conv1d import causal_conv1d
+from atelier_studio.kernels import gated_delta_rule as gdr
 from atelier_studio.kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
 from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin
+from atelier_studio.pipeline.config import ConfigError
+
+if TYPE_CHECKING:
+    from atelier_studio.designer.config import ModelConfig
 
 MODEL_TYPES = ("qwen3_5_text",)
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -525,3 +535,78 @@ def hf_param_shapes(args: Qwen35Args) -> dict[str, tuple[int, ...]]:
 def num_params(args: Qwen35Args) -> int:
     """Parameter count (the tied LM head counted once)."""
     return sum(math.prod(s) for s in hf_param_shapes(args).values())
+
+
+def args_from_hf_config(cfg: dict[str, Any], source: str) -> Qwen35Args:
+    """Qwen35Args of a `qwen3_5_text` config.json dict, or of the text model of a vision-language `qwen3_5` one
+    (designer/hf.py's weight_files reads its text-model keys under their text-model names)."""
+    if cfg.get("model_type") != "qwen3_5":
+        return Qwen35Args.from_hf_config(cfg, source=source)
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' dict")
+    inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+                 if k in cfg and k not in text}
+    return Qwen35Args.from_hf_config({**text, **inherited, "model_type": "qwen3_5_text"},
+                                     source=f"{source} text_config")
+
+
+def hybrid_cache_batch(model: Qwen35, ids: list[list[int]], max_new: int, temperature: float, top_p: float,
+                       gen: torch.Generator, eos: torch.Tensor) -> list[list[int]]:
+    """Decode one batch of prompts: K/V for the full-attention layers, conv and recurrent state for the Gated
+    DeltaNet layers (a pad leaves a state untouched, so it stays zero until the prompt's first token)."""
+    device = model.lm_head_weight.device
+    pads, tokens, positions = left_padded(ids, device)
+    layers = model.model.layers
+    cache = KVCache(model, pads, tokens.shape[1], max_new, [i for i, blk in enumerate(layers) if blk.layer_type == FULL])
+    states = [None if blk.layer_type == FULL else LinearAttentionState.zeros(blk.linear_attn, len(ids), device)
+              for blk in layers]
+
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        valid = cache.valid[:, cache.length: cache.length + tok.shape[1]]  # [B,T]
+        hidden = model.decode_hidden_states(tok, pos, cache.attends, states, valid)
+        cache.length += tok.shape[1]
+        return hidden
+
+    return decode_loop(step, len(ids), (tokens, positions), max_new, temperature, top_p, gen, eos, model.logits)
+
+
+def check_delta_rule(args: Qwen35Args, model: ModelConfig, device: torch.device) -> None:
+    """Fail before loading anything when a bf16 run on CUDA would need fla-core and it is missing.
+
+    The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
+    key and costs no model load.
+    """
+    if device.type != "cuda" or model.delta_rule == "ref" or gdr.has_fla():
+        return
+    if model.dtype == "float32" and model.delta_rule == "auto":
+        return  # "auto" runs the fp32 reference for fp32 compute
+    raise ConfigError(f"model.delta_rule={model.delta_rule!r}: {gdr.FLA_MISSING} (or set model.delta_rule=ref)")
+
+
+def transformers_peer_context(args: Qwen35Args) -> contextlib.ExitStack:
+    """What transformers' Qwen3.5 runs inside in bench/designer.py: on a Hopper GPU with Triton < 3.7.1, the same
+    lift of fla's guard that Atelier's fast path applies to itself (kernels/gated_delta_rule.py), so both run the
+    same fla kernels."""
+    stack = contextlib.ExitStack()
+    if torch.cuda.is_available() and gdr.has_fla():
+        try:
+            stack.enter_context(gdr.fla_guard_lifted(args.gdn_key_head_dim, torch.device("cuda")))
+        except RuntimeError:  # not a case Atelier lifts: the peer meets fla's own guard in its backward
+            pass
+    return stack
+
+
+FAMILY = Family(
+    name="Qwen3.5", model_types=(*MODEL_TYPES, "qwen3_5"), args_cls=Qwen35Args, model_cls=Qwen35, sizes=SIZES,
+    tiny_size="qwen3.5-tiny", hf_param_shapes=hf_param_shapes, init_param=init_param,
+    # a block takes the targets it has: full-attention blocks self_attn, Gated DeltaNet blocks linear_attn, all mlp
+    lora_targets={"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                  "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+                  "qkv": "linear_attn.in_proj_qkv", "z": "linear_attn.in_proj_z", "b": "linear_attn.in_proj_b",
+                  "a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"},
+    train_flops=Qwen35.train_flops, decode_batch=hybrid_cache_batch, blocks=decoder_layers,
+    read_hf_config=args_from_hf_config, preflight=check_delta_rule,
+    hf_reference=HFReference("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM",
+                             peer_context=transformers_peer_context),
+)

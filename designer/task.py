@@ -36,6 +36,7 @@ from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_exam
 from atelier_studio.data.packing import Batch, compile_shape, pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.designer.family import DesignerArgs
 from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
 from atelier_studio.designer.lora import (
     ADAPTER_FILE,
@@ -48,6 +49,7 @@ from atelier_studio.designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
+from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
@@ -78,7 +80,8 @@ class DesignerTask:
         if not model_dir.is_dir():
             raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
                               f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
-        read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
+        args = read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
+        self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
@@ -89,10 +92,19 @@ class DesignerTask:
         base_dtype = torch.float32 if (exact or full) else torch.bfloat16
         self.lora_args: LoraArgs | None = None
         if not full:
+            try:
+                targets = self.family.resolve_lora_targets(cfg.lora.targets)
+            except ValueError as e:
+                raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+<<<<<<< HEAD
                                       targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
         _check_delta_rule(cfg, model_dir, device)
         check_precision(cfg.train, device, self.dist.enabled)
+=======
+                                      targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        _preflight(cfg, args, device)
+>>>>>>> main
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -113,8 +125,12 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
+<<<<<<< HEAD
         apply_precision(model, self.cfg.train)  # FP8 linears first: the policies below wrap what runs
         return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
+=======
+        return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
+>>>>>>> main
                            self._fsdp_param_dtype())
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
@@ -197,7 +213,7 @@ class DesignerTask:
         return b.batch.num_tokens
 
     def batch_flops(self, b: DeviceBatch) -> int:
-        return self.model.train_flops(b.batch.doc_lens, head_tokens=b.batch.num_loss_tokens)
+        return self.family.train_flops(self.model, b.batch.doc_lens, b.batch.num_loss_tokens)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.autocast:
@@ -279,21 +295,12 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _check_delta_rule(cfg: DesignerConfig, model_dir: Path, device: torch.device) -> None:
-    """Fail before loading anything when a Qwen3.5 bf16 run on CUDA would need fla-core and it is missing.
-
-    The forward would raise the same at step 1 (kernels/gated_delta_rule.py); saying it here names the config
-    key and costs no model load.
-    """
-    from atelier_studio.designer.qwen35 import Qwen35Args
-    from atelier_studio.kernels.gated_delta_rule import FLA_MISSING, has_fla
-
-    if device.type != "cuda" or cfg.model.delta_rule == "ref" or has_fla():
-        return
-    if cfg.model.dtype == "float32" and cfg.model.delta_rule == "auto":
-        return  # "auto" runs the fp32 reference for fp32 compute
-    if isinstance(read_args(model_dir), Qwen35Args):
-        raise ConfigError(f"model.delta_rule={cfg.model.delta_rule!r}: {FLA_MISSING} (or set model.delta_rule=ref)")
+def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) -> None:
+    """The family's own checks before anything is loaded (designer/family.py `preflight`; Qwen3.5: fla-core for a
+    bf16 run on CUDA), each naming the config key to change."""
+    family = family_of_args(args)
+    if family.preflight is not None:
+        family.preflight(args, cfg.model, device)
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:

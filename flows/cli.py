@@ -4,13 +4,13 @@
     atelier data synth --out DIR --n N --seed S
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR
+    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR  (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
-    atelier imagegen sample --model DIR --captions FILE --out DIR
+    atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
@@ -112,10 +112,11 @@ def designer_init(args: argparse.Namespace) -> int:
     import torch
 
     from atelier_studio.designer.hf import init_random
+    from atelier_studio.designer.registry import family_of_size
 
+    family = family_of_size(args.size)  # an unknown size lists the registered ones
     path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
-    kind = "Qwen3.5" if args.size.startswith("qwen3.5") else "Qwen3"
-    print(f"wrote a random-init {kind} {args.size} model to {path}")
+    print(f"wrote a random-init {family.name} {args.size} model to {path}")
     return 0
 
 
@@ -142,12 +143,14 @@ def imagegen_init(args: argparse.Namespace) -> int:
     import torch
 
     from atelier_studio.imagegen.hf import init_random
+    from atelier_studio.imagegen.registry import family_of_size
 
+    family = family_of_size(args.size)  # an unknown size lists the registered ones
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
                                                          "joint_attention_dim", "pooled_projection_dim")
                  if getattr(args, name)}
     path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
-    print(f"wrote a random-init MMDiT {args.size} to {path}")
+    print(f"wrote a random-init {family.name} {args.size} to {path}")
     return 0
 
 
@@ -165,7 +168,8 @@ def imagegen_sample(args: argparse.Namespace) -> int:
     from atelier_studio.imagegen.sample import sample_to_dir
 
     sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
-                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config)
+                  steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
+                  resolution=args.resolution)
     return 0
 
 
@@ -257,9 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
     train_args(sp)
     launch_args(sp)
-    sp = command(d, "init", designer_init, "write a random-init Qwen3 / Qwen3.5 model directory (HF layout)")
+    sp = command(d, "init", designer_init, "write a random-init model directory of a registered family (HF layout)")
     sp.add_argument("--size", required=True,
-                    help="Qwen3: tiny, demo, 0.6b, 1.7b, 4b, 8b, 14b, 32b; Qwen3.5 (hybrid): qwen3.5-tiny, qwen3.5-9b")
+                    help="a size of a registered family (designer/registry.py), e.g. Qwen3's tiny, demo, 0.6b ... 32b "
+                         "or Qwen3.5's qwen3.5-tiny, qwen3.5-9b; an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
@@ -279,8 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(i, "train", imagegen_train, "train the MMDiT with rectified flow")
     train_args(sp)
     launch_args(sp)
-    sp = command(i, "init", imagegen_init, "write a random-init MMDiT (diffusers layout)")
-    sp.add_argument("--size", required=True, help="tiny, sd3-medium, sd3.5-medium, sd3.5-large")
+    sp = command(i, "init", imagegen_init, "write a random-init model of a registered family (diffusers layout)")
+    sp.add_argument("--size", required=True,
+                    help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, sd3-medium, "
+                         "sd3.5-medium, sd3.5-large; an unknown size lists them all")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -296,13 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--shard-size", type=int, default=1000)
     sp = command(i, "sample", imagegen_sample, "render images for captions (one per line)")
-    sp.add_argument("--model", required=True, help="a transformer/ or ema/ directory from a run")
+    sp.add_argument("--model", required=True,
+                    help="a transformer/ or ema/ directory from a run, or a diffusers SD3 pipeline directory")
     sp.add_argument("--captions", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config", default=None, help="the run's config.toml (default: next to the model dir)")
     sp.add_argument("--steps", type=int, default=28)
     sp.add_argument("--guidance", type=float, default=4.0)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--resolution", type=int, default=0,
+                    help="image side in pixels (default: the run's data.resolution, or the pipeline's default size)")
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")

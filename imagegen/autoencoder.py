@@ -122,8 +122,20 @@ class SD3VAE(nn.Module):
         return self.vae.decode(z).sample
 
 
+def resolve_autoencoder_spec(spec: str, model_path: str = "") -> str:
+    """`autoencoder.spec` with "model" replaced by `model_path` (a pipeline directory: its vae/ is used)."""
+    if spec != "model":
+        return spec
+    if not model_path:
+        from atelier_studio.pipeline.config import ConfigError
+
+        raise ConfigError("autoencoder.spec = 'model' needs model.path: a pipeline directory with a vae/ folder")
+    return str(model_path)
+
+
 def load_autoencoder(spec: str, dtype: torch.dtype = torch.float32) -> PixelCodec | SD3VAE:
-    """"pixel" (patch 2) or "pixel:<patch>" -> PixelCodec; anything else is a local VAE directory -> SD3VAE."""
+    """"pixel" (patch 2) or "pixel:<patch>" -> PixelCodec; anything else is a local VAE directory -> SD3VAE
+    (resolve "model" with `resolve_autoencoder_spec` first)."""
     if spec == "pixel" or spec.startswith("pixel:"):
         patch = spec.partition(":")[2] or "2"
         if not patch.isdigit():

@@ -6,8 +6,11 @@ L text tokens, D text hidden size.
 Each image is resized and centre-cropped to its nearest aspect bucket (`data.buckets`), images are
 grouped by bucket into batches of `data.cache_batch`, and each batch runs through the autoencoder and
 the text encoder together. The latent shards carry per sample {latent [C,h,w], text_states [L,D],
-pooled [D]} plus the bucket, caption and the image shard's key. A `cache.json` beside them records
-what produced them (autoencoder spec, text encoder, resolution, counts) so the trainer can check them.
+pooled [P]} plus the bucket, caption and the image shard's key. A `cache.json` beside them records
+what produced them (autoencoder spec and its shift / scaling factors, the text encoder's settings,
+resolution, counts) so the trainer can check them. With `text.kind = "sd3"` the text is SD3's three
+encoders (imagegen/sd3_text.py): L = 77 + text.max_sequence_length, D = 4096, P = 2048 for the released
+models; with `autoencoder.spec = "model"` the latents come from the vae/ of the pipeline at model.path.
 
 Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its own slice of
 the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
@@ -29,7 +32,7 @@ from rich.progress import Progress
 
 from atelier_studio.data.buckets import image_to_tensor, make_buckets, nearest_bucket, resize_and_crop
 from atelier_studio.data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
-from atelier_studio.imagegen.autoencoder import load_autoencoder
+from atelier_studio.imagegen.autoencoder import load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.hf import read_args
 from atelier_studio.imagegen.text import TextEncoder, load_text_encoder
@@ -76,10 +79,9 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
 
 
 def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
-    meta = {"autoencoder": cfg.autoencoder.spec, "latent_channels": autoencoder.latent_channels,
-            "downsample_factor": autoencoder.downsample_factor, "text_encoder": str(text.path.resolve()),
-            "text_kind": text.kind, "max_length": text.max_length, "layer": text.layer, "pooled": text.pooled,
-            "hidden_size": text.hidden_size, "resolution": cfg.data.resolution, **counts}
+    meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path), "latent_channels": autoencoder.latent_channels,
+            "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
+            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")
 
 
@@ -89,7 +91,7 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
     indexes = [read_index(d) for d in dirs]
     if any(i is None for i in indexes):
         return False
-    shards = [{"name": f"{d.name}/{s['name']}", "count": s["count"]}
+    shards = [{**s, "name": f"{d.name}/{s['name']}"}  # keeps each shard's count and bucket counts
               for d, i in zip(dirs, indexes) for s in i["shards"]]
     merged = {"kind": "latent", "shards": shards, "total": sum(s["count"] for s in shards)}
     atomic_write_text(out_dir / INDEX_NAME, json.dumps(merged, indent=1), what="merged shard index")
@@ -126,6 +128,7 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
             task = bar.add_task(f"caching {Path(source).name} (rank {rank}/{world_size})", total=total)
             stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device)
             write_latent_shards(counted(stream, bar, task), target, shard_size)
+        text.report_truncation(f"cache {source}")
         c = reader.counter  # this process's count (each DataLoader worker keeps its own)
         counts = {"samples": written, "bad": c.bad, "bad_by_reason": dict(c.by_reason)}
         _write_meta(target, cfg, text, autoencoder, counts)
@@ -146,8 +149,8 @@ def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) ->
     rank, world_size = dist_env()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
         torch.device("cpu")
-    autoencoder = load_autoencoder(cfg.autoencoder.spec).to(device)
-    text = load_text_encoder(cfg.text, device)
+    autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
+    text = load_text_encoder(cfg.text, device, cfg.model.path)
     patch = read_args(cfg.model.path).patch_size  # buckets must tile into whole MMDiT patches
     out_dir = Path(out_dir)
     cache_split(cfg, cfg.data.image_shards, out_dir, shard_size, autoencoder, text, device, rank, world_size, patch)

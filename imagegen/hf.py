@@ -2,8 +2,9 @@
 
 A directory written here loads with ``SD3Transformer2DModel.from_pretrained(dir)`` with no missing or
 unexpected keys, and any diffusers SD3 transformer directory (or a pipeline directory with a
-``transformer/`` subfolder) loads into :class:`imagegen.model.MMDiT`. Weights are read from
-safetensors only: nothing is unpickled.
+``transformer/`` subfolder) loads into :class:`imagegen.model.MMDiT`. The family is config.json's
+``_class_name``, looked up in imagegen/registry.py. Weights are read from safetensors only: nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from safetensors import safe_open
 
 from atelier_studio.data.textfile import read_json
-from atelier_studio.imagegen.model import SIZES, MMDiT, MMDiTArgs
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
+from atelier_studio.imagegen.registry import family_of_args, family_of_class_name, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
-from atelier_studio.pipeline.errors import ModelLoadError, UsageError
+from atelier_studio.pipeline.errors import ModelLoadError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -39,17 +41,20 @@ def resolve_dir(path: str | os.PathLike) -> Path:
 
 
 def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "auto") -> MMDiTArgs:
-    """MMDiTArgs from a diffusers directory's config.json; ``kernels`` picks the fused ops' implementation,
-    ``attention`` the SDPA backend."""
+    """The args of a diffusers directory's config.json, of the family its ``_class_name`` names; ``kernels``
+    picks the fused ops' implementation, ``attention`` the SDPA backend."""
     cfg_path = resolve_dir(path) / CONFIG_NAME
     config = read_json(cfg_path, ModelLoadError)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+    if "_class_name" not in config:
+        raise ModelLoadError(f"{cfg_path}: no '_class_name' (not a diffusers model config)")
+    family = family_of_class_name(config["_class_name"], str(cfg_path))
     try:
-        return MMDiTArgs.from_diffusers_config(config, source=str(cfg_path), kernels=kernels, attention=attention)
+        return family.args_from_diffusers_config(config, str(cfg_path), kernels=kernels, attention=attention)
     except ModelLoadError:
         raise
-    except ValueError as e:  # MMDiTArgs' checks, which name config.json and the field
+    except ValueError as e:  # the args' checks, which name config.json and the field
         raise ModelLoadError(str(e)) from None
 
 
@@ -76,13 +81,18 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"{model_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
 
 
+def build_model(args: MMDiTArgs) -> MMDiT:
+    """The (uninitialised) model of `args`' family, on the current default device."""
+    return family_of_args(args).model_cls(args)
+
+
 def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
     """{state-dict key: safetensors file} of a diffusers directory, every key and shape checked against `args`.
 
     What a sharded (meta-device) load needs: each rank opens the files and reads only its rows of each key.
     """
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MMDiT(args).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in build_model(args).state_dict().items()}
     where: dict[str, str] = {}
     for file, keys in _weight_files(model_dir).items():
         unexpected = [k for k in keys if k not in expected]
@@ -102,12 +112,13 @@ def weight_map(model_dir: Path, args: MMDiTArgs) -> dict[str, str]:
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", kernels: str = "auto", attention: str = "auto") -> MMDiT:
-    """Build an MMDiT from a diffusers SD3 transformer directory; every key and shape is checked."""
+    """Build the model of a diffusers transformer directory (its registered family); every key and shape is
+    checked."""
     model_dir = resolve_dir(path)
     args = read_args(model_dir, kernels, attention)
     where = weight_map(model_dir, args)
     with torch.device("meta"):  # no throw-away random init of a multi-GB model
-        model = MMDiT(args)
+        model = build_model(args)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):
         with safe_open(file, framework="pt", device=str(device)) as f:
@@ -171,16 +182,16 @@ def save_pretrained(model: MMDiT, out_dir: str | os.PathLike, dtype: torch.dtype
 
 def init_random(size: str, out_dir: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
                 **overrides) -> Path:
-    """Write a randomly initialised (``MMDiT.init_weights``) model of a named ``SIZES`` entry,
-    with MMDiTArgs field ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
-    if size not in SIZES:
-        raise UsageError(f"init_random: unknown size {size!r}; choose from {sorted(SIZES)}")
-    known = {f.name for f in dataclasses.fields(MMDiTArgs)}
+    """Write a randomly initialised (the model's ``init_weights``) model of a registered size, with args field
+    ``overrides`` (e.g. ``in_channels=4``). Returns the directory."""
+    family = family_of_size(size)  # an unknown size lists the registered ones
+    known = {f.name for f in dataclasses.fields(family.args_cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"init_random: unknown MMDiTArgs override(s) {unknown}; fields are {sorted(known)}")
-    args = dataclasses.replace(SIZES[size], **overrides)
+        raise ValueError(f"init_random: unknown {family.args_cls.__name__} override(s) {unknown}; "
+                         f"fields are {sorted(known)}")
+    args = family.args_of_size(size, **overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
-        model = MMDiT(args)
+        model = family.model_cls(args)
     return save_pretrained(model, out_dir, dtype=dtype)

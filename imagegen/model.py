@@ -3,7 +3,8 @@
 Read top to bottom like the paper: config → embeddings → norms/modulation → attention → MLP →
 joint block → model. Module and parameter names equal diffusers' ``SD3Transformer2DModel`` so
 ``state_dict()`` keys are the diffusers checkpoint keys with no mapping.
-diffusers is the reference the tests compare against; it is never imported here.
+diffusers is the reference the tests compare against; it is never imported here. FAMILY (at the end) is
+the registry record (imagegen/registry.py): SD3's MMDiT and SD3.5's MMDiT-X are sizes of this one family.
 
 Shape legend:
     B   batch                     C   latent channels (in), Co out channels
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from atelier_studio.imagegen.family import Family
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
 from atelier_studio.kernels.rmsnorm import rmsnorm
@@ -544,3 +546,10 @@ class MMDiT(nn.Module):
         real work (SD3 uses no text mask)."""
         mm, attn = self.forward_flops(batch_size, image_tokens, text_tokens)
         return 3 * (mm + attn)
+
+
+FAMILY = Family(
+    name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
+    tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
+    diffusers_class="diffusers:SD3Transformer2DModel",
+)

@@ -10,6 +10,12 @@ A run directory written by `ImagegenTask.export` holds `transformer/`, `ema/` (E
 `imagegen.json` (autoencoder spec, text encoder settings, resolution, flow shift): what
 `sample_to_dir` needs besides the weights, so `atelier imagegen sample --model runs/i1/ema` works
 without the training config.
+
+`sample_to_dir` also takes a diffusers StableDiffusion3Pipeline directory (a released SD3 / SD3.5 model, or a
+run's exported `pipeline/`): its three text encoders, its VAE and its scheduler's shift are used, so the images
+are StableDiffusion3Pipeline's for the same seed, steps and guidance (the noise is drawn as the pipeline draws
+it from a CPU generator: `torch.randn` of the whole batch; the Euler steps and CFG are diffusers', see
+imagegen/flow.py). The pipeline renders with guidance only above 1; here any guidance other than 1 runs CFG.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from PIL import Image
@@ -26,7 +32,7 @@ from PIL import Image
 from atelier_studio.data.textfile import read_json, read_lines
 from atelier_studio.imagegen.flow import FlowArgs, euler_sample
 from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text, check_dir_path, ensure_dir
-from atelier_studio.pipeline.errors import DataError, ModelLoadError
+from atelier_studio.pipeline.errors import DataError, ModelLoadError, UsageError
 
 RUN_META = "imagegen.json"
 
@@ -51,82 +57,162 @@ def make_grid(images: Sequence[Image.Image], columns: int, pad: int = 2) -> Imag
 
 
 @torch.no_grad()
-def sample_images(model, text_encoder, autoencoder, captions: Sequence[str], resolution: int | tuple[int, int],
-                  steps: int = 28, guidance: float = 4.0, seed: int = 0, flow: FlowArgs | None = None,
-                  batch_size: int = 16, autocast_dtype: torch.dtype | None = None) -> list[Image.Image]:
-    """Captions -> PIL images of `resolution` (side, or (H, W)) pixels.
-
-    `text_encoder` has `encode(list[str]) -> (states [B,L,D], pooled [B,D], mask)` and `empty() -> (states
-    [L,D], pooled [D])` (CFG's unconditional input). `flow` gives the sampler's shift (default FlowArgs()).
-    """
-    if not captions:
-        raise ValueError("sample_images: no captions")
-    flow = flow or FlowArgs()
-    H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
-    f, C, p = autoencoder.downsample_factor, model.args.in_channels, model.args.patch_size
-    if H % (f * p) or W % (f * p):
-        raise ValueError(f"sample_images: resolution {H}x{W} must be a multiple of autoencoder factor {f} x patch {p}")
+def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tuple[int, int], steps: int,
+                   guidance: float, seed: int, flow: FlowArgs, batch_size: int,
+                   autocast_dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
+    """Latents x0 [b, C, h, w] (fp32, on the model's device) for consecutive chunks of `captions`."""
+    h, w = latent_hw
+    C, p = model.args.in_channels, model.args.patch_size
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    noise_all = torch.randn(len(captions), C, H // f, W // f, generator=gen)  # [B, C, h, w], CPU: device independent
-    image_seq_len = (H // f // p) * (W // f // p)
-    neg_states, neg_pooled = text_encoder.empty()  # [L, D], [D]
+    noise_all = torch.randn(len(captions), C, h, w, generator=gen)  # [B, C, h, w], CPU: device independent
+    image_seq_len = (h // p) * (w // p)
+    neg_states, neg_pooled = text_encoder.negative()  # [L, D], [P]
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     was_training = model.training
     model.eval()
-    out: list[Image.Image] = []
     try:
         for i in range(0, len(captions), batch_size):
             chunk = list(captions[i:i + batch_size])
-            states, pooled, _ = text_encoder.encode(chunk)  # [b, L, D], [b, D]
+            states, pooled, _ = text_encoder.encode(chunk)  # [b, L, D], [b, P]
             b = len(chunk)
             with amp:
                 x0 = euler_sample(model, noise_all[i:i + b].to(device), states.to(device).float(),
                                   pooled.to(device).float(), neg_states.to(device).float().expand(b, -1, -1),
                                   neg_pooled.to(device).float().expand(b, -1), num_steps=steps,
                                   guidance_scale=guidance, shift=flow.shift, image_seq_len=image_seq_len, args=flow)
-            out += to_pil(autoencoder.decode(x0.float()))
+            yield x0.float()
     finally:
         model.train(was_training)
+
+
+def _latent_hw(model, autoencoder, resolution: int | tuple[int, int], who: str) -> tuple[int, int]:
+    H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
+    f, p = autoencoder.downsample_factor, model.args.patch_size
+    if H % (f * p) or W % (f * p):
+        raise ValueError(f"{who}: resolution {H}x{W} must be a multiple of autoencoder factor {f} x patch {p}")
+    return H // f, W // f
+
+
+@torch.no_grad()
+def sample_latents(model, text_encoder, autoencoder, captions: Sequence[str], resolution: int | tuple[int, int],
+                   steps: int = 28, guidance: float = 4.0, seed: int = 0, flow: FlowArgs | None = None,
+                   batch_size: int = 16, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Captions -> the sampled model latents [B, C, h, w] (fp32, CPU) before decoding (`sample_images`' arguments;
+    what StableDiffusion3Pipeline returns with output_type="latent")."""
+    if not captions:
+        raise ValueError("sample_latents: no captions")
+    hw = _latent_hw(model, autoencoder, resolution, "sample_latents")
+    return torch.cat([x.cpu() for x in _sample_chunks(model, text_encoder, captions, hw, steps, guidance, seed,
+                                                      flow or FlowArgs(), batch_size, autocast_dtype)])
+
+
+@torch.no_grad()
+def sample_images(model, text_encoder, autoencoder, captions: Sequence[str], resolution: int | tuple[int, int],
+                  steps: int = 28, guidance: float = 4.0, seed: int = 0, flow: FlowArgs | None = None,
+                  batch_size: int = 16, autocast_dtype: torch.dtype | None = None) -> list[Image.Image]:
+    """Captions -> PIL images of `resolution` (side, or (H, W)) pixels.
+
+    `text_encoder` has `encode(list[str]) -> (states [B,L,D], pooled [B,P], mask)` and `negative() -> (states
+    [L,D], pooled [P])` (CFG's unconditional input). `flow` gives the sampler's shift (default FlowArgs()).
+    """
+    if not captions:
+        raise ValueError("sample_images: no captions")
+    hw = _latent_hw(model, autoencoder, resolution, "sample_images")
+    out: list[Image.Image] = []
+    for x0 in _sample_chunks(model, text_encoder, captions, hw, steps, guidance, seed, flow or FlowArgs(),
+                             batch_size, autocast_dtype):
+        out += to_pil(autoencoder.decode(x0))
     return out
+
+
+def run_meta(cfg) -> dict:
+    """The sampling settings of a run (imagegen.json): everything sampling needs except the weights, with every
+    path absolute (a run directory can be sampled from anywhere)."""
+    from atelier_studio.imagegen.autoencoder import resolve_autoencoder_spec
+    from atelier_studio.imagegen.text import default_text_encoder_path, text_encoder_dir
+
+    spec = resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)
+    if not (spec == "pixel" or spec.startswith("pixel:")):
+        spec = str(Path(spec).resolve())
+    text = dataclasses.asdict(cfg.text)
+    encoder = text_encoder_dir(cfg.text, cfg.model.path)
+    text["encoder"] = str(Path(encoder).resolve()) if encoder else str(default_text_encoder_path())
+    return {"autoencoder": spec, "text": text, "resolution": cfg.data.resolution,
+            "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
 
 
 def write_run_meta(out_dir: Path, cfg) -> Path:
     """imagegen.json beside transformer/ and ema/: everything sampling needs except the weights."""
-    t = cfg.text
-    from atelier_studio.imagegen.text import default_text_encoder_path
-
-    meta = {"autoencoder": cfg.autoencoder.spec,
-            "text": {"encoder": str(Path(t.encoder).resolve()) if t.encoder else str(default_text_encoder_path()),
-                     "kind": t.kind, "max_length": t.max_length, "layer": t.layer, "pooled": t.pooled,
-                     "dtype": t.dtype},
-            "resolution": cfg.data.resolution, "flow": {k: getattr(cfg.flow, k) for k in cfg.flow.__dataclass_fields__},
-            "model_dtype": cfg.model.dtype}
-    return atomic_write_text(Path(out_dir) / RUN_META, json.dumps(meta, indent=1) + "\n", what="sampling settings")
+    return atomic_write_text(Path(out_dir) / RUN_META, json.dumps(run_meta(cfg), indent=1) + "\n",
+                             what="sampling settings")
 
 
-def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
-    """The sampling settings: from a run's config.toml if given, else imagegen.json in/next to model_dir."""
+def _find_run_meta(model_dir: Path, config_path: str | None) -> dict | None:
+    """The sampling settings: from a run's config.toml if given, else imagegen.json in/next to model_dir, else None."""
     if config_path:
         from atelier_studio.imagegen.config import ImagegenConfig
         from atelier_studio.pipeline.config import load_config
 
-        cfg = load_config(ImagegenConfig, config_path)
-        return {"autoencoder": cfg.autoencoder.spec, "text": dataclasses.asdict(cfg.text),
-                "resolution": cfg.data.resolution, "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
+        return run_meta(load_config(ImagegenConfig, config_path))
     for candidate in (model_dir / RUN_META, model_dir.parent / RUN_META):
         if candidate.is_file():
             return read_json(candidate, ModelLoadError)
-    raise FileNotFoundError(f"no {RUN_META} in {model_dir} or {model_dir.parent}: pass --config with the run's "
-                            f"config.toml (sampling needs the autoencoder and text encoder settings)")
+    return None
+
+
+def _read_run_meta(model_dir: Path, config_path: str | None) -> dict:
+    meta = _find_run_meta(model_dir, config_path)
+    if meta is None:
+        raise FileNotFoundError(f"no {RUN_META} in {model_dir} or {model_dir.parent}: pass --config with the run's "
+                                f"config.toml (sampling needs the autoencoder and text encoder settings)")
+    return meta
+
+
+def text_encoder_from_meta(text: dict, device: torch.device, pipeline_dir: Path | None = None):
+    """The text encoder of imagegen.json's "text" settings; `pipeline_dir` replaces an SD3 run's encoder path (the
+    pipeline being sampled holds the same encoders)."""
+    from atelier_studio.imagegen.text import TextEncoder
+
+    dtype = getattr(torch, text.get("dtype", "float32"))
+    if text["kind"] == "sd3":
+        from atelier_studio.imagegen.sd3_text import SD3TextEncoders
+
+        return SD3TextEncoders(pipeline_dir or text["encoder"], text["max_sequence_length"], text["clip_skip"],
+                               text["use_t5"], device, dtype)
+    return TextEncoder(text["encoder"] or None, text["kind"], text["max_length"], text["layer"], text["pooled"],
+                       device, dtype)
+
+
+def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.device):
+    """(text encoder, autoencoder, flow, resolution, model_dtype) for sampling an SD3 pipeline directory: its parts
+    and scheduler; a run's imagegen.json (when one is next to it) gives the text settings and the resolution."""
+    from atelier_studio.imagegen.autoencoder import SD3VAE
+    from atelier_studio.imagegen.sd3_dir import default_resolution, has_part, read_model_index, scheduler_flow
+    from atelier_studio.imagegen.sd3_text import SD3TextEncoders
+
+    index = read_model_index(pipeline_dir)
+    flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})  # the cheap checks first
+    resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
+    if meta is not None and meta.get("text", {}).get("kind") == "sd3":
+        text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
+    else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
+        text = SD3TextEncoders(pipeline_dir, use_t5=has_part(index, "text_encoder_3"), device=device)
+    autoencoder = SD3VAE.from_dir(pipeline_dir)
+    return text, autoencoder, flow, resolution, (meta or {}).get("model_dtype", "float32")
 
 
 def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: int = 28, guidance: float = 4.0,
-                  seed: int = 0, config_path: str | None = None, batch_size: int = 16) -> list[Path]:
-    """`atelier imagegen sample`: one PNG per caption line, grid.png, and index.jsonl {caption, image}."""
+                  seed: int = 0, config_path: str | None = None, batch_size: int = 16,
+                  resolution: int = 0) -> list[Path]:
+    """`atelier imagegen sample`: one PNG per caption line, grid.png, and index.jsonl {caption, image}.
+
+    `model_dir`: a run's transformer/ or ema/ (settings from imagegen.json or `config_path`), or an SD3 pipeline
+    directory (module docstring). `resolution` (pixels, square) overrides the run's or the pipeline's default.
+    """
     from atelier_studio.imagegen.autoencoder import load_autoencoder
     from atelier_studio.imagegen.hf import load_pretrained
-    from atelier_studio.imagegen.text import TextEncoder
+    from atelier_studio.imagegen.sd3_dir import is_pipeline_dir
 
     model_dir, captions_file, out_dir = Path(model_dir), Path(captions_file), Path(out_dir)
     if not captions_file.is_file():
@@ -134,17 +220,23 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     captions = [line.strip() for line in read_lines(captions_file) if line.strip()]  # non-UTF-8: file:line
     if not captions:
         raise DataError(f"{captions_file}: no captions (one per line)")
+    if resolution < 0:
+        raise UsageError(f"--resolution: must be a positive pixel size (0 = the model's default), got {resolution}")
     check_dir_path(out_dir, "--out")
-    meta = _read_run_meta(model_dir, config_path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if is_pipeline_dir(model_dir):
+        text, autoencoder, flow, default, model_dtype = _pipeline_settings(
+            model_dir, _find_run_meta(model_dir, config_path), device)
+    else:
+        meta = _read_run_meta(model_dir, config_path)
+        text = text_encoder_from_meta(meta["text"], device)
+        autoencoder = load_autoencoder(meta["autoencoder"])
+        flow, default, model_dtype = FlowArgs(**meta.get("flow", {})), meta["resolution"], meta.get("model_dtype")
     model = load_pretrained(model_dir, dtype=torch.float32, device=device)
-    t = meta["text"]
-    text = TextEncoder(t["encoder"] or None, t["kind"], t["max_length"], t["layer"], t["pooled"], device,
-                       getattr(torch, t.get("dtype", "float32")))
-    autoencoder = load_autoencoder(meta["autoencoder"]).to(device)
-    amp = torch.bfloat16 if meta.get("model_dtype") == "bfloat16" and device.type == "cuda" else None
-    images = sample_images(model, text, autoencoder, captions, meta["resolution"], steps, guidance, seed,
-                           FlowArgs(**meta.get("flow", {})), batch_size, amp)
+    autoencoder = autoencoder.to(device)
+    amp = torch.bfloat16 if model_dtype == "bfloat16" and device.type == "cuda" else None
+    images = sample_images(model, text, autoencoder, captions, resolution or default, steps, guidance, seed, flow,
+                           batch_size, amp)
     ensure_dir(out_dir, "--out")
     paths = []
     for i, im in enumerate(images):
@@ -159,4 +251,5 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     return paths
 
 
-__all__ = ["sample_images", "sample_to_dir", "make_grid", "to_pil", "write_run_meta", "RUN_META"]
+__all__ = ["sample_images", "sample_latents", "sample_to_dir", "make_grid", "to_pil", "write_run_meta", "run_meta",
+           "text_encoder_from_meta", "RUN_META"]

@@ -1,17 +1,30 @@
 """The imagegen task on the shared engine: rectified flow on cached latents, one aspect bucket per batch.
 
 Shape legend: B images, C latent channels, h/w latent size, p MMDiT patch, N = (h/p)(w/p) image tokens,
-L text tokens (fixed: every caption is padded to text.max_length), D text hidden size.
+L text tokens (fixed: every caption is padded to the same length), D text width, P pooled width.
 
 Per micro-batch (conventions in imagegen/flow.py): t from `flow.sample_timesteps` (logit-normal, shifted;
 the image token count feeds the dynamic shift), noise ~ N(0, I), x_t = (1 - t) x0 + t noise, the model
 predicts v = noise - x0 at timestep t * 1000, and the loss is the per-image `flow_loss` summed (the
-trainer divides by the number of images of the optimizer step). Caption dropout replaces a caption's
-cached states by the empty caption's with probability text.caption_dropout (for CFG at sampling).
-These draws come from a generator seeded by (train.seed, global batch number), made for the whole GLOBAL
-micro-batch (world_size x micro_batch images, data/buckets.py) and sliced to this rank's rows: so any
-number of processes draws what one process with the same global batch draws, and resume is exact
-without any RNG state.
+trainer divides by the number of images of the optimizer step). Caption dropout (for CFG at sampling,
+imagegen/caption_dropout.py) replaces a caption's cached states and pooled vector, or each encoder's part of
+them, by the empty caption's (or zeros) with probability text.caption_dropout.
+
+Data (data/latent_stream.py): the training latents stream from the shards with bounded memory, as
+data.streams logical streams (default: one per process); global micro-batch k is one chunk of one bucket
+from every stream, and a rank runs the chunks of the streams it holds (one, unless it holds several, as
+one process replaying a multi-process run does: then each chunk is a micro-batch of the step). A chunk's
+draws (timesteps, noise, caption dropout) come from a generator seeded by (train.seed, k, stream), so any
+number of processes with the same data.streams and global batch draws the same, and resume is exact without
+any RNG state. The eval set is small and held in memory (at most data.max_eval_images).
+
+Text: one encoder (its hidden size is both joint_attention_dim and pooled_projection_dim) or SD3's three
+(`text.kind = "sd3"`: states of T5's width, pooled of the two CLIP projections; 4096 and 2048 for the released
+models). With `text.kind = "sd3"` the export also writes `pipeline/`: the SD3 pipeline the encoders came from
+with the trained transformer (EMA weights when EMA is on) in it, so `StableDiffusion3Pipeline.from_pretrained`
+renders what `atelier imagegen sample` renders (imagegen/export.py). After the data is read, the only captions the
+task encodes are the sample grid's fixed prompts: they are encoded once (`text.EncodedPrompts`) and the text
+encoders are freed, so T5-XXL does not hold GPU memory through the run.
 
 Several processes (torchrun, `dist.enabled`): the MMDiT is wrapped by `pipeline.distributed.parallelize`
 (activation checkpointing -> compile -> FSDP2, one unit per joint block) and, with
@@ -40,6 +53,7 @@ plus the same for the EMA weights, plus the training loss by bin accumulated sin
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -47,21 +61,26 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from atelier_studio.data.buckets import BucketSampler, LatentDataset, Slot, rank_rows
-from atelier_studio.data.shards import read_index
-from atelier_studio.data.textfile import read_lines
-from atelier_studio.imagegen.autoencoder import load_autoencoder
-from atelier_studio.imagegen.cache import cache_split
+from atelier_studio.data.buckets import LatentDataset, rank_rows
+from atelier_studio.data.latent_stream import LatentStream, StreamConfig, first_sample
+from atelier_studio.data.shards import read_index, read_latent_shards
+from atelier_studio.data.textfile import read_json, read_lines
+from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolve_autoencoder_spec
+from atelier_studio.imagegen.cache import CACHE_META, cache_split
+from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
+from atelier_studio.imagegen.hf import build_model, load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
+from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
-from atelier_studio.imagegen.text import load_text_encoder
+from atelier_studio.imagegen.sd3_dir import scheduler_config
+from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, is_sharded, materialize_, parallelize
+from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
+                                                 materialize_, parallelize)
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.progress import log
 
@@ -80,7 +99,8 @@ class ImageBatch:
     text_states: torch.Tensor  # [B, L, D]
     pooled: torch.Tensor  # [B, D]
     bucket: tuple[int, int]  # pixels (H, W)
-    slot: Slot | None = None  # place in the global micro-batch (training batches): keys the random draws
+    # training batches: (global micro-batch number, data stream) of the chunk it is; keys the random draws
+    chunk: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -91,9 +111,10 @@ def _bin_names() -> list[str]:
     return [f"loss_t{round(100 * k / NUM_BINS):02d}" for k in range(NUM_BINS)]
 
 
-def draw_seed(seed: int, ordinal: int) -> int:
-    """The seed of global micro-batch `ordinal`'s draws: (seed, ordinal) mixed by numpy's SeedSequence."""
-    return int(np.random.SeedSequence([seed, ordinal]).generate_state(1, dtype=np.uint64)[0])
+def draw_seed(seed: int, ordinal: int, stream: int) -> int:
+    """The seed of the draws of stream `stream`'s chunk of global micro-batch `ordinal`: (seed, ordinal, stream)
+    mixed by numpy's SeedSequence."""
+    return int(np.random.SeedSequence([seed, ordinal, stream]).generate_state(1, dtype=np.uint64)[0])
 
 
 class ImagegenTask:
@@ -114,32 +135,44 @@ class ImagegenTask:
         self._gen = torch.Generator(device=device)  # re-seeded per global micro-batch
         self._step = 0  # optimizer steps done (after_optimizer_step / the checkpoint)
         self._ema_export: dict[str, torch.Tensor] | None = None  # gathered at the last step's evaluation
-        self.autoencoder = load_autoencoder(cfg.autoencoder.spec).to(device)
-        self.text = load_text_encoder(cfg.text, device)
+        self.autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
+        self.text = load_text_encoder(cfg.text, device, cfg.model.path)
         self._check_dims()
-        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [D]
+        if cfg.text.kind == "sd3" and not self._exports_pipeline():
+            log(f"imagegen: autoencoder.spec {cfg.autoencoder.spec!r} is not a diffusers VAE: the run exports "
+                f"transformer/ but no pipeline/ directory")
+        if self._exports_pipeline():  # the export copies the base's scheduler: a bad one is named now, not at the end
+            scheduler_config(text_encoder_dir(cfg.text, cfg.model.path))
+        self.empty_states, self.empty_pooled = (x.float() for x in self.text.empty())  # [L, D], [P]
 
         out = Path(cfg.output.dir)
-        self.train_set = LatentDataset(self._latents(cfg.data.shards, out / "cache" / "train"),
-                                       max_bad_fraction=cfg.data.max_bad_fraction)
-        self._check_latents(self.train_set, cfg.data.shards)
-        self.sampler = BucketSampler(self.train_set.bucket_ids, cfg.train.micro_batch, cfg.train.seed, rank,
-                                     world_size)
+        d = cfg.data
+        self.train_source = self._latents(d.shards, out / "cache" / "train")
+        self.stream = LatentStream(self.train_source, StreamConfig(
+            cfg.train.micro_batch, rank, world_size, streams=d.streams, shuffle_buffer=d.shuffle_buffer,
+            seed=cfg.train.seed, workers=d.loader_workers, max_bad_fraction=d.max_bad_fraction,
+            pin_memory=device.type == "cuda"))
+        first = first_sample(self.stream.shards)
+        self._check_latents(first["shapes"], first["key"], first["shard"],
+                            list(self.stream.shards.buckets or [first["bucket"]]), d.shards)
         self.eval_set = None
-        if cfg.data.eval_shards:
-            self.eval_set = LatentDataset(self._latents(cfg.data.eval_shards, out / "cache" / "eval"),
-                                          max_bad_fraction=cfg.data.max_bad_fraction)
-            self._check_latents(self.eval_set, cfg.data.eval_shards)
+        if d.eval_shards:  # held out and small: kept in memory, at most max_eval_images of it
+            self.eval_set = LatentDataset(self._latents(d.eval_shards, out / "cache" / "eval"),
+                                          max_bad_fraction=d.max_bad_fraction, limit=d.max_eval_images)
+            s = self.eval_set[0]
+            self._check_latents({n: tuple(s[n].shape) for n in ("latent", "text_states", "pooled")}, s["key"],
+                                s["shard"], self.eval_set.buckets, d.eval_shards)
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
+        # the only captions encoded from here on are the sample grid's: encode them now and let the encoders go
+        self.text = EncodedPrompts(self.text, self.prompts)
         # training loss by timestep bin, accumulated on the device (no sync) and read at evaluation
         self._bin_sum = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         self._bin_count = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         n = sum(p.numel() for p in self.model.parameters())
-        log(f"imagegen: {n / 1e6:.3f}M parameters, {cfg.model.dtype} on {device}; {len(self.train_set)} train "
-            f"images in {len(self.train_set.buckets)} buckets, {self.sampler.batches_per_epoch} batches/epoch; "
-            f"EMA {cfg.ema.decay if self.ema else 'off'}")
+        log(f"imagegen: {n / 1e6:.3f}M parameters, {cfg.model.dtype} on {device}; train data: "
+            f"{self.stream.describe()}; EMA {cfg.ema.decay if self.ema else 'off'}")
 
     # ------------------------------------------------------------------ model
 
@@ -161,7 +194,8 @@ class ImagegenTask:
             param_dtype = torch.bfloat16 if self.autocast else torch.float32
         else:
             param_dtype = getattr(torch, choice)
-        return parallelize(model, list(model.transformer_blocks), self.dist, self.cfg.train.distributed, param_dtype)
+        return parallelize(model, family_of_args(model.args).blocks(model), self.dist, self.cfg.train.distributed,
+                           param_dtype)
 
     def _build_sharded(self) -> MMDiT:
         """Meta model -> wrap -> each rank reads only its rows of every tensor from the safetensors files."""
@@ -170,7 +204,7 @@ class ImagegenTask:
         model_dir = resolve_dir(self.cfg.model.path)
         where = weight_map(model_dir, read_args(model_dir))
         with torch.device("meta"):
-            model = MMDiT(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
+            model = build_model(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
         self._wrap(model)
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -181,33 +215,59 @@ class ImagegenTask:
     # ------------------------------------------------------------------ setup checks
 
     def _check_dims(self) -> None:
-        a, d = self.model.args, self.text.hidden_size
-        if a.joint_attention_dim != d or a.pooled_projection_dim != d:
+        a, d, p = self.model.args, self.text.states_width, self.text.pooled_width
+        if a.joint_attention_dim != d or a.pooled_projection_dim != p:
+            what = (f"hidden size {d}" if d == p else
+                    f"states {d} wide and a pooled vector of {p} ({self.cfg.text.kind} encoders)")
             raise ConfigError(
-                f"text.encoder {self.text.path} has hidden size {d}, but the MMDiT at model.path {self.cfg.model.path} "
+                f"text.encoder {self.text.path} gives {what}, but the MMDiT at model.path {self.cfg.model.path} "
                 f"has joint_attention_dim {a.joint_attention_dim} and pooled_projection_dim "
-                f"{a.pooled_projection_dim}; both must equal {d} (re-init with "
-                f"joint_attention_dim={d}, pooled_projection_dim={d})")
+                f"{a.pooled_projection_dim}; they must be {d} and {p} (re-init with "
+                f"joint_attention_dim={d}, pooled_projection_dim={p})")
         if a.in_channels != self.autoencoder.latent_channels:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
 
-    def _check_latents(self, ds: LatentDataset, source: str) -> None:
-        s = ds[0]
+    def _check_cache_meta(self, source: str) -> None:
+        """Latents cached with other text or VAE settings than this config's (same shapes, other numbers: a
+        clip_skip, a T5-less cache, another VAE scaling) are named, with the key, instead of trained on."""
+        meta_path = Path(source) / CACHE_META
+        if not meta_path.is_file():  # image shards (encoded here, with this config), or a cache from elsewhere
+            return
+        meta = read_json(meta_path, ConfigError)
+        now = {**self.text.settings(), "scaling_factor": self.autoencoder.scaling_factor,
+               "shift_factor": self.autoencoder.shift_factor}
+        keys = {"text_kind": "text.kind", "max_sequence_length": "text.max_sequence_length",
+                "clip_skip": "text.clip_skip", "use_t5": "text.use_t5", "max_length": "text.max_length",
+                "layer": "text.layer", "pooled": "text.pooled",
+                "scaling_factor": "autoencoder.spec (its scaling_factor)",
+                "shift_factor": "autoencoder.spec (its shift_factor)"}
+        for k, key in keys.items():
+            if k in meta and k in now and meta[k] != now[k]:
+                raise ConfigError(f"{meta_path}: the latents were cached with {k} {meta[k]!r}, but {key} gives "
+                                  f"{now[k]!r}; re-run `atelier imagegen cache` with this config")
+
+    def _check_latents(self, shapes: dict[str, tuple[int, ...]], key: str, shard: str,
+                       buckets: list[tuple[int, int]], source: str) -> None:
+        """A sample's tensor shapes (and the set's buckets and cache settings) against the model and the text config."""
+        self._check_cache_meta(source)
         a = self.model.args
-        checks = [("latent channels", s["latent"].shape[0], a.in_channels, "MMDiT in_channels"),
-                  ("text_states width", s["text_states"].shape[1], a.joint_attention_dim, "joint_attention_dim"),
-                  ("pooled width", s["pooled"].shape[0], a.pooled_projection_dim, "pooled_projection_dim"),
-                  ("text tokens", s["text_states"].shape[0], self.text.max_length, "text.max_length")]
+        checks = [("latent channels", shapes["latent"][0], a.in_channels, "MMDiT in_channels"),
+                  ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
+                  ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
+                  ("text tokens", shapes["text_states"][0], self.text.num_tokens,
+                   "text.max_sequence_length + 77" if self.cfg.text.kind == "sd3" else "text.max_length")]
         for what, got, want, of in checks:
             if got != want:
-                raise ConfigError(f"{source} (key {s['key']} in {s['shard']}): {what} is {got}, but {of} is {want}; "
+                raise ConfigError(f"{source} (key {key} in {shard}): {what} is {got}, but {of} is {want}; "
                                   f"re-run `atelier imagegen cache` with this config")
-        p = a.patch_size
-        bad = [b for b in ds.buckets
-               if (b[0] // self.autoencoder.downsample_factor) % p or (b[1] // self.autoencoder.downsample_factor) % p]
+        bad = [b for b in buckets if not self._tiles(b)]
         if bad:
-            raise ConfigError(f"{source}: buckets {bad} do not tile into MMDiT patches of {p}")
+            raise ConfigError(f"{source}: buckets {bad} do not tile into MMDiT patches of {a.patch_size}")
+
+    def _tiles(self, bucket: tuple[int, int]) -> bool:
+        f, p = self.autoencoder.downsample_factor, self.model.args.patch_size
+        return (bucket[0] // f) % p == 0 and (bucket[1] // f) % p == 0
 
     def _latents(self, source: str, cache_dir: Path) -> str:
         """Latent shards as given; image shards are encoded once into cache_dir (small runs) and read from there."""
@@ -235,19 +295,31 @@ class ImagegenTask:
             if not lines:
                 raise ConfigError(f"sample.prompts_file: {path} has no prompts")
             return lines
-        ds = self.eval_set or self.train_set  # default: the first captions of the held-out set
-        return [ds[i]["caption"] for i in range(min(2 * s.columns, len(ds)))]
+        if self.eval_set is not None:  # default: the first captions of the held-out set (else the training set)
+            return [self.eval_set[i]["caption"] for i in range(min(2 * s.columns, len(self.eval_set)))]
+        return [x["caption"] for x in itertools.islice(read_latent_shards(self.train_source), 2 * s.columns)]
 
     # ------------------------------------------------------------------ data
 
-    def _to_device(self, b: dict, slot: Slot | None = None) -> ImageBatch:
+    def _to_device(self, b: dict, chunk: tuple[int, int] | None = None) -> ImageBatch:
         d = self.device
         return ImageBatch(b["latent"].to(d, non_blocking=True).float(),
                           b["text_states"].to(d, non_blocking=True).float(),
-                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), slot)
+                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), chunk)
+
+    @property
+    def pieces_per_micro_batch(self) -> int:
+        """Items of `train_batches` per micro-batch: one chunk per data stream this rank holds (data.streams /
+        processes, 1 by default); each runs its own forward and backward, as gradient accumulation does."""
+        return self.stream.chunks_per_micro_batch
 
     def train_batches(self) -> Iterator[ImageBatch]:
-        return (self._to_device(self.train_set.batch(idx), slot) for idx, slot in self.sampler.iter_slots())
+        for chunks in self.stream.chunks():
+            for c in chunks:
+                if not self._tiles(c["bucket"]):
+                    raise ConfigError(f"{self.cfg.data.shards}: bucket {list(c['bucket'])} (key {c['keys'][0]}) does "
+                                      f"not tile into MMDiT patches of {self.model.args.patch_size}")
+                yield self._to_device(c, (c["ordinal"], c["stream"]))
 
     # ------------------------------------------------------------------ the step
 
@@ -262,7 +334,8 @@ class ImagegenTask:
         return (b.latent.shape[2] // p) * (b.latent.shape[3] // p)
 
     def batch_flops(self, b: ImageBatch) -> int:
-        return self.model.train_flops(b.size, self._image_tokens(b), b.text_states.shape[1])
+        return family_of_args(self.model.args).train_flops(self.model, b.size, self._image_tokens(b),
+                                                           b.text_states.shape[1])
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
@@ -276,25 +349,30 @@ class ImagegenTask:
         return flow_loss(pred, b.latent, noise, t, self.flow)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(t [B], noise [B, C, h, w], caption-drop mask [B] or None): the global micro-batch's draws, this
-        rank's rows. G = the global batch size; drawing all G on every rank is cheap next to the step."""
-        if b.slot is None:
-            raise ValueError("ImagegenTask.loss_sum: a training batch needs its sampler slot (train_batches)")
-        G, rows = b.slot.size, slice(b.slot.offset, b.slot.offset + b.size)
-        g = self._gen.manual_seed(draw_seed(self.cfg.train.seed, b.slot.ordinal))
-        t = sample_timesteps(G, g, self.flow, self._image_tokens(b), self.device)[rows]  # [B]
-        noise = torch.randn((G, *b.latent.shape[1:]), generator=g, device=self.device)[rows]  # [B, C, h, w]
+        """(t [B], noise [B, C, h, w], caption-drop mask [B, K] or None) of a training chunk, from a generator
+        seeded by (train.seed, global micro-batch, stream): the same on any number of processes. K = the text
+        encoders (one draw per image, or per image and encoder with caption_dropout_encoders "independent")."""
+        if b.chunk is None:
+            raise ValueError("ImagegenTask.loss_sum: a training batch needs its chunk (train_batches)")
+        B = b.size
+        g = self._gen.manual_seed(draw_seed(self.cfg.train.seed, *b.chunk))
+        t = sample_timesteps(B, g, self.flow, self._image_tokens(b), self.device)  # [B]
+        noise = torch.randn((B, *b.latent.shape[1:]), generator=g, device=self.device)  # [B, C, h, w]
         drop = None
-        if self.cfg.text.caption_dropout > 0:
-            drop = (torch.rand(G, generator=g, device=self.device) < self.cfg.text.caption_dropout)[rows]  # [B]
+        tc, K = self.cfg.text, len(self.text.parts)
+        if tc.caption_dropout > 0:
+            shape = (B,) if tc.caption_dropout_encoders == "joint" else (B, K)
+            uniform = torch.rand(shape, generator=g, device=self.device)  # [B] or [B, K]
+            drop = drop_mask(uniform, tc.caption_dropout, tc.caption_dropout_encoders, K)  # [B, K]
         return t, noise, drop
 
     def loss_sum(self, b: ImageBatch) -> torch.Tensor:
         t, noise, drop = self._draws(b)
         states, pooled = b.text_states, b.pooled
         if drop is not None:
-            states = torch.where(drop[:, None, None], self.empty_states, states)  # [B, L, D]
-            pooled = torch.where(drop[:, None], self.empty_pooled, pooled)  # [B, D]
+            empty = self.cfg.text.caption_dropout_fill == "empty"
+            states, pooled = drop_captions(states, pooled, drop, self.text.parts,  # [B, L, D], [B, P]
+                                           self.empty_states if empty else None, self.empty_pooled if empty else None)
         losses = self._losses(b, t, noise, states, pooled)  # [B]
         bins = (t.detach() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
         self._bin_sum.index_add_(0, bins, losses.detach().double())
@@ -400,20 +478,28 @@ class ImagegenTask:
 
     # ------------------------------------------------------------------ state and export
 
+    def _exports_pipeline(self) -> bool:
+        """A pipeline/ export needs SD3's encoders and a diffusers VAE (a pixel codec has no pipeline form)."""
+        return self.cfg.text.kind == "sd3" and isinstance(self.autoencoder, SD3VAE)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.ema.state_tensors() if self.ema is not None else {}
 
     def state_meta(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "step": self._step}
+        """The step and every stream's data position (gathered from the ranks: every rank calls this on a save)."""
+        states = all_gather_objects(self.dist, self.stream.state_dict())
+        return {"sampler": LatentStream.merge_states(states), "step": self._step}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(meta["sampler"])
+        self.stream.load_state_dict(meta["sampler"])
         self._step = int(meta.get("step", 0))
         if self.ema is not None:
             self.ema.load_state_tensors(tensors)
 
     def export(self, out_dir: Path) -> dict[str, Path]:
-        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`.
+        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`; with SD3's
+        encoders also pipeline/, a StableDiffusion3Pipeline directory holding the EMA weights (EMA on) or the
+        trained ones, the VAE the latents came from and the scheduler set to this run's flow settings.
 
         Under FSDP the trainer calls it on rank 0 only, with the model's weights consolidated; the EMA's full
         copy was gathered on every rank at the last step's evaluation (a rank-0-only gather would hang).
@@ -421,6 +507,7 @@ class ImagegenTask:
         out_dir = Path(out_dir)
         dtype = torch.bfloat16 if self.autocast else torch.float32
         paths = {"transformer": save_pretrained(self.model, out_dir / "transformer", dtype=dtype)}
+        ema = None
         if self.ema is not None:
             if self.dist.enabled:
                 if self._ema_export is None:
@@ -430,6 +517,13 @@ class ImagegenTask:
             else:
                 ema = self.ema.full_state(self.dist)
             paths["ema"] = save_pretrained(self.model, out_dir / "ema", dtype=dtype, weights=ema)
+        if self._exports_pipeline():
+            from atelier_studio.imagegen.export import export_pipeline
+
+            weights = paths["ema"] if ema is not None else paths["transformer"]
+            paths["pipeline"] = export_pipeline(
+                text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=weights,
+                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow)
         paths["meta"] = write_run_meta(out_dir, self.cfg)
         return paths
 

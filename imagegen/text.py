@@ -2,7 +2,9 @@
 
 Shape legend: B captions, L = max_length tokens, D the encoder's hidden size, P pooled size (= D here).
 
-Two kinds, both loaded through transformers' `AutoModel` from a local directory (never the hub):
+Three kinds. "sd3" is the CLIP-L + CLIP-G + T5 trio of a diffusers SD3 pipeline directory (imagegen/sd3_text.py,
+states [B, 77 + T, 4096] and pooled [B, 2048] for the released models); `load_text_encoder` builds either. The
+other two are one model each, loaded through transformers' `AutoModel` from a local directory (never the hub):
 - "encoder": BERT / T5-encoder / CLIP-text; the states are the last hidden state.
 - "causal-lm": a decoder LM (the designer's Qwen3 architecture); the states are `hidden_states[layer]`
   (0 = embeddings, -1 = the last layer after the final norm; -2 = penultimate, SD3's choice for CLIP).
@@ -22,6 +24,7 @@ unconditional branch) is encoded once and cached.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +38,18 @@ POOLINGS = ("mean", "last", "cls")
 
 class TextEncoderError(AtelierError, ValueError):
     """The text encoder directory or its settings cannot be used; the message names the path or field."""
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """One encoder's share of the text input: states[rows, cols] and pooled[pooled_cols] (None: no pooled part).
+
+    Caption dropout drops the parts independently when asked to (imagegen/task.py)."""
+
+    name: str
+    rows: slice
+    cols: slice
+    pooled_cols: slice | None
 
 
 def default_text_encoder_path() -> Path:
@@ -63,7 +78,13 @@ def pool_ref(states: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor
 
 
 class TextEncoder(nn.Module):
-    """A frozen HF text model. `encode(captions)` -> (states [B,L,D], pooled [B,D], mask [B,L] int64)."""
+    """A frozen HF text model. `encode(captions)` -> (states [B,L,D], pooled [B,D], mask [B,L] int64).
+
+    The attributes the trainer reads of any text encoder (this one and imagegen/sd3_text.SD3TextEncoders):
+    `num_tokens` (L), `states_width` (D: the MMDiT's joint_attention_dim), `pooled_width` (P: its
+    pooled_projection_dim), `parts` (which states / pooled entries each encoder produced: one part here),
+    `empty()` (caption dropout's input) and `negative()` (CFG's unconditional input; the same here).
+    """
 
     def __init__(self, path: str | Path | None = None, kind: str = "encoder", max_length: int = 32, layer: int = -1,
                  pooled: str = "mean", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -97,12 +118,17 @@ class TextEncoder(nn.Module):
             raise TextEncoderError(f"text.layer={layer}: {self.path} has {n_layers} layers "
                                    f"(hidden_states has {n_layers + 1} entries)")
         self.hidden_size = int(getattr(model.config, "hidden_size", 0) or getattr(model.config, "d_model"))
+        self.num_tokens, self.states_width, self.pooled_width = max_length, self.hidden_size, self.hidden_size
+        self.parts = (TextPart(kind, slice(0, max_length), slice(0, self.hidden_size), slice(0, self.hidden_size)),)
         self.device, self.dtype = torch.device(device), dtype
+        self.truncated = 0  # captions cut at max_length so far
         self._empty: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         if not isinstance(captions, (list, tuple)) or not all(isinstance(c, str) for c in captions):
             raise TextEncoderError(f"TextEncoder.encode expects a list of strings, got {type(captions).__name__}")
+        full = self.tokenizer(list(captions), padding=False, truncation=False)["input_ids"]
+        self.truncated += sum(len(ids) > self.max_length for ids in full)
         return self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
                               return_tensors="pt")
 
@@ -127,11 +153,82 @@ class TextEncoder(nn.Module):
         states, pooled, _ = self._empty
         return states[0], pooled[0]
 
+    def negative(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """CFG's unconditional input: the empty caption, as `empty()`."""
+        return self.empty()
 
-def load_text_encoder(cfg, device: str | torch.device = "cpu") -> TextEncoder:
-    """A TextEncoder from an `imagegen.config.TextConfig`."""
-    return TextEncoder(cfg.encoder or None, cfg.kind, cfg.max_length, cfg.layer, cfg.pooled, device,
+    def report_truncation(self, where: str) -> None:
+        """One log line when captions were cut at max_length."""
+        if self.truncated:
+            from atelier_studio.pipeline.progress import log
+
+            log(f"{where}: {self.truncated} caption(s) longer than text.max_length = {self.max_length} tokens were "
+                f"truncated")
+
+    def settings(self) -> dict:
+        """What produced the states (written to cache.json)."""
+        return {"text_encoder": str(self.path.resolve()), "text_kind": self.kind, "max_length": self.max_length,
+                "layer": self.layer, "pooled": self.pooled, "hidden_size": self.hidden_size,
+                "text_tokens": self.num_tokens, "states_width": self.states_width, "pooled_width": self.pooled_width}
+
+
+class EncodedPrompts:
+    """A fixed list of captions encoded once, standing in for a text encoder where only they are ever encoded (the
+    trainer's sample grid), so the encoders' weights (T5-XXL: 9.5 GB in bf16) need not stay on the GPU for the run.
+
+    Same interface as TextEncoder: encode (of those captions only), empty, negative, num_tokens, states_width,
+    pooled_width, parts, path, kind. Everything is kept on the encoder's device, in its dtype.
+    """
+
+    def __init__(self, encoder, captions: list[str], batch_size: int = 16):
+        self.path, self.kind, self.parts = encoder.path, encoder.kind, encoder.parts
+        self.num_tokens, self.states_width, self.pooled_width = (encoder.num_tokens, encoder.states_width,
+                                                                 encoder.pooled_width)
+        self._empty, self._negative = encoder.empty(), encoder.negative()
+        self._table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        unique = list(dict.fromkeys(captions))
+        for i in range(0, len(unique), batch_size):
+            chunk = unique[i:i + batch_size]
+            states, pooled, _ = encoder.encode(chunk)
+            self._table.update({c: (states[j], pooled[j]) for j, c in enumerate(chunk)})
+
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """(states [B, L, D], pooled [B, P], None): the stored encodings (no mask is kept)."""
+        missing = [c for c in captions if c not in self._table]
+        if missing:
+            raise TextEncoderError(f"EncodedPrompts: {missing[0]!r} was not among the captions encoded at startup")
+        return (torch.stack([self._table[c][0] for c in captions]), torch.stack([self._table[c][1] for c in captions]),
+                None)
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._empty
+
+    def negative(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._negative
+
+
+def text_encoder_dir(cfg, model_path: str = "") -> str:
+    """The directory `TextConfig` points at: text.encoder, or for kind "sd3" with no encoder the pipeline at
+    model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
+    if cfg.kind == "sd3" and not cfg.encoder:
+        if not model_path:
+            raise TextEncoderError("text.kind = 'sd3' needs text.encoder or model.path to be an SD3 pipeline directory")
+        return model_path
+    return cfg.encoder
+
+
+def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
+    """The text encoder of an `imagegen.config.TextConfig`: a TextEncoder, or for kind "sd3" the three encoders
+    of the SD3 pipeline at text.encoder ("" = `model_path`, the run's model.path)."""
+    path = text_encoder_dir(cfg, model_path)
+    if cfg.kind == "sd3":
+        from atelier_studio.imagegen.sd3_text import SD3TextEncoders
+
+        return SD3TextEncoders(path, cfg.max_sequence_length, cfg.clip_skip, cfg.use_t5, device,
+                               getattr(torch, cfg.dtype))
+    return TextEncoder(path or None, cfg.kind, cfg.max_length, cfg.layer, cfg.pooled, device,
                        getattr(torch, cfg.dtype))
 
 
-__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "load_text_encoder", "pool_ref"]
+__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "load_text_encoder", "pool_ref",
+           "text_encoder_dir", "TextPart", "EncodedPrompts"]

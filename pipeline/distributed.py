@@ -139,6 +139,15 @@ def all_reduce_sum(ctx: DistContext, values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
+def all_gather_objects(ctx: DistContext, obj: object) -> list:
+    """Every rank's `obj`, in rank order, on every rank (small picklable values: data positions); [obj] alone."""
+    if not ctx.enabled:
+        return [obj]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(ctx: DistContext, obj: object) -> object:
     """Rank 0's `obj` on every rank (small picklable values only: paths, flags)."""
     if not ctx.enabled:
@@ -294,6 +303,6 @@ class consolidated:
 
 __all__ = [
     "DistContext", "DistributedError", "torchrun_env", "launched_by_torchrun", "init_distributed", "shutdown",
-    "barrier", "all_reduce_sum", "broadcast_object", "parallelize", "set_gradient_sync",
+    "barrier", "all_reduce_sum", "all_gather_objects", "broadcast_object", "parallelize", "set_gradient_sync",
     "is_sharded", "local_rows", "materialize_", "full_state_dict", "consolidated",
 ]

@@ -128,7 +128,7 @@ def compile_blocks(model: nn.Module, fullgraph: bool = False, dynamic: bool | No
     """torch.compile each block separately, in place (`nn.Module.compile`: names keep no `_orig_mod.`).
 
     dynamic=False: packed rows have one fixed shape, so one graph per block; the caller keeps every
-    input shape (and Python int, e.g. max_seqlen) fixed or each new value recompiles (PITFALLS "Recompiles").
+    input shape (and Python int, e.g. max_seqlen) fixed or each new value recompiles.
     fullgraph=True fails loudly on a graph break; leave it False where a block calls host-syncing code
     (kernels' CPU reference paths do `.tolist()`).
     """

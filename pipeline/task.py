@@ -27,7 +27,11 @@ class Task(Protocol):
     unit: str
 
     def train_batches(self) -> Iterator[Any]:
-        """An endless iterator of micro-batches, positioned by `load_state_dict`."""
+        """An endless iterator of micro-batches, positioned by `load_state_dict`.
+
+        A task may split a micro-batch into several items (each its own forward and backward, like gradient
+        accumulation) by defining `pieces_per_micro_batch`; the trainer then draws grad_accum x that many
+        items per step (default 1)."""
         ...
 
     def batch_weight(self, batch: Any) -> int:

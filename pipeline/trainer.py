@@ -345,6 +345,7 @@ class Trainer:
         model = self.task.model
         model.train()
         batches = self.task.train_batches()
+        per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
@@ -356,7 +357,7 @@ class Trainer:
                 lr = cfg.lr * lr_factor(self.step, cfg)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                micro = [next(batches) for _ in range(cfg.grad_accum)]
+                micro = [next(batches) for _ in range(per_step)]
                 weight = sum(self.task.batch_weight(b) for b in micro)
                 if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
                     weight = int(all_reduce_sum(self.dist, [weight])[0])

@@ -184,6 +184,34 @@ def failed_rewrite_of_a_shard_set(tmp: Path, w: World) -> list[str]:
     return image_set(tmp, lines=lines)
 
 
+SD3_CONFIG = ROOT / "configs" / "imagegen" / "sd3-medium.toml"
+
+
+def sd3_index(tmp: Path, scheduler: dict | None = None, **parts) -> Path:
+    """An SD3 pipeline directory's model_index.json (and scheduler config), without the models: what the checks
+    that run before anything is loaded read."""
+    index = {"_class_name": "StableDiffusion3Pipeline", **{k: ["transformers", "X"] for k in (
+        "transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+        "tokenizer_2", "tokenizer_3")}, **parts}
+    write(tmp / "pipe" / "model_index.json", json.dumps(index))
+    if scheduler is not None:
+        write(tmp / "pipe" / "scheduler" / "scheduler_config.json",
+              json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, **scheduler}))
+    return tmp / "pipe"
+
+
+def sd3_cache(tmp: Path, *sets: str) -> list[str]:
+    argv = ["imagegen", "cache", "--config", str(SD3_CONFIG), "--out", str(tmp / "latents"),
+            "--set", f"data.image_shards={tmp / 'shards'}"]
+    return argv + [a for s in sets for a in ("--set", s)]
+
+
+def sd3_sample_with_karras_sigmas(tmp: Path, w: World) -> list[str]:
+    pipe = sd3_index(tmp, scheduler={"use_karras_sigmas": True})
+    return ["imagegen", "sample", "--model", str(pipe), "--captions", str(write(tmp / "c.txt", "a red square\n")),
+            "--out", str(tmp / "samples")]
+
+
 def eval_args(tmp: Path, w: World) -> list[str]:
     write(tmp / "mmdit" / "config.json", "{}")  # only its presence is checked before the briefs are read
     write(tmp / "briefs.txt", b"a calm circle\n" + NOT_UTF8 + b"\n")
@@ -246,6 +274,9 @@ CASES = [
     Case("config-not-utf8",
          lambda t, w: designer_train(t, w, config=write(t / "bad.toml", b"[train]\nlr = 1e-3\n# " + NOT_UTF8)),
          ("{tmp}/bad.toml:3: not valid UTF-8",), absent=("run",)),
+    # the family is known only from model.path's config.json, so the names are checked when the run starts
+    Case("lora-target-not-in-the-family", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.targets=q,qkv"),
+         ("lora.targets", "['qkv'] are not Qwen3 linears", "q, k, v, o, gate, up, down"), absent=("run/checkpoints",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",
@@ -256,6 +287,24 @@ CASES = [
          lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.resolution=0",
                        "--set", f"output.dir={t / 'run'}"],
          ("data.resolution",), absent=("run",)),
+    Case("imagegen-negative-streams",
+         lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.streams=-2",
+                       "--set", f"output.dir={t / 'run'}"],
+         ("data.streams", ">= 0", "-2"), absent=("run",)),
+    Case("sd3-pipeline-without-t5",
+         lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
+         ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),
+    Case("sd3-not-an-sd3-pipeline",
+         lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, _class_name='FluxPipeline')}", "autoencoder.spec=pixel"),
+         ("{tmp}/pipe/model_index.json", "_class_name is 'FluxPipeline'", "StableDiffusion3Pipeline"),
+         absent=("latents",)),
+    Case("sd3-spec-model-without-vae", lambda t, w: sd3_cache(t, f"model.path={t / 'plain'}"),
+         ("no AutoencoderKL found at {tmp}/plain", "vae"), absent=("latents",)),
+    Case("sd3-max-sequence-length-too-long",
+         lambda t, w: sd3_cache(t, "model.path=x", "text.max_sequence_length=600"),
+         ("text.max_sequence_length", "[1, 512]", "600"), absent=("latents",)),
+    Case("sd3-unsupported-scheduler", sd3_sample_with_karras_sigmas,
+         ("{tmp}/pipe/scheduler/scheduler_config.json", "use_karras_sigmas"), absent=("samples",)),
     # ---------------------------------------------------------------- designer training data
     Case("jsonl-malformed-line",
          lambda t, w: train_on(t, w, "data.train", "bad.jsonl", b"".join(fixture_lines(1)) + b"{x\n"),
@@ -299,7 +348,7 @@ CASES = [
          lambda t, w: ["designer", "init", "--size", "huge", "--tokenizer", str(w.tokenizer), "--out", str(t / "m")],
          ("unknown designer size 'huge'",), absent=("m",)),
     Case("imagegen-init-unknown-size", lambda t, w: ["imagegen", "init", "--size", "huge", "--out", str(t / "m")],
-         ("unknown size 'huge'",), absent=("m",)),
+         ("unknown imagegen size 'huge'",), absent=("m",)),
     Case("corpus-not-utf8",
          lambda t, w: ["data", "tokenizer", "--corpus", str(write(t / "corpus.txt", b"one\ntwo\n" + NOT_UTF8)),
                        "--vocab-size", "300", "--out", str(t / "tok")],

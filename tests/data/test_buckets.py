@@ -1,8 +1,6 @@
-"""data/buckets.py: bucket geometry, bucket assignment, the sampler's determinism, resume and rank split."""
+"""data/buckets.py: bucket geometry, bucket assignment, the in-memory latent set, the eval rank split."""
 
-import itertools
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -10,13 +8,12 @@ import torch
 from PIL import Image
 
 from atelier_studio.data.buckets import (
-    BucketBatcher,
-    BucketSampler,
     LatentDataset,
     assign_buckets,
     image_to_tensor,
     make_buckets,
     nearest_bucket,
+    rank_rows,
     resize_and_crop,
 )
 from atelier_studio.data.shards import write_latent_shards
@@ -63,111 +60,6 @@ def test_resize_and_crop_covers_and_centres():
     assert tall.size == (48, 16)
 
 
-def _random_buckets(n, n_buckets, seed):
-    return np.random.default_rng(seed).integers(0, n_buckets, size=n).tolist()
-
-
-def test_batches_never_mix_buckets_and_epochs_are_deterministic():
-    bucket_of = _random_buckets(203, 5, 1)
-    s = BucketSampler(bucket_of, batch_size=4, seed=3)
-    batches = list(itertools.islice(iter(s), 3 * s.batches_per_epoch))
-    assert all(len(b) == 4 and len({bucket_of[i] for i in b}) == 1 for b in batches)
-    epoch0 = batches[: s.batches_per_epoch]
-    flat = [i for b in epoch0 for i in b]
-    assert len(set(flat)) == len(flat)  # no sample twice in an epoch
-    assert epoch0 == BucketSampler(bucket_of, batch_size=4, seed=3).epoch_batches(0)
-    assert epoch0 != batches[s.batches_per_epoch : 2 * s.batches_per_epoch]  # epoch 1 is reshuffled
-    assert epoch0 != BucketSampler(bucket_of, batch_size=4, seed=4).epoch_batches(0)
-    assert s.stats["skipped_samples"] == 203 - 4 * s.batches_per_epoch
-
-
-def test_resumed_sampler_continues_exact_sequence():
-    bucket_of = _random_buckets(97, 4, 2)
-    s = BucketSampler(bucket_of, batch_size=3, seed=11, rank=1, world_size=2)
-    it = iter(s)
-    head = list(itertools.islice(it, s.batches_per_epoch + 5))  # into the second epoch
-    state = s.state_dict()
-    tail = list(itertools.islice(it, 2 * s.batches_per_epoch))
-    fresh = BucketSampler(bucket_of, batch_size=3, seed=11, rank=1, world_size=2)
-    fresh.load_state_dict(state)
-    assert list(itertools.islice(iter(fresh), len(tail))) == tail
-    assert state["epoch"] == 1 and state["cursor"] == 5 and head
-    with pytest.raises(ValueError, match="batch_size is 3 in the checkpoint but 4 now"):
-        BucketSampler(bucket_of, batch_size=4, seed=11, rank=1, world_size=2).load_state_dict(state)
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_get_disjoint_samples_and_equal_batch_counts(world_size):
-    bucket_of = _random_buckets(250, 6, world_size)
-    samplers = [BucketSampler(bucket_of, 5, seed=0, rank=r, world_size=world_size) for r in range(world_size)]
-    for epoch in range(2):
-        per_rank = [s.epoch_batches(epoch) for s in samplers]
-        assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == samplers[0].batches_per_epoch
-        flat = [i for batches in per_rank for b in batches for i in b]
-        assert len(flat) == len(set(flat))
-    total = sum(len(m) // (5 * world_size) for m in samplers[0].members.values())
-    assert samplers[0].batches_per_epoch == total and samplers[0].stats["global_batch"] == 5 * world_size
-
-
-def test_ranks_split_the_one_process_global_batches():
-    """W ranks x B see exactly 1 rank x W*B's batches: rank r holds rows [r*B, (r+1)*B) of each, one bucket."""
-    bucket_of = _random_buckets(300, 5, 7)
-    one = BucketSampler(bucket_of, 6, seed=2)
-    two = [BucketSampler(bucket_of, 3, seed=2, rank=r, world_size=2) for r in range(2)]
-    its = [s.iter_slots() for s in two]
-    for idx, slot in itertools.islice(one.iter_slots(), 2 * one.batches_per_epoch + 3):
-        parts = [next(it) for it in its]
-        assert [i for p, _ in parts for i in p] == idx
-        assert [s.offset for _, s in parts] == [0, 3] and {s.ordinal for _, s in parts} == {slot.ordinal}
-        assert len({bucket_of[i] for i in idx}) == 1
-    # a position saved by 2 ranks resumes on 1 (and back) at the same global batch
-    state = two[1].state_dict()
-    resumed = BucketSampler(bucket_of, 6, seed=2)
-    resumed.load_state_dict(state)
-    back = BucketSampler(bucket_of, 3, seed=2, rank=0, world_size=2)
-    back.load_state_dict(one.state_dict())
-    assert resumed.batches_seen == one.batches_seen == back.batches_seen
-    assert next(iter(resumed)) == next(iter(one))
-    assert next(iter(back)) == next(iter(two[0]))
-    with pytest.raises(ValueError, match=r"global batch is 2 ranks x 3 = 6 in the checkpoint but 1 x 4 = 4"):
-        BucketSampler(bucket_of, 4, seed=2).load_state_dict(state)
-
-
-def test_uneven_remainders_give_every_rank_a_sample():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        s = [BucketSampler([0] * 11, 2, rank=r, world_size=3, drop_last=False) for r in range(3)]
-    slots = [x.epoch_slots(0) for x in s]
-    sizes = sorted(tuple(len(sl[k][0]) for sl in slots) for k in range(2))
-    assert sizes == [(2, 2, 1), (2, 2, 2)]  # 6 + 5: the remainder 5 split 2/2/1
-    assert sorted(i for sl in slots for b, _ in sl for i in b) == list(range(11))
-
-
-def test_small_buckets_are_warned_and_skipped():
-    bucket_of = [0] * 10 + [1] * 2 + [2] * 7
-    with pytest.warns(UserWarning, match=r"fewer samples than batch_size 4 .*\{1: 2\}"):
-        s = BucketSampler(bucket_of, batch_size=4, seed=0)
-    batches = s.epoch_batches(0)
-    assert sorted({bucket_of[b[0]] for b in batches}) == [0, 2] and len(batches) == 3
-    assert s.stats["skipped_samples"] == 2 + 2 + 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        keep = BucketSampler(bucket_of, batch_size=4, seed=0, drop_last=False)
-    assert sorted(len(b) for b in keep.epoch_batches(0)) == [2, 3, 4, 4, 4]
-    with pytest.raises(ValueError, match="no batch for rank"):
-        BucketSampler([0, 0, 0, 0], batch_size=4, rank=1, world_size=2)
-
-
-def test_bucket_batcher_groups_stream():
-    rng = np.random.default_rng(5)
-    stream = [{"i": i, "b": int(rng.integers(3))} for i in range(50)]
-    batcher = BucketBatcher(4, lambda s: s["b"])
-    batches = list(batcher(iter(stream)))
-    assert all(len(b) == 4 and len({s["b"] for s in b}) == 1 for b in batches)
-    assert len(batches) >= 10 and batches == list(BucketBatcher(4, lambda s: s["b"])(stream))  # deterministic
-    assert batcher.dropped == 50 - 4 * len(batches)
-
-
 def test_latent_dataset_batches_from_shards(tmp_path):
     g = torch.Generator().manual_seed(0)
     shapes = {(32, 32): (4, 4), (32, 64): (4, 8)}
@@ -181,14 +73,22 @@ def test_latent_dataset_batches_from_shards(tmp_path):
     ds = LatentDataset(tmp_path / "lat")
     assert len(ds) == 9 and ds.buckets == [(32, 32), (32, 64)]
     assert ds.bucket_ids == [1 if i % 3 == 0 else 0 for i in range(9)]
-    sampler = BucketSampler(ds.bucket_ids, batch_size=2, seed=0)
-    for indices in itertools.islice(iter(sampler), 6):
+    for indices in ([1, 2], [4, 5], [0, 3], [7, 8], [6]):  # one bucket each
         batch = ds.batch(indices)
-        assert batch["latent"].shape == (2, 12, *shapes[batch["bucket"]])
-        assert batch["text_states"].shape == (2, 5, 8) and batch["pooled"].shape == (2, 6)
+        B = len(indices)
+        assert batch["latent"].shape == (B, 12, *shapes[batch["bucket"]])
+        assert batch["text_states"].shape == (B, 5, 8) and batch["pooled"].shape == (B, 6)
         for j, i in enumerate(indices):
             assert torch.equal(batch["latent"][j], samples[i]["latent"]) and batch["captions"][j] == f"c{i}"
     with pytest.raises(ValueError, match=r"span buckets \[0, 1\]"):
         ds.batch([0, 1])
     with pytest.raises(ValueError, match=r"key k0 .* bucket \(32, 64\)"):
         LatentDataset(tmp_path / "lat", buckets=[(32, 32)])
+    head = LatentDataset(tmp_path / "lat", limit=5)  # reads the first 5 in shard order, then stops
+    assert [s["key"] for s in head.samples] == [f"k{i}" for i in range(5)]
+
+
+def test_rank_rows_split_evenly_with_earlier_ranks_longer():
+    assert [rank_rows(8, r, 2) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [rank_rows(11, r, 3) for r in range(3)] == [(0, 4), (4, 4), (8, 3)]
+    assert [rank_rows(1, r, 2) for r in range(2)] == [(0, 1), (1, 0)]

@@ -7,6 +7,22 @@ One torchrun launch (the `two_process_runs` fixture) trains, with 2 ranks x micr
   lora_full_init  as lora, but every rank loads the whole model before sharding (init = "full")
 and the tests run the one-process twins here (1 rank x micro_batch 2: the same rows each step) and compare
 losses (fp32, 1e-5), exports, and resumes of the 2-process checkpoint with 1 and with 2 processes.
+
+Tolerances. Two processes add the same gradients in another order (each rank sums its row, then the all-reduce
+adds the ranks), so a 2-process run differs from its 1-process twin by fp32 rounding, which training then
+carries forward. The runs are kept short and gentle so that this stays rounding-sized on any CPU: 4 steps at lr
+1e-3. Adam divides each gradient by its own running size, so a coordinate whose true gradient is ~0 (pure
+rounding noise) still steps by up to lr in a noise-chosen direction, and at lr 1e-2 those steps grew to 1.6e-4
+in the Qwen3.5 adapter after 4 steps; at 1e-3 the largest adapter difference is 2.5e-7. A real bug is far
+outside the bounds: a missing all-reduce (each rank stepping on its own rows) moves the losses by 1e-2 and
+93% of the adapter elements by more than the weight bound (up to 5.5e-3), measured on the Qwen3.5 run.
+  loss        |Δ| ≤ TOL = 1e-5: the loss (~6) is a mean over the step's caption tokens; reordering its sums costs
+              a few ulps (4.8e-7 measured: 1 ulp of 6.0), the bound is ~20
+  grad norm   |Δ| ≤ 1e-5 · max(1, norm): ~80 fp32 ulps, for the norm of a gradient summed in another order
+  weights     |Δ| ≤ 1e-5 + 1e-4 · |w|: 1% of one step's largest Adam update (lr), plus the rounding of weights
+              of size |w| over 4 updates
+Resumes with the same world size run the same kernels in the same order, so those are compared with the same
+bounds although they are exact.
 """
 
 from __future__ import annotations
@@ -41,12 +57,13 @@ def world(tmp_path_factory) -> Path:
 
 
 def args(world: Path, out: Path, *extra: str) -> list[str]:
-    """A 4-step fp32 run; micro_batch is set per launch so that processes x micro_batch = 2."""
+    """A 4-step fp32 run at lr 1e-3 (the module docstring says why); micro_batch is set per launch so that
+    processes x micro_batch = 2."""
     return ["designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
             "--set", f"model.path={world / 'model'}", "--set", f"data.train={FIXTURE}", "--set", f"data.eval={FIXTURE}",
             "--set", "data.seq_len=128", "--set", "data.max_eval_batches=0", "--set", "train.grad_accum=2",
             "--set", "train.max_steps=4", "--set", "train.save_every=2", "--set", "train.eval_every=0",
-            "--set", "train.log_every=1", "--set", "train.warmup_steps=1", "--set", "train.lr=1e-2",
+            "--set", "train.log_every=1", "--set", "train.warmup_steps=1", "--set", "train.lr=1e-3",
             "--set", "train.device=cpu", "--set", "output.tensorboard=false", "--set", f"output.dir={out}", *extra]
 
 
@@ -88,19 +105,27 @@ def records(out: Path, kind: str = "train") -> dict[int, dict]:
 
 
 def assert_same_losses(a: Path, b: Path, steps: range) -> None:
+    """The same global batch (loss weights exactly: they count tokens) and losses and gradient norms equal up to
+    rounding (bounds in the module docstring); prints the largest differences, to show the margin."""
     ra, rb = records(a), records(b)
     for s in steps:
         assert ra[s]["loss_weight"] == rb[s]["loss_weight"], f"step {s}: different global batches"
         assert abs(ra[s]["loss"] - rb[s]["loss"]) <= TOL, f"step {s}: loss {ra[s]['loss']} vs {rb[s]['loss']}"
         assert abs(ra[s]["grad_norm"] - rb[s]["grad_norm"]) <= TOL * max(1.0, ra[s]["grad_norm"]), f"step {s}"
+    print(f"{a.name} vs {b.name}, steps {steps.start}-{steps.stop - 1}: largest loss difference "
+          f"{max(abs(ra[s]['loss'] - rb[s]['loss']) for s in steps):.2e}, grad norm "
+          f"{max(abs(ra[s]['grad_norm'] - rb[s]['grad_norm']) for s in steps):.2e} (bound {TOL:g})")
 
 
 def assert_same_safetensors(a: Path, b: Path) -> None:
+    """The same tensors, equal up to rounding: |Δ| ≤ TOL + 1e-4 · |w| (module docstring)."""
     ta, tb = load_file(str(a)), load_file(str(b))
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=TOL, msg=lambda m: f"{a.name} {k}: {m}")
+    worst = max(((ta[k].double() - tb[k].double()).abs().max().item(), k) for k in ta)
+    print(f"{a.parent.name}/{a.name}: largest weight difference {worst[0]:.2e} ({worst[1]})")
 
 
 def test_lora_two_processes_equal_one(world, two, tmp_path):

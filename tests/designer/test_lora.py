@@ -9,7 +9,7 @@ import torch
 
 from atelier_studio.designer.hf import load_pretrained, save_pretrained
 from atelier_studio.designer.lora import (LoraArgs, LoRALinear, apply_lora, load_peft_adapter, lora_parameters, merge_lora,
-                           save_peft_adapter)
+                           peft_target_modules, save_peft_adapter)
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from tests.designer.test_model import load_hf, make_model_dir, rel_err, run_rows
 
@@ -21,10 +21,10 @@ def _peft_name(ours: str) -> str:
     return "base_model.model." + ours.replace(".weight", ".default.weight")
 
 
-def _peft_model(path, args: LoraArgs):
+def _peft_model(path, args: LoraArgs, target_modules: list[str]):
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=args.target_modules,
+    cfg = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=target_modules,
                      use_rslora=args.rslora, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(load_hf(path), cfg)
 
@@ -45,7 +45,7 @@ def _randomise_adapters(model, seed: int) -> None:
 def test_training_matches_peft(tmp_path, lora):
     path, _ = make_model_dir(tmp_path, V, seed=2, tie_embeddings=False)
     ours = apply_lora(load_pretrained(path), lora)
-    peft = _peft_model(path, lora)
+    peft = _peft_model(path, lora, peft_target_modules(ours))
     peft_params = dict(peft.named_parameters())
     with torch.no_grad():
         for name, p in ours.named_parameters():
@@ -63,6 +63,9 @@ def test_training_matches_peft(tmp_path, lora):
         loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), ours.lm_head_weight, labels.reshape(-1))
         loss = loss / (labels != -100).sum()
         loss_peft = peft(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        # two implementations of the same fp32 training: the loss (~4.5) differs by a few ulps (at most 1.4e-6
+        # over the 20 steps on AVX-512 and DEFAULT kernels, not growing: B is random, so no coordinate's gradient
+        # is rounding noise for Adam to amplify); 1e-4 is ~200 ulps
         assert abs(loss.item() - loss_peft.item()) <= 1e-4, f"step {step}: {loss.item()} vs {loss_peft.item()}"
         for opt, l in ((opt_ours, loss), (opt_peft, loss_peft)):
             opt.zero_grad()

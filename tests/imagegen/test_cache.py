@@ -40,7 +40,7 @@ def test_cached_latents_equal_the_encoders_by_hand(world):
         img = images[key]
         c = cached[key]
         want = codec.encode(image_to_tensor(resize_and_crop(img["image"], (32, 32)))[None])[0]
-        torch.testing.assert_close(c["latent"], want, rtol=0, atol=0)
+        torch.testing.assert_close(c["latent"], want, rtol=0, atol=0)  # exact: the same codec on the same pixels
         states, pooled, _ = text.encode([img["caption"]])
         torch.testing.assert_close(c["text_states"], states[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c["pooled"], pooled[0], rtol=1e-5, atol=1e-5)

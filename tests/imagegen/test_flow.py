@@ -108,6 +108,7 @@ def test_euler_cfg_matches_diffusers_scheduler_loop():
 def test_sigmas_equal_diffusers_scheduler(steps, shift):
     sched = FlowMatchEulerDiscreteScheduler(shift=shift)
     sched.set_timesteps(steps)
+    # exact: sampler_sigmas runs diffusers' own sequence of numpy and torch ops, in the same dtypes
     assert torch.equal(sampler_sigmas(steps, shift), sched.sigmas)
 
 
@@ -119,7 +120,8 @@ def test_sigmas_with_dynamic_shifting_equal_diffusers(image_seq_len, steps):
     mu = calculate_shift_ref(image_seq_len, 256, 4096, 0.5, 1.16)
     assert calculate_shift(image_seq_len, args) == mu
     sched.set_timesteps(steps, mu=mu)
-    assert torch.equal(sampler_sigmas(steps, image_seq_len=image_seq_len, args=args), sched.sigmas)
+    assert torch.equal(  # exact: the same ops as diffusers' scheduler, in the same order (above)
+        sampler_sigmas(steps, image_seq_len=image_seq_len, args=args), sched.sigmas)
 
 
 def test_logit_normal_median_and_spread():

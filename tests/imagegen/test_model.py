@@ -123,7 +123,7 @@ def test_init_random_writes_a_loadable_model(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     with pytest.raises(ValueError, match="unknown MMDiTArgs override"):
         init_random("tiny", tmp_path / "bad", in_chans=3)
-    with pytest.raises(ValueError, match="unknown size"):
+    with pytest.raises(ValueError, match="unknown imagegen size"):
         init_random("huge", tmp_path / "bad")
 
 
@@ -278,7 +278,10 @@ def test_pinned_sdpa_backend_gives_the_same_model_and_compiles():
     auto, pinned = MMDiT(SD35_TINY), MMDiT(dataclasses.replace(SD35_TINY, attention="math"))
     auto.load_state_dict(weights, strict=True)
     pinned.load_state_dict(weights, strict=True)
-    assert rel_err(pinned(*x), auto(*x)) <= 1e-6
+    # two attention algorithms (the math backend's full softmax, the CPU flash kernel's blockwise one) on the same
+    # fp32 inputs: they agree to rounding, 1.1 eps of RMS error measured; 1e-5 (~80 eps) is the bound of the
+    # kernels-on-vs-off test above. A backend that computed something else is off by O(1).
+    assert rel_err(pinned(*x), auto(*x)) <= 1e-5
     if not torch.cuda.is_available():  # the pin is real: a CUDA-only backend has no CPU kernel to run
         cudnn = MMDiT(dataclasses.replace(SD35_TINY, attention="cudnn"))
         cudnn.load_state_dict(weights, strict=True)

@@ -9,6 +9,11 @@ from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("y", "dx", "dshift", "dscale")
+# The GPU tests' shapes: a small one (the fast tier) and SD3-medium's streams (the slow tier): the image stream at
+# 1024 px (4096 tokens) and 512 px (1024), the text stream (333), dim 1536.
+SMALL_AND_SD3_MEDIUM = [pytest.param((2, 77, 256), id="small"),
+                        *(pytest.param(s, id="sd3-medium-" + "x".join(map(str, s)), marks=pytest.mark.slow)
+                          for s in ((4, 4096, 1536), (4, 333, 1536), (2, 1024, 1536)))]
 
 
 def _math(x, shift, scale, eps):
@@ -119,14 +124,16 @@ def test_adaln_bad_input():
         adaln_modulate(x, torch.randn(2, 8), torch.randn(2, 8), 1e-6, impl="cuda")
     with pytest.raises(ValueError, match=r"shift/scale \[B, D\]"):
         adaln_modulate(x, torch.randn(3, 8), torch.randn(3, 8), 1e-6)
+    # exact: "auto" on CPU tensors is the reference, the same call twice
     assert torch.equal(adaln_modulate(x, x[:, 0], x[:, 1], 1e-6), adaln_modulate_ref(x, x[:, 0], x[:, 1], 1e-6))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(4, 4096, 1536), (4, 333, 1536), (2, 1024, 1536)])
-def test_adaln_triton_bf16_sd3_medium_shapes(shape):
-    """SD3-medium: image stream at 1024 px (4096 tokens) and 512 px (1024), text stream (333), dim 1536."""
+@pytest.mark.parametrize("shape", SMALL_AND_SD3_MEDIUM)
+def test_adaln_triton_bf16(shape):
+    """A small shape; the slow tier at SD3-medium: image stream at 1024 px (4096 tokens) and 512 px (1024), text
+    stream (333), dim 1536."""
     got, exp, base = _run(shape, torch.bfloat16, impl="triton", device="cuda", chunked=True)
     for name, a, e, b in zip(NAMES, got, exp, base):
         assert_error_within(a, e, b, what=f"{name} {shape}", atol=1e-3)

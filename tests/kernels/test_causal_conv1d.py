@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import atelier_studio.kernels.causal_conv1d as cc
 from atelier_studio.kernels.causal_conv1d import causal_conv1d
-from tests.kernels._compare import assert_close, assert_error_within
+from tests.kernels._compare import assert_close, assert_error_within, assert_no_leak
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,19 +68,44 @@ def test_causal_conv1d_triton_fp16_within_2x_eager(lens, c, k):
         assert_error_within(a, e, b, what=f"{name} {lens}", atol=1e-3)
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_a_preceding_document_changes_nothing(impl):
-    """The taps of a document's first K−1 tokens read zeros, never the previous document's tail."""
+# The leak check's rounding bound: each output sums K = 4 taps and goes through SiLU (an exp, an add, a
+# division): 4 · K roundings, 2e-6 of the output's scale. A tap that reads the previous document's tail moves
+# a document's first K − 1 outputs by O(1) of it (91% in _preceded).
+CONV_TERMS = 4 * 4
+
+
+def _preceded(impl: str, scale_other: float = 1.0):
+    """(a 6-token document after a 5-token one in a packed row, the same row as one document, the document alone);
+    `scale_other` scales the preceding document, so a leak of any strength can be made."""
     g = torch.Generator().manual_seed(2)
     c, k = 9, 4
     doc, other = torch.randn(6, c, generator=g), torch.randn(5, c, generator=g)
     w = torch.randn(c, k, generator=g)
-    alone = causal_conv1d(doc, w, _cu([6]), impl=impl)
-    packed = causal_conv1d(torch.cat([other, doc]), w, _cu([5, 6]), impl=impl)
-    assert torch.equal(packed[5:], alone)
-    # without the boundary the tail leaks in: the test can tell
-    leaky = causal_conv1d(torch.cat([other, doc]), w, _cu([11]), impl=impl)
-    assert not torch.allclose(leaky[5:], alone)
+    row = torch.cat([other * scale_other, doc])
+    packed = causal_conv1d(row, w, _cu([5, 6]), impl=impl)[5:]
+    one_document = causal_conv1d(row, w, _cu([11]), impl=impl)[5:]  # no boundary: the taps cross it
+    return packed, one_document, causal_conv1d(doc, w, _cu([6]), impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_a_preceding_document_changes_nothing(impl):
+    """The taps of a document's first K−1 tokens read zeros, never the previous document's tail: the document's
+    output inside the row is its output alone, up to rounding (the row and the document alone are laid out,
+    and so vectorised, differently)."""
+    packed, _, alone = _preceded(impl)
+    assert_no_leak(packed, alone, f"conv {impl}, packed vs alone", torch.float32, CONV_TERMS)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_the_leak_check_fails_for_taps_that_cross_a_document_start(impl):
+    """The check above, fed convolutions that leak on purpose, fails: the row run as one document (the taps read
+    the previous document's tail), and the same with that tail scaled down to 1e-3."""
+    _, crossing, alone = _preceded(impl)
+    with pytest.raises(AssertionError, match="leak across the document boundary"):
+        assert_no_leak(crossing, alone, f"conv {impl}, taps cross", torch.float32, CONV_TERMS)
+    _, weak, alone = _preceded(impl, scale_other=1e-3)
+    with pytest.raises(AssertionError, match="leak across the document boundary"):
+        assert_no_leak(weak, alone, f"conv {impl}, 1e-3 of the tail crosses", torch.float32, CONV_TERMS)
 
 
 def test_causal_conv1d_frozen_weight_gets_no_grad_and_bad_input():
@@ -107,16 +132,20 @@ def test_causal_conv1d_frozen_weight_gets_no_grad_and_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_causal_conv1d_triton_bf16_qwen35_9b_shape():
-    """Qwen3.5-9B: C = 2·16·128 + 32·128 = 8192 channels, K = 4, four packed rows of 2048 with uneven documents."""
-    lens = [700, 1348, 2048, 1, 63, 64, 65, 1855, 37, 2011]
-    names, got, exp, base = _run(lens, 8192, 4, torch.bfloat16, impl="triton", device="cuda")
+@pytest.mark.parametrize("lens,c", [pytest.param([300, 1, 63, 64, 65, 37], 512, id="small"),
+                                    pytest.param([700, 1348, 2048, 1, 63, 64, 65, 1855, 37, 2011], 8192,
+                                                 id="qwen3.5-9b", marks=pytest.mark.slow)])
+def test_causal_conv1d_triton_bf16(lens, c):
+    """K = 4, uneven packed documents; the slow tier at Qwen3.5-9B: C = 2·16·128 + 32·128 = 8192 channels, four
+    packed rows of 2048."""
+    names, got, exp, base = _run(lens, c, 4, torch.bfloat16, impl="triton", device="cuda")
     for name, a, e, b in zip(names, got, exp, base):
-        assert_error_within(a, e, b, what=f"{name} 9B", atol=1e-3)
-    # a frozen weight (every LoRA run) takes the dx-only grid: the same dx bits
+        assert_error_within(a, e, b, what=f"{name} {c} channels", atol=1e-3)
+    # a frozen weight (every LoRA run) takes the dx-only grid: the same dx bits (exact by design: each element's
+    # dx is the same expression in both launches, only the split of the work over programs differs)
     cu = _cu(lens, "cuda")
-    x = torch.randn(sum(lens), 8192, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(8192, 4, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(sum(lens), c, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(c, 4, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     starts = cc.doc_starts(cu, x.shape[0])
     assert torch.equal(cc.conv_bwd(dy, x, w, starts, False)[0], cc.conv_bwd(dy, x, w, starts, True)[0])

@@ -8,6 +8,11 @@ from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dx", "dy", "dgate")
+# The GPU tests' shapes: a small one (the fast tier) and SD3-medium's streams (the slow tier): the image stream at
+# 1024 px (4096 tokens) and 512 px (1024), the text stream (333), dim 1536.
+SMALL_AND_SD3_MEDIUM = [pytest.param((2, 77, 256), id="small"),
+                        *(pytest.param(s, id="sd3-medium-" + "x".join(map(str, s)), marks=pytest.mark.slow)
+                          for s in ((4, 4096, 1536), (4, 333, 1536), (2, 1024, 1536)))]
 
 
 def _run(shape, dtype, impl, device=DEV, seed=0):
@@ -104,13 +109,14 @@ def test_gated_residual_bad_input():
         gated_residual(x, x, x[:, 0], impl="cuda")
     with pytest.raises(ValueError, match=r"gate \[B, D\]"):
         gated_residual(x, x, torch.randn(2, 3, 8))
-    assert torch.equal(gated_residual(x, x, x[:, 0]), gated_residual_ref(x, x, x[:, 0]))
+    assert torch.equal(gated_residual(x, x, x[:, 0]), gated_residual_ref(x, x, x[:, 0]))  # exact: CPU "auto" = ref
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(4, 4096, 1536), (4, 333, 1536), (2, 1024, 1536)])
-def test_gated_residual_triton_bf16_sd3_medium_shapes(shape):
+@pytest.mark.parametrize("shape", SMALL_AND_SD3_MEDIUM)
+def test_gated_residual_triton_bf16(shape):
+    """A small shape; the slow tier at SD3-medium's streams (as test_adaln_triton_bf16)."""
     got, exp, base = _run(shape, torch.bfloat16, impl="triton", device="cuda")
     for name, a, e, b in zip(NAMES, got, exp, base):
         assert_error_within(a, e, b, what=f"{name} {shape}", atol=1e-3)

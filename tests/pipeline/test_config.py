@@ -54,7 +54,7 @@ def test_overrides_are_typed(toml_file):
     ("train.lr=fast", "train.lr: expected a number"),
     ("train.max_steps=2.5", "train.max_steps: expected an integer"),
     ("train.schedule=step", "train.schedule: must be one of 'cosine', 'linear', 'constant'"),
-    ("lora.targets=q,foo", "lora.targets: unknown ['foo']"),
+    ("lora.dropout=1.5", "lora.dropout: must be in [0, 1), got 1.5"),
     ("train.max_steps=0", "train.max_steps: must be > 0"),
     ("output.tensorboard=maybe", "output.tensorboard: expected true or false"),
     ("train", "expected KEY=VALUE"),

@@ -84,11 +84,14 @@ def test_activation_checkpointing_keeps_loss_gradients_and_names():
     loss_ref, loss_ac = loss_of(ref, 2), loss_of(ac, 2)
     loss_ref.backward()
     loss_ac.backward()
+    # exact: checkpointing changes when the forward runs, not what it computes (the same kernels on the same inputs)
     torch.testing.assert_close(loss_ac, loss_ref, rtol=0, atol=0)
+    # and the gradients too: only the adapters train, each used once in its layer, so each gradient is the output
+    # of the same backward kernels on the same (recomputed) inputs
     for (n, p), (_, q) in zip(ref.named_parameters(), ac.named_parameters()):
         assert (p.grad is None) == (q.grad is None), n
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -116,8 +119,8 @@ def test_materialize_fills_a_meta_model_from_the_reader():
     materialize_(model, torch.device("cpu"), read)
     assert {n for n, _ in asked} == set(full)
     for k, v in model.state_dict().items():
-        assert torch.equal(v, full[k]), k
-    torch.testing.assert_close(loss_of(model, 4), loss_of(ref, 4), rtol=0, atol=0)
+        assert torch.equal(v, full[k]), k  # exact: copied, not computed
+    torch.testing.assert_close(loss_of(model, 4), loss_of(ref, 4), rtol=0, atol=0)  # the same weights, same kernels
 
 
 def test_materialize_names_a_tensor_of_the_wrong_shape():
@@ -134,7 +137,7 @@ def test_local_rows_of_a_plain_tensor_is_all_of_it():
 def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
     import subprocess
 
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     seen = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: seen.append(cmd) or 0)
@@ -149,7 +152,7 @@ def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
 
 
 def test_nproc_bad_values_are_named(clean_env, capsys):
-    from atelier_studio.pipeline import cli
+    from atelier_studio.flows import cli
 
     assert cli.main(["designer", "train", "--config", "c.toml", "--nproc", "2", "--nnodes", "2",
                      "--node-rank", "2"]) == 2

@@ -1,0 +1,73 @@
+"""The record of one imagegen model family: what the generic imagegen code needs to know about an architecture.
+
+The same shape as the designer's (designer/family.py). A family's own file declares its `Family`
+(imagegen/model.py: the MMDiT, whose SD3 and SD3.5 MMDiT-X variants are sizes of one family);
+imagegen/registry.py lists the families, and the diffusers I/O, the task, the bench and the CLI ask it.
+
+  args_cls         a frozen dataclass with `from_diffusers_config(config, source=...)` and `to_diffusers_config()`
+  model_cls        the model built from the args; its `state_dict()` keys are the diffusers checkpoint's
+  class_names      diffusers config.json `_class_name` values this family reads (the first is the one it writes)
+  sizes            named sizes: complete args (`atelier imagegen init --size`), fields overridable
+  train_flops      the model's own FLOP counter: train_flops(model, batch_size, image_tokens, text_tokens)
+  blocks           the parallelize plan: the repeated blocks (each its own AC / compile / FSDP2 unit)
+  diffusers_class  the diffusers class it is compared with in tests and bench/imagegen.py ("module:Class")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+# The implementation choices a run sets on the args read from config.json (never part of the checkpoint).
+IMPL_FIELDS = ("kernels", "attention")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One imagegen architecture (the module docstring lists what each field is for)."""
+
+    name: str
+    class_names: tuple[str, ...]
+    args_cls: type
+    model_cls: type
+    sizes: Mapping[str, Any]
+    tiny_size: str  # the size CPU runs of the bench use (bench/imagegen.py --tiny)
+    train_flops: Callable[[Any, int, int, int], int]
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    diffusers_class: str  # "diffusers:SD3Transformer2DModel"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.class_names:
+            problems.append("class_names is empty")
+        if self.tiny_size not in self.sizes:
+            problems.append(f"tiny_size {self.tiny_size!r} is not one of its sizes {list(self.sizes)}")
+        bad = [k for k, v in self.sizes.items() if type(v) is not self.args_cls]
+        if bad:
+            problems.append(f"sizes {bad} are not {self.args_cls.__name__}")
+        if ":" not in self.diffusers_class:
+            problems.append(f"diffusers_class {self.diffusers_class!r} is not 'module:Class'")
+        if problems:
+            raise ValueError(f"Family {self.name!r}: {'; '.join(problems)}")
+        object.__setattr__(self, "class_names", tuple(self.class_names))
+
+    def args_of_size(self, size: str, **overrides: Any) -> Any:
+        """The args of a named size with field `overrides` (e.g. in_channels=4)."""
+        return dataclasses.replace(self.sizes[size], **overrides)
+
+    def args_from_diffusers_config(self, config: dict, source: str, **impls: str) -> Any:
+        """The args of a diffusers config.json dict with the implementation choices `impls` (IMPL_FIELDS)."""
+        unknown = sorted(set(impls) - set(IMPL_FIELDS))
+        if unknown:
+            raise TypeError(f"args_from_diffusers_config: unknown implementation choices {unknown}; known: {IMPL_FIELDS}")
+        return self.args_cls.from_diffusers_config(config, source=source, **impls)
+
+    def diffusers_reference(self) -> type:
+        """The diffusers class (imported on demand: diffusers is a test and bench dependency only)."""
+        module, cls = self.diffusers_class.split(":")
+        return getattr(importlib.import_module(module), cls)
