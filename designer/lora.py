@@ -38,21 +38,10 @@ from atelier_studio.kernels.lora_linear import lora_linear
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
 
-<<<<<<< HEAD
 if TYPE_CHECKING:
     from atelier_studio.kernels.fp8_linear import Fp8FrozenWeight
 
-# Atelier's short target names → module names in a block, with their parent (self_attn, linear_attn or mlp).
-TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-           # Qwen3.5's Gated DeltaNet projections
-           "qkv": "linear_attn.in_proj_qkv", "z": "linear_attn.in_proj_z", "b": "linear_attn.in_proj_b",
-           "a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}
-ALL_TARGETS = tuple(TARGETS)
-Model = Qwen3 | Qwen35
-=======
 Model = CausalLM
->>>>>>> main
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

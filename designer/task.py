@@ -97,14 +97,9 @@ class DesignerTask:
             except ValueError as e:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-<<<<<<< HEAD
-                                      targets=cfg.lora.targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
-        _check_delta_rule(cfg, model_dir, device)
-        check_precision(cfg.train, device, self.dist.enabled)
-=======
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
         _preflight(cfg, args, device)
->>>>>>> main
+        check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -125,12 +120,8 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
-<<<<<<< HEAD
         apply_precision(model, self.cfg.train)  # FP8 linears first: the policies below wrap what runs
-        return parallelize(model, list(model.model.layers), self.dist, self.cfg.train.distributed,
-=======
         return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
->>>>>>> main
                            self._fsdp_param_dtype())
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
