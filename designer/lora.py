@@ -24,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from atelier_studio.designer.registry import family_of_args, lora_target_names
 from atelier_studio.kernels.lora_linear import lora_linear
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from atelier_studio.kernels.fp8_linear import Fp8FrozenWeight
 
 Model = CausalLM
 PEFT_PREFIX = "base_model.model."
@@ -78,7 +82,8 @@ class SharedInputOperands:
     lora_a: torch.Tensor  # [r, I]
     lora_b: torch.Tensor  # [O, r]
     scale: float
-    impl: str
+    impl: str  # the group op's kernel choice: lora_linear's names, or fp8_linear's when fp8 is set
+    fp8: Fp8FrozenWeight | None = None  # an FP8 base's fp8 copies (designer/lora_fp8.py); None: a bf16 base
 
 
 class LoRALinear(nn.Module):

@@ -23,10 +23,12 @@ from torch import nn
 from atelier_studio.designer.decode import kv_cache_batch
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
 from atelier_studio.kernels.attention import IMPLS, causal_attention_rows, packed_causal_attention, rows_are_documents
+from atelier_studio.kernels.fp8_group import fp8_lora_linear_group
 from atelier_studio.kernels.lora_linear import lora_linear_group
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin, rope_type
 from atelier_studio.kernels.swiglu import swiglu
+from atelier_studio.pipeline.float8 import float8_group
 
 KERNEL_IMPLS = ("auto", "triton", "ref")  # ModelArgs.kernels: rmsnorm / rope / swiglu / LoRA linear
 
@@ -199,21 +201,35 @@ def shared_input_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Ten
     When every one is a LoRA layer that can share (designer.lora.LoRALinear.shared_input_operands: no bias, no
     dropout in effect; _groupable: one kernel choice and adapter dtype, all adapters trained or all frozen), they
     run as one kernels.lora_linear.lora_linear_group: x·Aᵀ once for all adapters, dx accumulated inside the
-    matmuls instead of M−1 separate adds. Anything else (plain nn.Linear: full fine-tuning, the reference path) runs layer by layer.
+    matmuls instead of M−1 separate adds; over FP8 bases (train.precision = "fp8") as
+    kernels.fp8_group.fp8_lora_linear_group, x also quantised once for every base. FP8 full fine-tuning's
+    Float8Linear layers group through pipeline.float8.float8_group (x quantised once). Anything else (plain
+    nn.Linear: bf16 full fine-tuning, the reference path) runs layer by layer.
     """
+    if len(linears) > 1:
+        grouped = float8_group(x, linears)
+        if grouped is not None:
+            return grouped
     operands = [getattr(m, "shared_input_operands", lambda: None)() for m in linears]
     if len(linears) > 1 and all(o is not None for o in operands) and _groupable(operands):
-        return lora_linear_group(x, [o.weight for o in operands], [o.lora_a for o in operands],
-                                 [o.lora_b for o in operands], [o.scale for o in operands], operands[0].impl)
+        first = operands[0]
+        weights, lora_as, lora_bs = [o.weight for o in operands], [o.lora_a for o in operands], [o.lora_b for o in operands]
+        scales = [o.scale for o in operands]
+        if first.fp8 is not None:
+            return fp8_lora_linear_group(x, weights, [o.fp8 for o in operands], lora_as, lora_bs, scales,
+                                         first.fp8.recipe, first.impl)
+        return lora_linear_group(x, weights, lora_as, lora_bs, scales, first.impl)
     return [m(x) for m in linears]
 
 
 def _groupable(operands: list[Any]) -> bool:
-    """One kernel choice, one adapter dtype, and every adapter weight trained or every one frozen (a frozen A
-    with a trained B, as LoRA-FA trains, runs layer by layer)."""
+    """One kernel choice, one adapter dtype, every adapter weight trained or every one frozen (a frozen A
+    with a trained B, as LoRA-FA trains, runs layer by layer), and every base bf16 or every one FP8 in one recipe."""
     first = operands[0]
+    recipe = first.fp8.recipe if first.fp8 is not None else None
     return all(o.impl == first.impl and o.lora_a.dtype == o.lora_b.dtype == first.lora_a.dtype
-               and o.lora_a.requires_grad == o.lora_b.requires_grad == first.lora_a.requires_grad for o in operands)
+               and o.lora_a.requires_grad == o.lora_b.requires_grad == first.lora_a.requires_grad
+               and (o.fp8.recipe if o.fp8 is not None else None) == recipe for o in operands)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,10 @@ attention cost, data/balance.py), and the model is built on the meta device, wra
 checkpointing → compile → FSDP2, pipeline/distributed.py) and filled shard by shard straight from the
 safetensors files: no rank holds the whole base model (`train.distributed.init = "full"` loads it whole
 on every rank first). LoRA adapters start from the same draws as in one process, so the runs agree.
+
+`train.precision = "fp8"` (pipeline/float8.py) computes every linear of the blocks in FP8 — full fine-tuning's
+trainable linears, LoRA's frozen bases (quantised once; the adapters stay in lora.dtype) — and keeps the LM head
+(it runs inside the chunked cross-entropy), the embeddings and the norms as they are. One process only.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
+from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -94,6 +99,7 @@ class DesignerTask:
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
         _preflight(cfg, args, device)
+        check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
@@ -114,6 +120,7 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
+        apply_precision(model, self.cfg.train)  # FP8 linears first: the policies below wrap what runs
         return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 

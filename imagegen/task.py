@@ -39,6 +39,11 @@ rank-0 export.
 Precision (docs/training.md): fp32 master weights; `model.dtype = "bfloat16"` runs the forward under bf16
 autocast, "float32" is exact. The loss is reduced in fp32.
 
+`train.precision = "fp8"` (pipeline/float8.py) computes the joint blocks' attention projections and MLPs and the
+caption projection in FP8 and keeps, in the model's dtype, the linears that run once per image (the timestep and
+pooled-text embedders and every AdaLN modulation: M = the batch, so quantising their weight each step would cost
+more than their matmul) and the final projection (N = p²·C = 64 outputs, next to the loss). One process only.
+
 Evaluation and the sample grid use their own seeded generators, so they never move the training RNG:
 eval images get fixed noise and fixed timesteps t = (k + 0.5) / 8 (k = image index mod 8), the loss is
 reported overall and in 4 timestep bins (`loss_t00` covers t in [0, 0.25), ... `loss_t75` [0.75, 1)),
@@ -76,9 +81,13 @@ from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
                                                  materialize_, parallelize)
+from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.progress import log
 
 NUM_BINS = 4
+# What stays out of FP8 under train.precision = "fp8" (the module docstring says why): pipeline.policies.apply_fp8 globs
+FP8_SKIP = ("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+            "norm_out.linear", "proj_out")
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
 
 
@@ -117,6 +126,7 @@ class ImagegenTask:
         rank, world_size = self.dist.rank, self.dist.world_size
         self.flow = cfg.flow.args()
         self.autocast = cfg.model.dtype != "float32"
+        check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         # fp32 master weights
         self.model = self._build_sharded() if sharded_init else self._wrap(
@@ -173,6 +183,7 @@ class ImagegenTask:
         (kept only for diffusers' layout, imagegen/model.py Attention). They never get a gradient, so AdamW
         never makes state for them, and a sharded resume would look for that state in the checkpoint.
         """
+        apply_precision(model, self.cfg.train, FP8_SKIP)  # FP8 linears first: the policies below wrap what runs
         for block in model.transformer_blocks:
             if block.attn.to_add_out is None:  # context_pre_only: no text output, no text queries
                 for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):

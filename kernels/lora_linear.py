@@ -67,6 +67,45 @@ def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
     return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
 
 
+def add_adapter_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                 mask: torch.Tensor | None, p: float, base_dtype: torch.dtype, adapter_dtype: torch.dtype) -> torch.Tensor:
+    """y [T, O] (the base's output, in base_dtype) += s · u Bᵀ in place; returns u = dropout(x) Aᵀ [T, r] in
+    adapter_dtype. Call with autocast off. Shared by the bf16 base here and the fp8 base (kernels/fp8_linear.py)."""
+    cb, ca = base_dtype, adapter_dtype
+    a, b = lora_a.to(ca), lora_b.to(ca)
+    u = _dropped(x.to(ca), mask, p) @ a.t()  # [T, r]
+    if ca == cb:
+        torch.addmm(y, u, b.t(), alpha=scale, out=y)  # y += s·u Bᵀ inside the matmul
+    else:
+        y += ((u @ b.t()) * scale).to(cb)  # PEFT's order: adapter product in its dtype, then cast
+    return u
+
+
+def adapter_backward(dy: torch.Tensor, dx_base: torch.Tensor | None, x: torch.Tensor, lora_a: torch.Tensor,
+                     lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float,
+                     need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The adapter's share of the backward for dy [T, O] (base dtype): (dx, dA, dB), unneeded ones empty.
+
+    dx_base [T, I] is the base's dY W (in dy's dtype; needed when need_x): g A is accumulated into it, then it is
+    cast to x.dtype. Call with autocast off.
+    """
+    cb, ca = dy.dtype, u.dtype
+    a, b = lora_a.to(ca), lora_b.to(ca)
+    dy_a = dy.to(ca)  # a no-op unless the adapter is fp32 on a bf16 base
+    g = (dy_a @ b).mul_(scale) if (need_x or need_a) else None  # [T, r]
+    db = (dy_a.t() @ u).mul_(scale).to(lora_b.dtype) if need_b else lora_b.new_empty(0)  # [O, r]
+    da = (g.t() @ _dropped(x.to(ca), mask, p)).to(lora_a.dtype) if need_a else lora_a.new_empty(0)  # [r, I]
+    dx = x.new_empty(0)
+    if need_x:
+        dx = dx_base
+        if mask is None and ca == cb:
+            torch.addmm(dx, g, a, out=dx)  # dx += g A inside the matmul
+        else:
+            dx += _dropped(g @ a, mask, p).to(cb)
+        dx = dx.to(x.dtype)
+    return dx, da, db
+
+
 # --- launchers ------------------------------------------------------------------------------------
 # torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the addmm
 # epilogue fusions and the skipped dW survive, and the compiled graph cannot reorder or re-derive them).
@@ -76,15 +115,10 @@ def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None, p: float, base_dtype: torch.dtype,
                     adapter_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, I] → (y [T, O] in base_dtype, u = dropout(x) Aᵀ [T, r] in adapter_dtype)."""
-    cb, ca = base_dtype, adapter_dtype
+    cb = base_dtype
     with torch.autocast(x.device.type, enabled=False):
         y = F.linear(x.to(cb), weight.to(cb), bias.to(cb) if bias is not None else None)  # [T, O]
-        a, b = lora_a.to(ca), lora_b.to(ca)
-        u = _dropped(x.to(ca), mask, p) @ a.t()  # [T, r]
-        if ca == cb:
-            torch.addmm(y, u, b.t(), alpha=scale, out=y)  # y += s·u Bᵀ inside the matmul
-        else:
-            y += ((u @ b.t()) * scale).to(cb)  # PEFT's order: adapter product in its dtype, then cast
+        u = add_adapter_(y, x, lora_a, lora_b, scale, mask, p, cb, adapter_dtype)
     return y, u
 
 
@@ -99,22 +133,9 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lor
                     lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float,
                     need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy [T, O] → (dx [T, I] in x.dtype, dA [r, I], dB [O, r] in the adapter weights' dtypes); unneeded ones empty."""
-    cb, ca = dy.dtype, u.dtype
-    a, b = lora_a.to(ca), lora_b.to(ca)
-    dy_a = dy.to(ca)  # a no-op unless the adapter is fp32 on a bf16 base
     with torch.autocast(x.device.type, enabled=False):
-        g = (dy_a @ b).mul_(scale) if (need_x or need_a) else None  # [T, r]
-        db = (dy_a.t() @ u).mul_(scale).to(lora_b.dtype) if need_b else lora_b.new_empty(0)  # [O, r]
-        da = (g.t() @ _dropped(x.to(ca), mask, p)).to(lora_a.dtype) if need_a else lora_a.new_empty(0)  # [r, I]
-        dx = x.new_empty(0)
-        if need_x:
-            dx = dy @ weight.to(cb)  # [T, I]; the frozen W gets no dW
-            if mask is None and ca == cb:
-                torch.addmm(dx, g, a, out=dx)  # dx += g A inside the matmul
-            else:
-                dx += _dropped(g @ a, mask, p).to(cb)
-            dx = dx.to(x.dtype)
-    return dx, da, db
+        dx_base = dy @ weight.to(dy.dtype) if need_x else None  # [T, I]; the frozen W gets no dW
+        return adapter_backward(dy, dx_base, x, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b)
 
 
 @lora_linear_bwd.register_fake
@@ -151,23 +172,62 @@ def _rank_slices(lora_bs: list[torch.Tensor]) -> list[slice]:
     return out
 
 
+def add_group_adapters_(ys: list[torch.Tensor], x: torch.Tensor, lora_as: Sequence[torch.Tensor],
+                        lora_bs: Sequence[torch.Tensor], scales: Sequence[float], base_dtype: torch.dtype,
+                        adapter_dtype: torch.dtype) -> torch.Tensor:
+    """ys[i] [T, O_i] (the bases' outputs, in base_dtype) += s_i · u_i B_iᵀ in place, with u = x [A_0; …]ᵀ [T, Σ r_i]
+    from one matmul (one pass over x for every adapter); returns u. No dropout. Call with autocast off. Shared by
+    the bf16 group here and the fp8 group (kernels/fp8_group.py)."""
+    cb, ca = base_dtype, adapter_dtype
+    u = x.to(ca) @ torch.cat([a.to(ca) for a in lora_as]).t()  # [T, Σr]
+    for y, b, s, cols in zip(ys, lora_bs, scales, _rank_slices(list(lora_bs))):
+        if ca == cb:
+            torch.addmm(y, u[:, cols], b.to(ca).t(), alpha=s, out=y)
+        else:
+            y += ((u[:, cols] @ b.to(ca).t()) * s).to(cb)
+    return u
+
+
+def group_adapter_backward(dys: Sequence[torch.Tensor], dx_base: torch.Tensor | None, x: torch.Tensor,
+                           lora_as: Sequence[torch.Tensor], lora_bs: Sequence[torch.Tensor], u: torch.Tensor,
+                           scales: Sequence[float], need_x: bool, need_adapters: bool) -> list[torch.Tensor]:
+    """The adapters' share of a group's backward: [dx, dA_0, …, dA_{M−1}, dB_0, …], unneeded ones empty.
+
+    dx_base [T, I] is the bases' Σ dy_i W_i in dys' dtype (needed when need_x): g [A_0; …] is accumulated into it,
+    then it is cast to x.dtype. Call with autocast off.
+    """
+    cb, ca = dys[0].dtype, u.dtype
+    slices = _rank_slices(list(lora_bs))
+    dy_a = [dy.to(ca) for dy in dys]
+    g = torch.cat([(d @ b.to(ca)).mul_(s) for d, b, s in zip(dy_a, lora_bs, scales)], dim=1)  # [T, Σr]
+    if need_adapters:
+        da = g.t() @ x.to(ca)  # [Σr, I]: every adapter's dA in one matmul
+        das = [da[cols].to(a.dtype, copy=True) for a, cols in zip(lora_as, slices)]  # outputs must not alias
+        dbs = [(d.t() @ u[:, cols]).mul_(s).to(b.dtype) for d, b, s, cols in zip(dy_a, lora_bs, scales, slices)]
+    else:
+        das, dbs = [a.new_empty(0) for a in lora_as], [b.new_empty(0) for b in lora_bs]
+    dx = x.new_empty(0)
+    if need_x:
+        dx = dx_base
+        a_all = torch.cat([a.to(ca) for a in lora_as])  # [Σr, I]
+        if ca == cb:
+            torch.addmm(dx, g, a_all, out=dx)
+        else:
+            dx += (g @ a_all).to(cb)
+        dx = dx.to(x.dtype)
+    return [dx] + das + dbs
+
+
 @torch.library.custom_op("atelier::lora_group_fwd", mutates_args=())
 def lora_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], scales: list[float], base_dtype: torch.dtype,
                    adapter_dtype: torch.dtype) -> list[torch.Tensor]:
     """x [T, I] → [y_0 [T, O_0], …, y_{M−1}, u [T, Σ r_i]] (u = x [A_0; …]ᵀ in adapter_dtype)."""
-    cb, ca = base_dtype, adapter_dtype
+    cb = base_dtype
     with torch.autocast(x.device.type, enabled=False):
         xb = x.to(cb)
-        u = x.to(ca) @ torch.cat([a.to(ca) for a in lora_as]).t()  # [T, Σr]: one pass over x for every adapter
-        ys = []
-        for w, b, s, cols in zip(weights, lora_bs, scales, _rank_slices(lora_bs)):
-            y = F.linear(xb, w.to(cb))  # [T, O_i]
-            if ca == cb:
-                torch.addmm(y, u[:, cols], b.to(ca).t(), alpha=s, out=y)
-            else:
-                y += ((u[:, cols] @ b.to(ca).t()) * s).to(cb)
-            ys.append(y)
+        ys = [F.linear(xb, w.to(cb)) for w in weights]  # [T, O_i]
+        u = add_group_adapters_(ys, x, lora_as, lora_bs, scales, cb, adapter_dtype)
     return ys + [u]
 
 
@@ -183,29 +243,14 @@ def lora_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch
                    lora_bs: list[torch.Tensor], u: torch.Tensor, scales: list[float], need_x: bool,
                    need_adapters: bool) -> list[torch.Tensor]:
     """dy_i [T, O_i] → [dx [T, I], dA_0, …, dA_{M−1}, dB_0, …, dB_{M−1}]; unneeded ones empty."""
-    cb, ca = dys[0].dtype, u.dtype
-    slices = _rank_slices(lora_bs)
+    cb = dys[0].dtype
     with torch.autocast(x.device.type, enabled=False):
-        dy_a = [dy.to(ca) for dy in dys]
-        g = torch.cat([(d @ b.to(ca)).mul_(s) for d, b, s in zip(dy_a, lora_bs, scales)], dim=1)  # [T, Σr]
-        if need_adapters:
-            da = g.t() @ x.to(ca)  # [Σr, I]: every adapter's dA in one matmul
-            das = [da[cols].to(a.dtype, copy=True) for a, cols in zip(lora_as, slices)]  # outputs must not alias
-            dbs = [(d.t() @ u[:, cols]).mul_(s).to(b.dtype) for d, b, s, cols in zip(dy_a, lora_bs, scales, slices)]
-        else:
-            das, dbs = [a.new_empty(0) for a in lora_as], [b.new_empty(0) for b in lora_bs]
-        dx = x.new_empty(0)
+        dx_base = None
         if need_x:
-            dx = dys[0] @ weights[0].to(cb)  # [T, I]; the frozen W get no dW
+            dx_base = dys[0] @ weights[0].to(cb)  # [T, I]; the frozen W get no dW
             for dy, w in zip(dys[1:], weights[1:]):
-                torch.addmm(dx, dy, w.to(cb), out=dx)  # dx += dy_i W_i inside the matmul
-            a_all = torch.cat([a.to(ca) for a in lora_as])  # [Σr, I]
-            if ca == cb:
-                torch.addmm(dx, g, a_all, out=dx)
-            else:
-                dx += (g @ a_all).to(cb)
-            dx = dx.to(x.dtype)
-    return [dx] + das + dbs
+                torch.addmm(dx_base, dy, w.to(cb), out=dx_base)  # dx += dy_i W_i inside the matmul
+        return group_adapter_backward(dys, dx_base, x, lora_as, lora_bs, u, scales, need_x, need_adapters)
 
 
 @lora_group_bwd.register_fake
@@ -345,7 +390,13 @@ def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """Plain PyTorch in fp32, cast back to the base compute dtype (autocast's, else x.dtype). mask: bool keep-mask."""
     out_dtype = _compute_dtypes(x, lora_a)[0]
     with torch.autocast(x.device.type, enabled=False):
-        xf = x.float()
-        y = F.linear(xf, weight.float(), bias.float() if bias is not None else None)
-        y = y + F.linear(F.linear(_dropped(xf, mask, p), lora_a.float()), lora_b.float()) * scale
+        y = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+        y = y + lora_adapter_ref(x, lora_a, lora_b, scale, mask, p)
     return y.to(out_dtype)
+
+
+def lora_adapter_ref(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+    """The adapter term s · (dropout(x) Aᵀ) Bᵀ in fp32 (plain PyTorch, autograd): lora_linear_ref's, and the fp8
+    base's reference (kernels/fp8_linear.py). Call with autocast off."""
+    return F.linear(F.linear(_dropped(x.float(), mask, p), lora_a.float()), lora_b.float()) * scale

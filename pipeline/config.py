@@ -88,6 +88,13 @@ class TrainConfig:
     resume: str = "auto"  # "auto" (newest checkpoint in output.dir), "never", or a checkpoint path
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
     peak_tflops: float = 0.0  # override the detected device peak for MFU; 0 = detect
+    # the linears' matmuls: "bf16" computes them in model.dtype as nn.Linear does; "fp8" swaps them for FP8 ones
+    # (kernels/fp8_linear.py: CUDA compute capability >= 8.9; on a CPU the fp32 fake-quantised reference), except
+    # the LM head, norms and what each trainer keeps (its task's docstring says which)
+    precision: Literal["bf16", "fp8"] = "bf16"
+    # with precision "fp8": "rowwise" (E4M3 everywhere, a scale per row of each GEMM operand) or "tensorwise"
+    # (E4M3 forward, E5M2 gradients, one scale per tensor); torchtitan's float8 recipes
+    fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:

@@ -1,0 +1,67 @@
+"""The designer trainer with `train.precision = "fp8"` on the CPU (the fake-quantised reference): full fine-tuning
+and LoRA learn, the checkpoint and the exports hold the same tensors as a bf16 run's, and resume is exact."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from atelier_studio.flows.cli import main
+from tests.designer.test_train import train_args, train_losses
+
+
+def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name → (dtype, shape) of a safetensors file."""
+    with safe_open(str(path), framework="pt") as f:
+        return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+
+
+@pytest.mark.parametrize("lora, drop", [("0", 0.8), ("4", 0.95)])  # 24 steps: rank 4 learns more slowly
+def test_fp8_run_learns_and_saves_what_bf16_saves(world, tmp_path, lora, drop):
+    fp8_out, bf16_out = tmp_path / "fp8", tmp_path / "bf16"
+    common = ("--set", f"lora.rank={lora}", "--set", "train.lr=3e-3", "--set", "train.warmup_steps=3",
+              "--set", "train.save_every=24")
+    assert main(train_args(world, fp8_out, *common, "--set", "train.max_steps=24", "--set", "train.precision=fp8",
+                           "--set", "train.fp8_recipe=rowwise")) == 0
+    losses = [l for _, l in train_losses(fp8_out)]
+    assert sum(losses[-5:]) / 5 < drop * sum(losses[:5]) / 5, losses  # it learns
+    assert main(train_args(world, bf16_out, *common, "--set", "train.max_steps=1", "--set", "train.warmup_steps=1")) == 0
+    bf16_losses = [l for _, l in train_losses(bf16_out)]
+    assert bf16_losses[0] != losses[0]  # the first step's loss differs: the fp8 run really quantised
+    for rel in ("checkpoints/step-24/model.safetensors", "adapter/adapter_model.safetensors" if lora != "0"
+                else "model/model.safetensors"):
+        other = rel.replace("step-24", "step-1")
+        assert _tensors(fp8_out / rel) == _tensors(bf16_out / other), rel
+    cfg = (fp8_out / "config.toml").read_text()
+    assert 'precision = "fp8"' in cfg and 'fp8_recipe = "rowwise"' in cfg
+
+
+def test_fp8_resume_is_exact(world, tmp_path):
+    """Stop at step 2 (a checkpoint), run again to step 4: the losses equal one uninterrupted fp8 run's (constant
+    schedule, so the stop does not change the learning rates)."""
+    args = ("--set", "lora.rank=4", "--set", "train.schedule=constant", "--set", "train.warmup_steps=0",
+            "--set", "train.precision=fp8", "--set", "train.fp8_recipe=tensorwise", "--set", "train.save_every=2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(train_args(world, straight, *args, "--set", "train.max_steps=4")) == 0
+    assert main(train_args(world, split, *args, "--set", "train.max_steps=2")) == 0
+    assert main(train_args(world, split, *args, "--set", "train.max_steps=4")) == 0
+    assert train_losses(split)[-2:] == train_losses(straight)[-2:]
+    assert [s for s, _ in train_losses(straight)] == [1, 2, 3, 4]
+
+
+def test_fp8_refused_under_torchrun_names_the_key(world, tmp_path, monkeypatch, capsys):
+    """Several processes: exit 2 with one line naming train.precision (checked before any model is loaded)."""
+    from atelier_studio.designer import task as designer_task
+    from atelier_studio.pipeline.distributed import DistContext
+
+    real = designer_task.DesignerTask.__init__
+
+    def as_rank(self, cfg, device, dist=None):
+        real(self, cfg, device, DistContext(device=device, rank=0, world_size=2, enabled=True))
+
+    monkeypatch.setattr(designer_task.DesignerTask, "__init__", as_rank)
+    code = main(train_args(world, tmp_path / "dist", "--set", "train.precision=fp8", "--set", "train.max_steps=1"))
+    assert code == 2
+    assert 'train.precision = "fp8"' in capsys.readouterr().err
