@@ -172,6 +172,25 @@ def apply_lora(model: Model, args: LoraArgs) -> Model:
     return model
 
 
+def lora_init_like(layers: list[tuple[str, nn.Linear]], args: LoraArgs,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """The adapter weights wrapping `layers` (full name, base linear) in this order would draw: {name.lora_A.weight,
+    name.lora_B.weight: tensor}. What a sharded (meta-device) build fills its adapters from, so it starts from the
+    adapter a one-process run with the same seed starts from.
+
+    Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
+    nothing), so the draws are exactly apply_lora's; the stand-in is one linear at a time. Adapters are small:
+    every rank draws all of them and keeps its rows.
+    """
+    out = {}
+    for name, base in layers:
+        stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
+        lora = LoRALinear(stand_in, args)
+        out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
+        out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
+    return out
+
+
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapter weights (lora_A, lora_B of every LoRALinear), in module order."""
     return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]

@@ -54,7 +54,7 @@ from atelier_studio.pipeline.atomic import ensure_dir
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
-from atelier_studio.pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
+from atelier_studio.pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, format_samples_line, log
 from atelier_studio.pipeline.task import Task
 
 
@@ -106,6 +106,7 @@ class _Silent:
     """Stands in for the progress bar and metric logs on ranks other than 0."""
 
     def write(self, record: dict[str, Any]) -> None: ...
+    def image(self, tag: str, path: Path, step: int) -> None: ...
     def update(self, step: int, record: dict[str, Any]) -> None: ...
     def message(self, text: str) -> None: ...
     def close(self) -> None: ...
@@ -347,6 +348,7 @@ class Trainer:
         batches = self.task.train_batches()
         per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
+        render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
         evaluated_step = -1
@@ -399,6 +401,11 @@ class Trainer:
                     tb.write(record)
                     bar.update(self.step, record)
 
+                rendered = render(self.step) if render is not None else None
+                if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
+                    tb.image("samples", rendered.path, self.step)
+                    bar.message(format_samples_line(self.step, cfg.max_steps, rendered))
+                    meter.restart_clock()  # rendering is not training time
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     self._evaluate(metrics, tb, bar)
                     evaluated_step = self.step
