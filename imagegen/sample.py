@@ -141,9 +141,12 @@ def run_meta(cfg) -> dict:
     text["encoder"] = str(Path(encoder).resolve()) if encoder else str(default_text_encoder_path())
     from atelier_studio.imagegen.hf import resolve_dir
 
+    try:  # the transformer a LoRA run's adapters apply to (a pipeline's transformer/)
+        base = resolve_dir(cfg.model.path)
+    except FileNotFoundError:  # a config read for its settings only: sampling a LoRA names the path if it matters
+        base = Path(cfg.model.path)
     return {"autoencoder": spec, "text": text, "resolution": cfg.data.resolution,
-            "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype,
-            "base_model": str(resolve_dir(cfg.model.path).resolve())}
+            "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype, "base_model": str(base.resolve())}
 
 
 def write_run_meta(out_dir: Path, cfg) -> Path:
