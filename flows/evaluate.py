@@ -397,13 +397,19 @@ def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str 
     return judge_task(captions, images, str(out_dir), str(clip or ""))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.evaluate", description="run the brief-to-image-eval flow")
-    p.add_argument("--designer", required=True)
-    p.add_argument("--imagegen", required=True)
-    p.add_argument("--briefs", required=True)
+def chain_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of a flow over briefs: --designer, --imagegen, --briefs, --out, --seed (evaluate, render)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--designer", required=True, help="a designer model, adapter or run directory")
+    p.add_argument("--imagegen", required=True, help="what `atelier imagegen sample --model` takes, or a run directory")
+    p.add_argument("--briefs", required=True, help=".txt (one brief per line) or .jsonl ({\"brief\": ...} per line)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
     p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
     args = p.parse_args(argv)
     from atelier_studio.flows.serve import require_server

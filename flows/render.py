@@ -14,7 +14,6 @@ takes (a model, adapter or run directory; a transformer, LoRA, pipeline or run d
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,8 +21,9 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from atelier_studio.flows.evaluate import (GRID_MAX_IMAGES, captions_task, images_task, read_briefs, read_captions,
-                                           render_images, resolve_designer, resolve_imagegen, write_captions)
+from atelier_studio.flows.evaluate import (GRID_MAX_IMAGES, captions_task, chain_parser, images_task, read_briefs,
+                                           read_captions, render_images, resolve_designer, resolve_imagegen,
+                                           write_captions)
 from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
 from atelier_studio.pipeline.atomic import atomic_write_text
 
@@ -90,12 +90,7 @@ def render_briefs(designer: str, imagegen: str, briefs: str, out_dir: str = "run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.render", description="run the render-briefs flow")
-    p.add_argument("--designer", required=True)
-    p.add_argument("--imagegen", required=True)
-    p.add_argument("--briefs", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p = chain_parser("python -m flows.render", "run the render-briefs flow")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)

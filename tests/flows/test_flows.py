@@ -36,8 +36,9 @@ def artifact_versions(flow_run_id) -> list:
     from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
-        return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     sort=ArtifactSort.CREATED_ASC)
+        newest_first = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                             sort=ArtifactSort.CREATED_DESC)
+    return newest_first[::-1]
 
 
 def artifacts_of(flow_run_id) -> dict[str, dict]:

@@ -386,3 +386,54 @@ def test_lora_resume_is_exact_and_the_base_stays_bf16_frozen(tmp_path, tmp_path_
         else:
             assert p.dtype == torch.bfloat16 and not p.requires_grad, n
     assert isinstance(task.model.transformer_blocks[0].attn.to_q, LoRALinear)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_lora_on_cuda_is_as_close_to_fp32_as_diffusers_with_peft():
+    """What the trainer runs on a GPU: the frozen base in bf16, fp32 adapters computed in bf16 under autocast, per-block
+    compiled around the fused LoRA and Triton kernels. Its output and every adapter gradient against the same model
+    in fp32 are within FlashAttention's rule (2x the error of diffusers + PEFT doing the same in bf16, plus one
+    rounding at the result's scale: tests/kernels/_compare.py)."""
+    from peft import LoraConfig
+
+    from atelier_studio.pipeline.policies import compile_blocks
+    from tests.kernels._compare import assert_error_within
+
+    args = dataclasses.replace(SD35_TINY, num_heads=4, head_dim=64, caption_projection_dim=256)
+    lora, names = LoraArgs(rank=8, alpha=16.0), FAMILY.lora_targets  # every attention and feed-forward linear
+    exact = lora_model(args, lora, names).cuda()  # fp32, plain references
+    x = [t.cuda() for t in inputs(args, 32, 32, B=3, L=20)]
+
+    def adapters_from(model, key):
+        return {n: (key(n, "A"), key(n, "B")) for n in lora_layers(model)}
+
+    fast = MMDiT(dataclasses.replace(args, kernels="triton")).cuda()
+    fast.load_state_dict(reference(args).state_dict(), strict=True)
+    fast.to(torch.bfloat16)
+    apply_lora(fast, lora, list(lora_layers(exact)))
+    peft = reference(args).cuda().to(torch.bfloat16).requires_grad_(False)
+    peft.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora_layers(exact))))
+    theirs = dict(peft.named_parameters())
+    with torch.no_grad():
+        for name, m in lora_layers(exact).items():
+            for ab in "AB":
+                src = getattr(m, f"lora_{ab}").weight
+                getattr(lora_layers(fast)[name], f"lora_{ab}").weight.copy_(src)
+                theirs[f"{name}.lora_{ab}.default.weight"].data = src.detach().clone()  # fp32, as diffusers casts
+    compile_blocks(fast)
+    results = {}
+    for label, model, call in (("exact", exact, lambda: exact(*x)), ("fast", fast, lambda: fast(*x)),
+                               ("peft", peft, lambda: peft(*x).sample)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=label != "exact"):
+            out = call()
+        out.float().square().mean().backward()
+        named = dict(model.named_parameters())
+        key = (lambda n, ab: named[f"{n}.lora_{ab}.default.weight"].grad) if label == "peft" else \
+            (lambda n, ab: named[f"{n}.lora_{ab}.weight"].grad)
+        results[label] = (out.float(), adapters_from(exact, key))
+    assert_error_within(results["fast"][0], results["exact"][0], results["peft"][0], "output", dtype=torch.bfloat16)
+    for name, (ga, gb) in results["exact"][1].items():
+        for i, ab in enumerate("AB"):
+            assert_error_within(results["fast"][1][name][i], (ga, gb)[i], results["peft"][1][name][i],
+                                f"{name} d{ab}", dtype=torch.bfloat16)
