@@ -8,7 +8,8 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
   streams4   as run, with the data read as 4 streams: each rank holds 2 and runs their chunks one by one
   lora       as run, LoRA rank 4 on a frozen base (meta-device init: every rank draws the adapters as one
-             process does and keeps its rows)
+             process does and keeps its rows); the base is the world's model with every weight perturbed, since
+             AdaLN-Zero's zero gates would keep the attention, and so the adapters, out of the loss
 and the tests run the one-process twins here (1 rank x micro_batch 8 over the same 2 data streams: the same
 images and draws each step, as 2 chunks of 4)
 and compare losses and gradient norms (fp32, 1e-5), evaluation metrics, the exported transformer/ and ema/,
@@ -48,6 +49,21 @@ ONE = ("train.micro_batch=8",)
 LORA = ("lora.rank=4", "lora.alpha=8")
 
 
+def lora_base(world: Path) -> Path:
+    """The world's tiny MMDiT with every weight perturbed (non-zero gates: the attention reaches the loss)."""
+    from atelier_studio.imagegen.hf import load_pretrained, save_pretrained
+
+    out = world / "model-perturbed"
+    if not (out / "config.json").is_file():
+        model = load_pretrained(world / "model")
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        save_pretrained(model, out, dtype=torch.float32)
+    return out
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     return build_world(tmp_path_factory.getbasetemp() / "imagegen-world")
@@ -75,7 +91,7 @@ def two(world, tmp_path_factory) -> Path:
         "cut_resumed": cli_args(world, d / "cut", *COMMON, *TWO),
         "full_init": cli_args(world, d / "full_init", *COMMON, *TWO, "train.distributed.init=full"),
         "streams4": cli_args(world, d / "streams4", *COMMON, *TWO, "data.streams=4"),
-        "lora": cli_args(world, d / "lora", *COMMON, *TWO, *LORA),
+        "lora": cli_args(world, d / "lora", *COMMON, *TWO, *LORA, f"model.path={lora_base(world)}"),
     }, d)
     return d
 
@@ -181,7 +197,7 @@ def test_lora_on_two_processes_equals_one(world, two, tmp_path):
     from atelier_studio.imagegen.lora import LORA_FILE
 
     out = tmp_path / "one-lora"
-    assert main(cli_args(world, out, *COMMON, *ONE, *LORA)) == 0
+    assert main(cli_args(world, out, *COMMON, *ONE, *LORA, f"model.path={lora_base(world)}")) == 0
     assert_same_losses(out, two / "lora", range(1, 5))
     for name in ("lora", "lora_ema"):
         ta, tb = load_file(str(out / name / LORA_FILE)), load_file(str(two / "lora" / name / LORA_FILE))
