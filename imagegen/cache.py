@@ -35,7 +35,8 @@ from atelier_studio.data.shards import INDEX_NAME, ShardReader, read_index, writ
 from atelier_studio.imagegen.autoencoder import load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.hf import read_args
-from atelier_studio.imagegen.text import TextEncoder, load_text_encoder
+from atelier_studio.imagegen.sd3_text import load_text_encoder
+from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.atomic import atomic_write_text
 from atelier_studio.pipeline.progress import log
 

@@ -72,15 +72,6 @@ class TrainResult:
     signal: int | None = None
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"train.device = {spec!r} but CUDA is not available on this machine")
-    return device
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -481,4 +472,4 @@ def exit_code(result: TrainResult) -> int:
     return 0 if result.signal is None else 128 + result.signal
 
 
-__all__ = ["Trainer", "TrainResult", "TrainingError", "resolve_device", "seed_everything", "lr_factor", "exit_code"]
+__all__ = ["Trainer", "TrainResult", "TrainingError", "seed_everything", "lr_factor", "exit_code"]
