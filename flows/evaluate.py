@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
     p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.evaluate")
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, clip=args.clip)
