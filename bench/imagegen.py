@@ -62,12 +62,12 @@ from torch import nn
 from atelier_studio.bench.env import clocks, environment, matmul_tflops
 from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
                            train_step, write_report)
-from atelier_studio.designer.lora import LoraArgs
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.lora import apply_lora, lora_layers, target_modules
+from atelier_studio.imagegen.lora import apply_lora, target_modules
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
 from atelier_studio.imagegen.registry import family_of_args, family_of_size
+from atelier_studio.pipeline.lora import LoraArgs, lora_layers
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")

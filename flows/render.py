@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.render")
     result = render_briefs(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,

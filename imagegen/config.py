@@ -203,11 +203,11 @@ class LoraConfig:
         if self.init_adapter and self.rank == 0:
             raise ConfigError("init_adapter: set lora.rank to the adapter's rank (rank 0 is full fine-tuning)")
 
-    def args(self):  # -> designer.lora.LoraArgs (the layer settings; the targets are resolved by imagegen/lora.py)
-        from atelier_studio.designer.lora import LoraArgs
+    def args(self):  # -> pipeline.lora.LoraArgs (the targets as given; the task resolves them against the family)
+        from atelier_studio.pipeline.lora import LoraArgs
 
         return LoraArgs(rank=self.rank, alpha=self.alpha or float(self.rank), dropout=self.dropout,
-                        rslora=self.rslora, dtype=self.dtype)
+                        targets=self.targets, rslora=self.rslora, dtype=self.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """LoRA for the MMDiT (Hu et al. 2021, arXiv:2106.09685), saved as the file `StableDiffusion3Pipeline.load_lora_weights`
 reads.
 
-The layers are the designer's (designer/lora.py LoRALinear over kernels/lora_linear.py): a frozen base linear,
-A [r, I] kaiming-uniform and B [O, r] zeros (a fresh adapter is the identity), y = base(x) + s · B A dropout(x),
-s = alpha / r (alpha / √r with rslora); no weight gradient for the base, the adapters in `lora.dtype` and, under
-bf16 autocast, computed in bf16. LoRALinear reads rank, alpha, dropout, rslora and dtype from its LoraArgs; the
-MMDiT's targets are resolved here, against its family's `lora_targets` (imagegen/family.py), so those args carry
-none.
+The layers are the ones both trainers share (pipeline/lora.py LoRALinear over kernels/lora_linear.py): a frozen
+base linear, A [r, I] kaiming-uniform and B [O, r] zeros (a fresh adapter is the identity), y = base(x) + s · B A
+dropout(x), s = alpha / r (alpha / √r with rslora); no weight gradient for the base, the adapters in `lora.dtype`
+and, under bf16 autocast, computed in bf16. The MMDiT's target names are resolved against its family's
+`lora_targets` (imagegen/family.py) into the module paths inside a block that `target_modules` wraps.
 
 Targets are module paths inside a joint block, diffusers' names (attn.to_q … attn.to_add_out, attn2.* in SD3.5's
 dual-attention blocks, ff.net.0.proj, ff.net.2, ff_context.*). A block gets the ones it has: the last block has no
@@ -30,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from atelier_studio.designer.lora import LoraArgs, LoRALinear
 from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.lora import LoraArgs, LoRALinear, lora_layers
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
@@ -47,14 +46,14 @@ def lora_impl(kernels: str) -> str:
 
 def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     """Full names of the linears `targets` (block paths, already resolved by the family) wrap, block by block, in
-    module order. The last block's text-query projection is left out: its output is never used."""
+    module order. A block's `unused_linears` (the MMDiT's last text-query projection, never applied) are left out."""
     family = family_of_args(model.args)
     names = {m: n for n, m in model.named_modules()}
     out = []
     for block in family.blocks(model):
-        dead = "attn.add_q_proj" if getattr(block.attn, "to_add_out", True) is None else None
+        unused = getattr(block, "unused_linears", ())
         for path in targets:
-            if path == dead:
+            if path in unused:
                 continue
             try:
                 module = block.get_submodule(path)
@@ -80,11 +79,6 @@ def apply_lora(model: nn.Module, args: LoraArgs, modules: list[str]) -> nn.Modul
         owner = model.get_submodule(parent)
         setattr(owner, leaf, LoRALinear(getattr(owner, leaf), args, impl))
     return model
-
-
-def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """{full module name: LoRALinear} of a model with LoRA applied, in module order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def lora_state_dict(model: nn.Module, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

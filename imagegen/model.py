@@ -388,6 +388,11 @@ class JointBlock(nn.Module):
         self.ff = FeedForward(d)
         self.ff_context = None if context_pre_only else FeedForward(d)
 
+    @property
+    def unused_linears(self) -> tuple[str, ...]:
+        """Linears kept for diffusers' layout that the forward never applies: the last block's text queries."""
+        return ("attn.add_q_proj",) if self.context_pre_only else ()
+
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor):
         """x [B, N, D], ctx [B, L, D], c [B, D] -> (ctx [B, L, D] or None, x [B, N, D])."""
         impl = self.impl

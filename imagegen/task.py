@@ -71,7 +71,6 @@ from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolv
 from atelier_studio.imagegen.cache import CACHE_META, cache_split
 from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
-from atelier_studio.designer.lora import LoraArgs, lora_init_like
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.lora import (LORA_FILE, apply_lora, load_lora, lora_layers, read_lora, save_lora,
@@ -87,7 +86,8 @@ from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
                                                  materialize_, parallelize)
-from atelier_studio.pipeline.float8 import apply_precision, check_precision
+from atelier_studio.pipeline.float8 import PRECISION_KEY, apply_precision, check_precision
+from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
 from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Samples
 
@@ -192,6 +192,9 @@ class ImagegenTask:
         lc = self.cfg.lora
         if lc.rank == 0:
             return None, ()
+        if self.cfg.train.precision == "fp8":  # the MMDiT's LoRA layers have no FP8 base yet
+            raise ConfigError(f"{PRECISION_KEY} = \"fp8\" trains the MMDiT with full fine-tuning only; with lora.rank "
+                              f"> 0 use train.precision = \"bf16\"")
         family = family_of_args(read_args(self.cfg.model.path))
         try:
             targets = family.resolve_lora_targets(lc.targets)

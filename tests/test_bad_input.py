@@ -224,9 +224,9 @@ def imagegen_lora_train(tmp: Path, *sets: str, adapter_rank: int = 0) -> list[st
     LoRA file of that rank for it at tmp/adapter. The checks under test run before any data is read."""
     import torch
 
-    from atelier_studio.designer.lora import LoraArgs
     from atelier_studio.imagegen.hf import init_random, load_pretrained
     from atelier_studio.imagegen.lora import apply_lora, save_lora, target_modules
+    from atelier_studio.pipeline.lora import LoraArgs
 
     init_random("tiny", tmp / "mmdit", dtype=torch.float32)
     if adapter_rank:
@@ -317,6 +317,8 @@ CASES = [
     Case("imagegen-lora-init-adapter-of-another-rank",
          lambda t, w: imagegen_lora_train(t, f"lora.init_adapter={t / 'adapter'}", adapter_rank=8),
          ("lora.init_adapter", "{tmp}/adapter has rank 8", "lora.rank = 8"), absent=("run",)),
+    Case("imagegen-lora-with-fp8", lambda t, w: imagegen_lora_train(t, "train.precision=fp8"),
+         ("train.precision", "full fine-tuning only", "lora.rank", "bf16"), absent=("run",)),
     Case("sd3-pipeline-without-t5",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
          ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),

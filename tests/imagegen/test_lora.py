@@ -32,12 +32,11 @@ from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from atelier_studio.designer.lora import LoraArgs, LoRALinear
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss
-from atelier_studio.imagegen.lora import (LORA_FILE, apply_lora, load_lora, lora_layers, read_lora, save_lora,
-                                          target_modules)
+from atelier_studio.imagegen.lora import LORA_FILE, apply_lora, load_lora, read_lora, save_lora, target_modules
 from atelier_studio.imagegen.model import FAMILY, LORA_ATTENTION, MMDiT
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.lora import LoraArgs, LoRALinear, lora_layers
 from tests.imagegen._sd3 import MAX_SEQUENCE_LENGTH, RESOLUTION, SD3_CONFIG, build_pipeline, build_shards, load_pipeline
 from tests.imagegen.test_model import SD3_TINY, SD35_TINY, diffusers_kwargs, inputs, reference, rel_err
 from tests.imagegen.test_sd3_pipeline import GUIDANCE, PROMPTS, SEED, STEPS, run_cli, sets
