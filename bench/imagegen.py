@@ -1,12 +1,14 @@
 """Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
 
-    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
-        [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
-        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
+    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
+        [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--steps 10 --warmup 3]
+        [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--kernels auto|triton|ref]
+        [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
 L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, SD3 uses no text mask), E = 4096 text
-width, P = 2048 pooled width, D = 1536 model dim.
+width, P = 2048 pooled width, D = 1536 model dim. sd3.5-medium-1024 is SD3.5-medium's MMDiT-X: dual attention
+(a second, image-only attention) in blocks 0-12 and QK RMSNorm.
 
 Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
 make the blocks identities and the timing meaningless); every run (Atelier, each peer, each ablation) copies them
@@ -30,6 +32,14 @@ image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MF
 bf16 matmul rate measured in this run. Loader: images/s of the trainer's own streaming loader
 (data/latent_stream.LatentStream with `--loader-workers` loader threads), batched and moved to the device,
 against the training rate (target ≥ 10×).
+
+LoRA (`--lora RANK`): the frozen base stays in bf16 (the weights drawn once, shared by every run: nothing updates
+them), adapters of rank RANK and alpha RANK on every attention projection (imagegen/lora.py's default targets),
+fp32 and computed in bf16 under autocast; A and B are drawn once (B random too, so the runs' losses compare
+something) and copied into every run. Atelier: imagegen/lora.py's layers (kernels/lora_linear.py's fused
+Function). Peers: the same diffusers models with PEFT adapters on the same modules (`add_adapter`), cast to fp32 as
+diffusers' scripts do (cast_training_params). FLOPs: 4·N + 6·N_lora (MMDiT.train_flops: the frozen base gets no
+weight gradient); `mfu_6n` is the full fine-tune's count over the same time, what most peers quote.
 """
 
 from __future__ import annotations
@@ -54,8 +64,10 @@ from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, gu
                            train_step, write_report)
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
+from atelier_studio.imagegen.lora import apply_lora, target_modules
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
-from atelier_studio.imagegen.registry import family_of_size
+from atelier_studio.imagegen.registry import family_of_args, family_of_size
+from atelier_studio.pipeline.lora import LoraArgs, lora_layers
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
@@ -75,6 +87,7 @@ class BenchConfig:
     lr: float = 1e-5
     shard_samples: int = 256      # samples written for the loader measurement (~3.3 MB each at 333 x 4096 bf16)
     shard_size: int = 16          # samples per shard
+    model: MMDiTArgs | None = None  # explicit args instead of the size's (the tiny runs: tiny_config)
 
     @property
     def latent_side(self) -> int:
@@ -84,6 +97,7 @@ class BenchConfig:
 CONFIGS = {
     "sd3-medium-1024": BenchConfig("sd3-medium", 1024, 333, (8, 16, 24)),
     "sd3-medium-512": BenchConfig("sd3-medium", 512, 333, (16, 32, 64)),
+    "sd3.5-medium-1024": BenchConfig("sd3.5-medium", 1024, 333, (8, 16, 24)),
 }
 
 
@@ -98,13 +112,17 @@ class Variant:
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
-    """The same code path at CPU size: the tiny MMDiT, an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
-    return dataclasses.replace(cfg, size="tiny", resolution=64, text_tokens=7, batches=(1, 2), shard_samples=8,
-                               shard_size=2)
+    """The same code path at CPU size: the tiny MMDiT with the real size's architecture (SD3.5's QK RMSNorm and dual
+    attention in its first block), an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
+    real, family = model_args(cfg), family_of_size(cfg.size)
+    tiny = family.args_of_size(family.tiny_size, qk_norm=real.qk_norm,
+                               dual_attention_layers=(0,) if real.dual_attention_layers else ())
+    return dataclasses.replace(cfg, size=family.tiny_size, resolution=64, text_tokens=7, batches=(1, 2),
+                               shard_samples=8, shard_size=2, model=tiny)
 
 
 def model_args(cfg: BenchConfig) -> MMDiTArgs:
-    return family_of_size(cfg.size).args_of_size(cfg.size)
+    return cfg.model if cfg.model is not None else family_of_size(cfg.size).args_of_size(cfg.size)
 
 
 def image_tokens(cfg: BenchConfig, args: MMDiTArgs) -> int:
@@ -162,6 +180,30 @@ def make_batches(cfg: BenchConfig, args: MMDiTArgs, batch: int, count: int, devi
     return out
 
 
+@dataclass(frozen=True)
+class Lora:
+    """The LoRA runs' adapters: the layer settings, the wrapped modules and their A, B (drawn once, fp32)."""
+
+    args: LoraArgs
+    modules: tuple[str, ...]
+    weights: dict[str, torch.Tensor]  # "<module>.lora_A.weight" / ".lora_B.weight"
+
+
+def make_lora(args: MMDiTArgs, rank: int, device: torch.device, seed: int) -> Lora:
+    """Rank-`rank` adapters (alpha = rank) on the family's default targets; A ~ N(0, 1/I), B ~ N(0, 0.01²)."""
+    with torch.device("meta"):
+        meta = MMDiT(args)
+    modules = target_modules(meta, family_of_args(args).default_lora_targets)
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name in modules:
+        lin = meta.get_submodule(name)
+        weights[f"{name}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g, device=device) \
+            / lin.in_features**0.5
+        weights[f"{name}.lora_B.weight"] = 0.01 * torch.randn(lin.out_features, rank, generator=g, device=device)
+    return Lora(LoraArgs(rank=rank, alpha=float(rank)), tuple(modules), weights)
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 @dataclass
@@ -186,11 +228,19 @@ def _fp32_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float().clone() for k, v in sd.items()}
 
 
-def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
+def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora | None = None) -> Run:
+    """Full fine-tuning: fp32 master copies of the weights. LoRA: the shared frozen base as it is (bf16, or fp32 for
+    exact runs) with imagegen/lora.py's layers holding fp32 copies of the drawn adapters."""
     with torch.device("meta"):
         model = MMDiT(dataclasses.replace(args, kernels=v.kernels, attention=v.attention))
-    model.load_state_dict(_fp32_copy(sd), assign=True)
+    model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True)
     model.train().requires_grad_(True)
+    if lora is not None:
+        apply_lora(model, lora.args, list(lora.modules))  # freezes the base
+        with torch.no_grad():
+            for name, m in lora_layers(model).items():
+                m.lora_A.weight.copy_(lora.weights[f"{name}.lora_A.weight"])
+                m.lora_B.weight.copy_(lora.weights[f"{name}.lora_B.weight"])
     last = model.transformer_blocks[-1].attn  # no text queries in the last block (imagegen/task.py _wrap)
     for m in (last.add_q_proj, last.norm_added_q):
         if m is not None:
@@ -201,15 +251,26 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
     return Run(model, model, params, v.fused_adamw, autocast=not exact)
 
 
-def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool) -> Run:
-    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights."""
+def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None) -> Run:
+    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights; with `lora`,
+    PEFT adapters on the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B."""
     from diffusers import SD3Transformer2DModel  # ImportError → the peer is reported as skipped
 
     kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):
         model = SD3Transformer2DModel(**kwargs)
-    model.load_state_dict(_fp32_copy(sd), assign=True, strict=True)
+    model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True, strict=True)
     model.train().requires_grad_(True)
+    if lora is not None:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=lora.args.rank, lora_alpha=lora.args.alpha, target_modules=list(lora.modules),
+                                     init_lora_weights=True))
+        named = dict(model.named_parameters())
+        for key, value in lora.weights.items():  # fp32 adapters (diffusers' cast_training_params), the same values
+            module, ab = key.rsplit(".lora_", 1)
+            named[f"{module}.lora_{ab.split('.')[0]}.default.weight"].data = value.float().clone()
     if name == "diffusers-compiled" and not exact:
         compile_blocks(model)
     dev = next(model.parameters()).device
@@ -253,12 +314,11 @@ def profile_run(build: Callable[[], Run], batches: list[ImageBatch], lr: float, 
     return profile_table(train_step(run.loss, batches, opt), 3, path)
 
 
-def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
-    """Milliseconds of one EMA update over all trainable weights: imagegen.ema's one foreach lerp vs the
-    per-tensor reference loop (the trainer runs it after every optimizer step)."""
-    with torch.device("meta"):
-        model = MMDiT(args)
-    model.load_state_dict(_fp32_copy(sd), assign=True)
+def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, lora: Lora | None = None,
+               repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of one EMA update over all trainable weights (the adapters, with `lora`): imagegen.ema's one
+    foreach lerp vs the per-tensor reference loop (the trainer runs it after every optimizer step)."""
+    model = build_atelier(args, sd, Variant(compile=False), exact=True, lora=lora).model
     ema = EMA(model, decay=0.9999)
     shadow = dict(zip(ema.names, ema.shadow))
     params = dict(model.named_parameters())
@@ -333,9 +393,12 @@ def _sample_bytes(cfg: BenchConfig, args: MMDiTArgs) -> int:
 # ------------------------------------------------------------------------------------------------ the bench
 
 def _summary(r: dict[str, Any], batch: int, mt: float | None) -> dict[str, Any]:
-    return {"images_per_s": r["images_per_s"], "images_per_s_min": r["images_per_s_min"],
-            "images_per_s_max": r["images_per_s_max"], "mfu": r["mfu"],
-            "mfu_matmul": r["tflops"] / mt if mt else None, "peak_gb": r["peak_gb"], "batch": batch}
+    out = {"images_per_s": r["images_per_s"], "images_per_s_min": r["images_per_s_min"],
+           "images_per_s_max": r["images_per_s_max"], "mfu": r["mfu"],
+           "mfu_matmul": r["tflops"] / mt if mt else None, "peak_gb": r["peak_gb"], "batch": batch}
+    if "mfu_6n" in r:
+        out["mfu_6n"] = r["mfu_6n"]
+    return out
 
 
 def attempt(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
@@ -359,7 +422,8 @@ def _best(runs: dict[str, dict[str, Any]]) -> str | None:
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
           ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
-          seed: int = 0, profile_path: Path | None = None, attention: str = "auto") -> dict[str, Any]:
+          seed: int = 0, profile_path: Path | None = None, attention: str = "auto",
+          lora_rank: int = 0) -> dict[str, Any]:
     args = model_args(cfg)
     dtype = torch.float32 if exact else torch.bfloat16
     N, L = image_tokens(cfg, args), cfg.text_tokens
@@ -368,8 +432,11 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
                               "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
     mt = report["matmul_tflops"]
     sd = random_state_dict(args, dtype, device, seed)
+    lora = make_lora(args, lora_rank, device, seed + 1) if lora_rank else None
     with torch.device("meta"):
-        meta_model = MMDiT(args)
+        meta_model, meta_full = MMDiT(args), MMDiT(args)
+        if lora is not None:  # the FLOP count sees the adapters and the frozen base (4·N + 6·N_lora)
+            apply_lora(meta_model, lora.args, list(lora.modules))
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
     main_variant = Variant(compile=not exact, kernels=kernels, attention=attention)
     sweep: dict[str, Any] = {}
@@ -377,21 +444,34 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     notes = {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master copies per run, bf16 autocast",
              "loss": "mean over images of imagegen.flow.flow_loss (no weighting), same batches, timesteps and noise",
              "peer_attention": "diffusers JointAttnProcessor2_0 (F.scaled_dot_product_attention)"}
+    if lora is not None:
+        notes["weights"] = ("random, every tensor, drawn once; the frozen base shared by every run in its dtype "
+                            "(bf16), the adapters' A and B drawn once and copied in fp32 into each run, bf16 autocast")
+        notes["peers"] = "diffusers + PEFT (add_adapter on the same modules, adapters cast to fp32)"
+        report["lora"] = {"rank": lora.args.rank, "alpha": lora.args.alpha, "modules": len(lora.modules),
+                          "targets": list(family_of_args(args).default_lora_targets),
+                          "trainable_params": sum(v.numel() for v in lora.weights.values())}
     data: dict[int, tuple[list[ImageBatch], int]] = {}
+    flops_6n: dict[int, int] = {}
     for bs in batches:
         host = make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs)
         flops = meta_model.train_flops(bs, N, L)
-        data[bs] = (host, flops)
-        sweep[str(bs)] = attempt(lambda: build_atelier(args, sd, main_variant, exact), host, warmup, steps, cfg.lr,
-                                 flops)
+        data[bs], flops_6n[bs] = (host, flops), meta_full.train_flops(bs, N, L)
+        sweep[str(bs)] = attempt(lambda: build_atelier(args, sd, main_variant, exact, lora), host, warmup, steps,
+                                 cfg.lr, flops)
         for p in peers:
             if "skipped" in peer_runs[p]:
                 continue
             try:
-                peer_runs[p][str(bs)] = attempt(lambda: build_peer(p, args, sd, exact), host, warmup, steps, cfg.lr,
-                                                flops)
+                peer_runs[p][str(bs)] = attempt(lambda: build_peer(p, args, sd, exact, lora), host, warmup, steps,
+                                                cfg.lr, flops)
             except ImportError as e:
                 peer_runs[p] = {"skipped": f"import failed: {e}"}
+    if lora is not None:  # the full fine-tune's 6·N count over the same step times: what most peers quote
+        for runs in (sweep, *peer_runs.values()):
+            for bs, r in runs.items():
+                if "step_s_median" in r:
+                    r["mfu_6n"] = flops_6n[int(bs)] / r["step_s_median"] / 1e12 / PEAK_TFLOPS
     report["sweep"], report["peer_runs"] = sweep, peer_runs
     best = _best(sweep)
     report["atelier"] = _summary(sweep[best], int(best), mt) if best else {"oom": all(r["oom"] for r in
@@ -427,18 +507,18 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         chosen = [a for a in ablation if device.type == "cuda" or not a.startswith("sdpa_")]  # SDPA choice: GPU
         for abl in chosen:
             v = switches[abl]
-            r = attempt(lambda: build_atelier(args, sd, v, exact), host, warmup, steps, cfg.lr, flops)
+            r = attempt(lambda: build_atelier(args, sd, v, exact, lora), host, warmup, steps, cfg.lr, flops)
             value = r.get("images_per_s")
             (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = value
             report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom",
                                                                                  "failed", "error")}
     if profile_path is not None and best is not None and device.type == "cuda":
         profile_path.parent.mkdir(parents=True, exist_ok=True)
-        report["profile"] = str(profile_run(lambda: build_atelier(args, sd, main_variant, exact), data[int(best)][0],
-                                            cfg.lr, profile_path))
+        report["profile"] = str(profile_run(lambda: build_atelier(args, sd, main_variant, exact, lora),
+                                            data[int(best)][0], cfg.lr, profile_path))
         gc.collect()
         torch.cuda.empty_cache()
-    report["ema_update"] = ema_timing(args, sd, device)
+    report["ema_update"] = ema_timing(args, sd, device, lora)
     bs = int(best) if best else batches[0]
     try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
         with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
@@ -458,8 +538,9 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
 
 def markdown(report: dict[str, Any]) -> str:
     """The result table: Atelier and each peer at its best micro-batch, the ablation, attention, loader, EMA."""
-    c = report["config"]
-    lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens) — "
+    c, lora = report["config"], report.get("lora")
+    what = f", LoRA r{lora['rank']} on {lora['modules']} linears (MFU: 4·N + 6·N_lora)" if lora else ""
+    lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens{what}) — "
              f"{report['gpu'].get('name') or 'cpu'}, matmul {fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
              "| run | batch | images/s (min–max) | MFU (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
     for name, r in [("atelier", report["atelier"])] + list(report["peers"].items()):
@@ -469,8 +550,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r['batch']} | {r['images_per_s']:.2f} ({r['images_per_s_min']:.2f}–"
                      f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {fmt(r.get('mfu_matmul'), '.1%')} | "
                      f"{fmt(r['peak_gb'], '.1f')} |")
-    lines += ["", f"loss mean abs diff vs diffusers: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
+    peer = "diffusers + PEFT" if lora else "diffusers"
+    lines += ["", f"loss mean abs diff vs {peer}: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
               + ", ".join(f"{p} {s:.2f}x" for p, s in report["speedup"].items())]
+    if lora:
+        lines += ["", "MFU with the full fine-tune's 6·N count over the same times (what most peers quote): "
+                  + ", ".join(f"{name} {fmt(r.get('mfu_6n'), '.1%')}"
+                              for name, r in [("atelier", report["atelier"]), *report["peers"].items()])]
     for title, table in (("ablation (one switched off)", report["ablation"]), ("attention backend", report["attention"])):
         if table:
             lines += ["", f"| {title} | images/s |", "|---|---|"]
@@ -489,9 +575,13 @@ def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
                      f"imagegen {report['config']['name']}: each optimisation switched off", path, marks)
 
 
+def report_name(report: dict[str, Any]) -> str:
+    lora = report.get("lora")
+    return f"imagegen-{report['config']['name']}" + (f"-lora{lora['rank']}" if lora else "")
+
+
 def write(report: dict[str, Any], out: Path) -> Path:
-    return write_report(report, out, f"imagegen-{report['config']['name']}", markdown(report),
-                        lambda path: ablation_chart(report, path))
+    return write_report(report, out, report_name(report), markdown(report), lambda path: ablation_chart(report, path))
 
 
 def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
@@ -511,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default="diffusers")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA of this rank on a frozen bf16 base instead of full fine-tuning; the peers get PEFT")
     p.add_argument("--batches", type=parse_ints, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -537,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ablation: unknown {[x for x in ablation if x not in ABLATIONS]}; known: {list(ABLATIONS)}")
     if a.loader_workers < 0:
         p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
+    if a.lora < 0:
+        p.error(f"--lora must be a rank >= 1 (or 0 for full fine-tuning), got {a.lora}")
     cfg = CONFIGS[a.config]
     if a.loader_only:
         return loader_only(cfg, a.batches or list(cfg.batches), a.loader_workers)
@@ -548,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
                    a.loader_workers, device, exact=a.tiny, kernels=a.kernels,
                    profile_path=Path(a.out) / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
-                   if a.profile else None, attention=a.attention)
+                   if a.profile else None, attention=a.attention, lora_rank=a.lora)
     path = write(report, Path(a.out))
     print(markdown(report))
     print(f"wrote {path}")

@@ -1,11 +1,8 @@
 """LoRA for the designer (Hu et al. 2021, arXiv:2106.09685), in PEFT's layout and key names.
 
-Shapes: T tokens (any leading dims), I in-features, O out-features, r rank.
-  LoRALinear(x [..., I]) = base(x) + B(A(dropout(x))) · s,  A [r, I], B [O, r],
-  s = alpha / r, or alpha / √r with rslora (Kalajdzievski 2023, arXiv:2312.03732).
-A is kaiming-uniform(a=√5) and B zeros, as PEFT's default, so a fresh adapter is the identity.
-The base is frozen (no weight gradient); the adapter runs in its own
-dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
+The layer, LoRALinear, is the one both trainers share (pipeline/lora.py: y = base(x) + B A dropout(x) · s over a
+frozen base, A kaiming-uniform and B zeros as PEFT's default); this module puts it on a designer family's linears
+and reads and writes PEFT adapters.
 
 Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
 `base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
@@ -20,11 +17,9 @@ every linear ("all linear"); a target set that wraps nothing raises.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,106 +29,27 @@ from atelier_studio.designer.family import Family
 from atelier_studio.designer.hf import read_safetensors_header
 from atelier_studio.designer.model import CausalLM
 from atelier_studio.designer.registry import family_of_args, lora_target_names
-from atelier_studio.kernels.lora_linear import lora_linear
+from atelier_studio.pipeline import lora as layers
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from atelier_studio.kernels.fp8_linear import Fp8FrozenWeight
+from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands, lora_init_like  # noqa: F401 (re-exported)
 
 Model = CausalLM
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class LoraArgs:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ()  # short names of the family's linears; () = its default (every linear)
-    rslora: bool = False
-    dtype: str = "float32"  # adapter weights and adapter compute
+class LoraArgs(layers.LoraArgs):
+    """pipeline.lora.LoraArgs whose targets are checked against the designer's families: a name no family has is a
+    typo (each family checks its own at apply time)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoraArgs.rank must be a positive int, got {self.rank!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraArgs.dropout must be in [0, 1), got {self.dropout}")
-        known = lora_target_names()  # a name no family has is a typo; each family checks its own at apply time
+        super().__post_init__()
+        known = lora_target_names()
         bad = [t for t in self.targets if t not in known]
         if bad:
             raise ValueError(f"LoraArgs.targets {bad} are no registered family's linears; known: {', '.join(known)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"LoraArgs.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-
-@dataclass(frozen=True)
-class SharedInputOperands:
-    """What kernels.lora_linear.lora_linear_group needs of one LoRA layer."""
-
-    weight: torch.Tensor  # [O, I], frozen
-    lora_a: torch.Tensor  # [r, I]
-    lora_b: torch.Tensor  # [O, r]
-    scale: float
-    impl: str  # the group op's kernel choice: lora_linear's names, or fp8_linear's when fp8 is set
-    fp8: Fp8FrozenWeight | None = None  # an FP8 base's fp8 copies (designer/lora_fp8.py); None: a bf16 base
-
-
-class LoRALinear(nn.Module):
-    """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
-
-    def __init__(self, base: nn.Linear, args: LoraArgs, impl: str = "auto") -> None:
-        super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base).__name__}")
-        self.base_layer = base.requires_grad_(False)
-        dtype, device = _DTYPES[args.dtype], base.weight.device
-        self.lora_A = nn.Linear(base.in_features, args.rank, bias=False, device=device, dtype=dtype)  # weight [r, I]
-        self.lora_B = nn.Linear(args.rank, base.out_features, bias=False, device=device, dtype=dtype)  # weight [O, r]
-        self.dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
-        self.scale = args.scale
-        self.rank = args.rank
-        self.impl = impl  # kernels.lora_linear impl: auto | fused | ref
-        self.reset_parameters()
-
-    @property
-    def in_features(self) -> int:
-        return self.base_layer.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base_layer.out_features
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
-        nn.init.zeros_(self.lora_B.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # kernels.lora_linear: no dW for the frozen base, x·Aᵀ saved for dB (fused on CUDA, fp32 reference elsewhere).
-        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
-        return lora_linear(x, self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight,
-                           self.scale, p, self.impl)
-
-    def shared_input_operands(self) -> SharedInputOperands | None:
-        """This layer's part in a shared-input group (designer.model.shared_input_linears), or None when it must
-        run alone: a bias, or dropout in effect (each layer draws its own mask)."""
-        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
-        if self.base_layer.bias is not None or p > 0:
-            return None
-        return SharedInputOperands(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scale,
-                                   self.impl)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + s·B·A in fp32, cast to the base weight's dtype."""
-        w = self.base_layer.weight
-        return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
 
 
 def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:

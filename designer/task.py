@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 
 from atelier_studio.data.balance import BalancedPackedLoader
 from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
@@ -42,7 +41,7 @@ from atelier_studio.designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
     LoraArgs,
-    LoRALinear,
+    lora_init_like,
     lora_targets,
     apply_lora,
     load_peft_adapter,
@@ -296,21 +295,9 @@ def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) ->
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
-    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
-
-    Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
-    nothing), so the draws are exactly apply_lora's; the stand-in is one linear at a time. Adapters are
-    small: every rank draws all of them and keeps its rows, so a sharded run starts from the adapter a
-    one-process run with the same seed starts from.
-    """
-    out = {}
-    for name, parent, leaf in lora_targets(model, args):
-        base = getattr(parent, leaf)
-        stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
-        lora = LoRALinear(stand_in, args)
-        out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
-        out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
-    return out
+    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name."""
+    layers = [(name, getattr(parent, leaf)) for name, parent, leaf in lora_targets(model, args)]
+    return lora_init_like(layers, args, device)
 
 
 __all__ = ["DesignerTask", "check_prompts_fit", "copy_tokenizer", "merge_lora"]

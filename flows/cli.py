@@ -11,7 +11,8 @@
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
-    atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
+    atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
+    atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
@@ -216,8 +217,21 @@ def data_validate(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from atelier_studio.flows.evaluate import evaluate_brief_to_image
 
+    from atelier_studio.flows.evaluate import describe_scores
+
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
-                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed)
+                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
+                                     clip=Path(args.clip) if args.clip else None)
+    print(f"scores run: {describe_scores(result)}")
+    print(result)
+    return 0
+
+
+def run_render(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.render import render_briefs_plain
+
+    result = render_briefs_plain(designer=Path(args.designer), imagegen=Path(args.imagegen), briefs=Path(args.briefs),
+                                 out_dir=Path(args.out), seed=args.seed, steps=args.steps, guidance=args.guidance)
     print(result)
     return 0
 
@@ -332,12 +346,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
 
-    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → judge")
+    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
     sp.add_argument("--designer", required=True)
     sp.add_argument("--imagegen", required=True)
     sp.add_argument("--briefs", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image "
+                                               "(the only scores briefs outside the shapes world get)")
+    sp = command(groups, "render", run_render, "briefs (any text) → designer captions → images")
+    sp.add_argument("--designer", required=True, help="a designer model, adapter or run directory")
+    sp.add_argument("--imagegen", required=True, help="what `imagegen sample --model` takes, or a run directory")
+    sp.add_argument("--briefs", required=True, help=".txt (one brief per line) or .jsonl ({\"brief\": ...})")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--steps", type=int, default=28)
+    sp.add_argument("--guidance", type=float, default=4.0)
     return p
 
 

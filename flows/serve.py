@@ -6,7 +6,7 @@
     python -m flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
 
 Served deployments, all named `default`: train-designer/default, train-imagegen/default,
-brief-to-image-eval/default, brief-to-image/default; start one with
+brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with
 `prefect deployment run train-designer/default --watch --watch-timeout 1800`.
 
 The API URL comes from Prefect's settings: prefect.toml at the repo root says http://127.0.0.1:4200/api and
@@ -34,7 +34,7 @@ from atelier_studio.flows.launch import kill_process_group
 from atelier_studio.flows.local_server import REPO, Endpoint, ServerNotRunning, child_env, endpoint, healthy, require_server
 
 DEPLOYMENTS = ("train-designer/default", "train-imagegen/default", "brief-to-image-eval/default",
-               "brief-to-image/default")
+               "brief-to-image/default", "render-briefs/default")
 SERVER_START_TIMEOUT_S = 180.0  # a fresh SQLite server takes 30-60 s to become healthy on 2 cores
 SERVE_START_TIMEOUT_S = 120.0
 
@@ -169,17 +169,18 @@ def status(ep: Endpoint | None = None) -> dict:
 
 
 def run() -> None:
-    """Serve the four deployments in the foreground until interrupted."""
+    """Serve the deployments (DEPLOYMENTS) in the foreground until interrupted."""
     from prefect import serve
 
     from atelier_studio.flows.chain import brief_to_image
     from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.evaluate import brief_to_image_eval
+    from atelier_studio.flows.render import render_briefs
     from atelier_studio.flows.train_imagegen import train_imagegen
 
     require_server("python -m flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,
-                                                      brief_to_image)),
+                                                      brief_to_image, render_briefs)),
           pause_on_shutdown=False)
 
 

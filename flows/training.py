@@ -65,7 +65,7 @@ def train_argv(kind: Kind, config: str | Path, overrides: Sequence[str]) -> list
 def train_task(kind: Kind, config: str, overrides: list[str], nproc: int) -> dict[str, Any]:
     """One trainer run (`atelier <kind> train`); returns the launcher's summary (last step line, tail)."""
     _, summary = run_trainer(train_argv(kind, config, overrides), nproc=nproc,
-                             progress_key=artifact_key(kind, "progress"))
+                             progress_key=artifact_key(kind, "progress"), samples_key=artifact_key(kind, "samples"))
     return {"last_step": summary["last_step"], "lines": summary["lines"]}
 
 

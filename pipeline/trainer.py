@@ -131,6 +131,7 @@ class Trainer:
         batches = self.task.train_batches()
         per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
+        render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
         evaluated_step = -1
@@ -181,6 +182,10 @@ class Trainer:
                         record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                     report.train(record)
 
+                rendered = render(self.step) if render is not None else None
+                if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
+                    report.samples(self.step, cfg.max_steps, rendered)
+                    meter.restart_clock()  # rendering is not training time
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     self._evaluate(report)
                     evaluated_step = self.step

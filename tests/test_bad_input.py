@@ -219,6 +219,24 @@ def eval_args(tmp: Path, w: World) -> list[str]:
             "--out", str(tmp / "eval")]
 
 
+def imagegen_lora_train(tmp: Path, *sets: str, adapter_rank: int = 0) -> list[str]:
+    """`imagegen train` on the demo config with a tiny random MMDiT at tmp/mmdit and LoRA on; with `adapter_rank`, a
+    LoRA file of that rank for it at tmp/adapter. The checks under test run before any data is read."""
+    import torch
+
+    from atelier_studio.imagegen.hf import init_random, load_pretrained
+    from atelier_studio.imagegen.lora import apply_lora, save_lora, target_modules
+    from atelier_studio.pipeline.lora import LoraArgs
+
+    init_random("tiny", tmp / "mmdit", dtype=torch.float32)
+    if adapter_rank:
+        model, lora = load_pretrained(tmp / "mmdit"), LoraArgs(rank=adapter_rank, alpha=adapter_rank)
+        save_lora(apply_lora(model, lora, target_modules(model, ("attn.to_q",))), lora, tmp / "adapter")
+    argv = ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", f"model.path={tmp / 'mmdit'}",
+            "--set", f"output.dir={tmp / 'run'}"]
+    return argv + [a for item in ("lora.rank=4", *sets) for a in ("--set", item)]
+
+
 def train_on(tmp: Path, w: World, key: str, name: str, data: str | bytes) -> list[str]:
     """`designer train` with data.train or data.eval (`key`) pointing at tmp/name holding `data`."""
     return designer_train(tmp, w, f"{key}={write(tmp / name, data)}")
@@ -291,6 +309,16 @@ CASES = [
          lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.streams=-2",
                        "--set", f"output.dir={t / 'run'}"],
          ("data.streams", ">= 0", "-2"), absent=("run",)),
+    # the MMDiT's LoRA targets are diffusers' module paths inside a block; the family is known from model.path
+    Case("imagegen-lora-target-not-in-the-mmdit", lambda t, w: imagegen_lora_train(t, "lora.targets=to_q,to_x"),
+         ("lora.targets", "['to_x'] match no MMDiT linear", "attn.to_q"), absent=("run",)),
+    Case("imagegen-lora-negative-rank", lambda t, w: imagegen_lora_train(t, "lora.rank=-1"),
+         ("lora.rank", ">= 0", "-1"), absent=("run",)),
+    Case("imagegen-lora-init-adapter-of-another-rank",
+         lambda t, w: imagegen_lora_train(t, f"lora.init_adapter={t / 'adapter'}", adapter_rank=8),
+         ("lora.init_adapter", "{tmp}/adapter has rank 8", "lora.rank = 8"), absent=("run",)),
+    Case("imagegen-lora-with-fp8", lambda t, w: imagegen_lora_train(t, "train.precision=fp8"),
+         ("train.precision", "full fine-tuning only", "lora.rank", "bf16"), absent=("run",)),
     Case("sd3-pipeline-without-t5",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
          ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),
@@ -390,6 +418,8 @@ CASES = [
                        str(write(t / "captions.txt", NOT_UTF8)), "--out", str(t / "samples")],
          ("{tmp}/captions.txt:1", "not valid UTF-8"), absent=("samples",)),
     Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
+    Case("eval-clip-not-a-clip-directory", lambda t, w: eval_args(t, w) + ["--clip", str(t / "clip")],
+         ("clip {tmp}/clip", "not a local transformers CLIP directory"), absent=("eval",)),
 ]
 
 
