@@ -37,13 +37,17 @@ from atelier_studio.data.packing import Batch, compile_shape, pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.family import DesignerArgs
-from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
+from atelier_studio.designer.hf import Model, StoredWeights, build_model, load_pretrained, read_args, save_pretrained
 from atelier_studio.designer.lora import (
     ADAPTER_FILE,
     PEFT_PREFIX,
+    GroupedLoRA,
     LoraArgs,
     LoRALinear,
+    grouped_lora_names,
+    grouped_weight,
     lora_targets,
+    lora_tensors_of_adapter,
     apply_lora,
     load_peft_adapter,
     merge_lora,
@@ -137,36 +141,28 @@ class DesignerTask:
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
-        from safetensors import safe_open
-
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
         args = read_args(model_dir, self.cfg.model.attention, self.cfg.model.delta_rule, self.cfg.model.kernels)
-        where = check_weight_files(model_dir, args)
+        stored = StoredWeights(model_dir, args)  # checks every key and shape before anything is built
         with torch.device("meta"):
             model = build_model(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
-                adapter = Path(self.cfg.lora.init_adapter) / ADAPTER_FILE
-                with safe_open(str(adapter), framework="pt", device="cpu") as f:
-                    lora_init = {k[len(PEFT_PREFIX):]: f.get_tensor(k) for k in f.keys()}
+                lora_init = lora_tensors_of_adapter(model, Path(self.cfg.lora.init_adapter) / ADAPTER_FILE)
             else:
                 lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 apply_lora(model, self.lora_args)
         self._wrap(model)
-        with contextlib.ExitStack() as stack:
-            files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                     for f in sorted(set(where.values()))}
-            names = {f: set(h.keys()) for f, h in files.items()}
+        with stored:
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
-                key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
-                return files[where[key]].get_slice(file_key(key, names[where[key]]))[rows]
+                return stored.read(name.replace(".base_layer.", "."), rows)  # a LoRA-wrapped base has the HF name
 
             materialize_(model, self.device, read)
         return model
@@ -298,12 +294,19 @@ def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.devic
     """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
 
     Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
-    nothing), so the draws are exactly apply_lora's; the stand-in is one linear at a time. Adapters are
-    small: every rank draws all of them and keeps its rows, so a sharded run starts from the adapter a
-    one-process run with the same seed starts from.
+    nothing), or by GroupedLoRA for a grouped weight, so the draws are exactly apply_lora's; the stand-in is one
+    linear at a time. Adapters are small: every rank draws all of them and keeps its rows, so a sharded run starts
+    from the adapter a one-process run with the same seed starts from.
     """
     out = {}
     for name, parent, leaf in lora_targets(model, args):
+        grouped = grouped_weight(parent, leaf)
+        if grouped is not None:
+            g, o, i = grouped.shape
+            lora = GroupedLoRA(g, o, i, leaf, args, device)
+            a_name, b_name = grouped_lora_names(name)
+            out[a_name], out[b_name] = lora.lora_A.detach(), lora.lora_B.detach()
+            continue
         base = getattr(parent, leaf)
         stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
         lora = LoRALinear(stand_in, args)
