@@ -40,7 +40,6 @@ from atelier_studio.designer.family import DesignerArgs
 from atelier_studio.designer.hf import Model, StoredWeights, build_model, load_pretrained, read_args, save_pretrained
 from atelier_studio.designer.lora import (
     ADAPTER_FILE,
-    PEFT_PREFIX,
     GroupedLoRA,
     LoraArgs,
     LoRALinear,
@@ -70,6 +69,7 @@ class DeviceBatch:
 
     batch: Batch
     loss_index: torch.Tensor  # [num_loss_tokens] positions (in the flattened B*T tokens) that carry a label
+    real_tokens: torch.Tensor  # [B, T] bool: not padding (a family's auxiliary loss counts these only)
 
 
 class DesignerTask:
@@ -102,6 +102,9 @@ class DesignerTask:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
+            raise ConfigError(f"model.router_aux_loss = 'on': {self.family.name} models have no auxiliary loss "
+                              f"(model.path {model_dir}); leave it 'auto' or 'off'")
         _preflight(cfg, args, device)
         check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
@@ -186,7 +189,8 @@ class DesignerTask:
         if self.cfg.train.distributed.compile:
             batch = compile_shape(batch)  # a bounded set of shapes for the compiled blocks
         loss_index = batch.labels.reshape(-1).ne(-100).nonzero().squeeze(1)  # on the host: no device sync
-        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True))
+        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True),
+                           batch.real_tokens().to(self.device, non_blocking=True))
 
     def train_batches(self) -> Iterator[DeviceBatch]:
         return (self._to_device(b) for b in self.train_loader)
@@ -208,13 +212,24 @@ class DesignerTask:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def loss_sum(self, b: DeviceBatch) -> torch.Tensor:
+        """Σ cross-entropy over the caption tokens, plus a family's auxiliary loss term (Qwen3-MoE's load balancing)
+        times the micro-batch's loss tokens: divided by the accumulated batch's loss tokens (the trainer), the step
+        loss is the mean cross-entropy plus the auxiliary term weighted by each micro-batch's share of the loss
+        tokens (with one micro-batch: exactly transformers' loss + router_aux_loss_coef · aux)."""
         batch = b.batch
         with self._autocast():
-            hidden = self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)  # [B,T,D]
+            inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            aux = None
+            if self.family.forward_with_aux is None:
+                hidden = self.model(*inputs)  # [B,T,D]
+            else:
+                hidden, aux = self.family.forward_with_aux(self.model, *inputs, b.real_tokens,
+                                                           self.cfg.model.router_aux_loss)
             hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, b.loss_index)  # [N,D]
             labels = batch.labels.reshape(-1).index_select(0, b.loss_index)  # [N]
             weight = self.model.lm_head_weight
-            return linear_cross_entropy(hidden, weight, labels)
+            total = linear_cross_entropy(hidden, weight, labels)
+        return total if aux is None else total + aux.float() * batch.num_loss_tokens
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_loader is None:
