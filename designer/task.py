@@ -102,6 +102,8 @@ class DesignerTask:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        if self.lora_args is not None and self.lora_args.dropout > 0:
+            _check_grouped_dropout(args, self.lora_args, cfg.lora.dropout)
         if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
             raise ConfigError(f"model.router_aux_loss = 'on': {self.family.name} models have no auxiliary loss "
                               f"(model.path {model_dir}); leave it 'auto' or 'off'")
@@ -303,6 +305,18 @@ def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) ->
     family = family_of_args(args)
     if family.preflight is not None:
         family.preflight(args, cfg.model, device)
+
+
+def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -> None:
+    """LoRA dropout on grouped weights (Qwen3-MoE's experts) is refused before anything is loaded, naming the key."""
+    with torch.device("meta"):
+        probe = build_model(args)
+    leaves = sorted({leaf for _, parent, leaf in lora_targets(probe, lora) if grouped_weight(parent, leaf) is not None})
+    if leaves:
+        targets = [t for t, path in family_of_args(args).lora_targets.items() if path.rsplit(".", 1)[1] in leaves]
+        raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where dropout "
+                          f"is not supported (PEFT refuses it there too); set lora.dropout = 0, or lora.targets without "
+                          f"{', '.join(targets)}")
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
