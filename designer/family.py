@@ -22,6 +22,7 @@ the CLI) asks the registry instead of testing types. What a family supplies:
   preflight       an optional check before anything is loaded (Qwen3.5: fla-core on CUDA)
   forward_with_aux  the forward of a family with an auxiliary training loss (Qwen3-MoE's load balancing): the
                   hidden states and the loss term to add, or None
+  expert_counts   an MoE family's tokens per expert and layer on a batch (the bench reports their spread)
   hf_reference    the transformers class it is compared with in tests and bench/designer.py
 
 Adding a family is its own file declaring a Family plus one line in designer/registry.py (or a
@@ -99,6 +100,9 @@ class KeyLayout(Protocol):
 # setting) → (hidden [B, T, D], the auxiliary loss term to add to the mean loss, or None when it is off)
 ForwardWithAux = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, str],
                           tuple[torch.Tensor, "torch.Tensor | None"]]
+# (model, input_ids, position_ids, cu_seqlens, max_seqlen, real tokens [B, T] bool) → real tokens routed to each
+# expert, [sparse layers, E]
+ExpertCounts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class Family:
     preflight: Callable[[Any, ModelConfig, torch.device], None] | None = None
     hf_layout: KeyLayout | None = None  # None: every state-dict tensor is stored under its own key
     forward_with_aux: ForwardWithAux | None = None  # None: no auxiliary loss (model.router_aux_loss must not be on)
+    expert_counts: ExpertCounts | None = None  # None: not a mixture of experts
 
     def __post_init__(self) -> None:
         problems = []

@@ -247,16 +247,27 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors: base_model.model.<module>.lora_{A,B}.weight; a grouped weight's adapters one
     pair per group, base_model.model.<module>.<g>.<leaf>.lora_{A,B}.weight (views of the stacked parameters)."""
-    out = {}
+    named = {}
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.weight
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.weight
+            named[f"{name}.lora_A.weight"], named[f"{name}.lora_B.weight"] = m.lora_A.weight, m.lora_B.weight
         elif isinstance(m, GroupedLoRA):
-            host = name.rsplit(".", 2)[0]  # <module>.lora_adapters.<leaf>
-            for g in range(m.lora_A.shape[0]):
-                out[f"{PEFT_PREFIX}{host}.{g}.{m.leaf}.lora_A.weight"] = m.lora_A[g]
-                out[f"{PEFT_PREFIX}{host}.{g}.{m.leaf}.lora_B.weight"] = m.lora_B[g]
+            named[f"{name}.lora_A"], named[f"{name}.lora_B"] = m.lora_A, m.lora_B
+    return peft_tensors(named)
+
+
+def peft_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors by their state-dict names (a LoRALinear's `<module>.lora_A.weight`, a GroupedLoRA's
+    `<module>.lora_adapters.<leaf>.lora_A` [G, ...]) → PEFT's keys, a grouped one split into its groups (views)."""
+    out = {}
+    for name, t in named.items():
+        if ".lora_adapters." not in name:
+            out[f"{PEFT_PREFIX}{name}"] = t
+            continue
+        host, rest = name.split(".lora_adapters.")
+        leaf, ab = rest.split(".")
+        for g in range(t.shape[0]):
+            out[f"{PEFT_PREFIX}{host}.{g}.{leaf}.{ab}.weight"] = t[g]
     return out
 
 

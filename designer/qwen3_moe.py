@@ -421,6 +421,14 @@ def forward_with_aux(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     return hidden, args.router_aux_loss_coef * load_balancing_loss(stats, real_tokens)
 
 
+@torch.no_grad()
+def expert_counts(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seqlen: int, real_tokens: torch.Tensor) -> torch.Tensor:
+    """Real tokens routed to each expert, [Ls, E] (each token counts once for each of its k experts)."""
+    _, stats = model(input_ids, position_ids, cu_seqlens, max_seqlen, real_tokens=real_tokens)
+    return stats[:, 1]
+
+
 FAMILY = Family(
     name="Qwen3-MoE", model_types=(MODEL_TYPE,), args_cls=Qwen3MoeArgs, model_cls=Qwen3Moe, sizes=SIZES,
     tiny_size="qwen3-moe-tiny", hf_param_shapes=hf_param_shapes, init_param=init_param,
@@ -429,6 +437,6 @@ FAMILY = Family(
                   "gate": "mlp.experts.gate_proj", "up": "mlp.experts.up_proj", "down": "mlp.experts.down_proj"},
     train_flops=Qwen3Moe.train_flops, decode_batch=kv_cache_batch, blocks=decoder_layers,
     read_hf_config=lambda cfg, source: Qwen3MoeArgs.from_hf_config(cfg, source=source),
-    hf_layout=EXPERT_KEYS, forward_with_aux=forward_with_aux,
+    hf_layout=EXPERT_KEYS, forward_with_aux=forward_with_aux, expert_counts=expert_counts,
     hf_reference=HFReference("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"),
 )
