@@ -214,15 +214,19 @@ class ExpertLoRA:
 
 def _groupable(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm takes a [S, I] @ w[g]ᵀ (w [E, O, I]): present in this torch, bf16 on CUDA (its CUDA
-    kernel's only dtype), and every stride and base address on a 16-byte boundary (its rule on every device)."""
-    if not hasattr(torch, "_grouped_mm") or a.dtype != w.dtype:
+    kernel's only dtype), unit inner strides, and every row stride, the output width and both start offsets on a
+    16-byte boundary (its rule on every device). Static facts only, so a compiled block decides it at trace time;
+    the base address is checked outside compile (PyTorch's own allocations are aligned; a buffer from elsewhere may
+    not be)."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != w.dtype or a.dim() != 2 or w.dim() != 3:
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
         return False
     size = a.element_size()
-    aligned = (a.stride(0) * size % 16 == 0 and w.stride(0) * size % 16 == 0 and w.stride(1) * size % 16 == 0
-               and w.shape[1] * size % 16 == 0)
-    return aligned and a.stride(1) == 1 and w.stride(2) == 1 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    steps = (a.stride(0), w.stride(0), w.stride(1), w.shape[1], a.storage_offset(), w.storage_offset())
+    if a.stride(1) != 1 or w.stride(2) != 1 or any(x * size % 16 for x in steps):
+        return False
+    return torch.compiler.is_compiling() or (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
