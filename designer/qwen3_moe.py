@@ -183,13 +183,22 @@ class Experts(nn.Module):
         return {"gate_proj": self.gate_up_proj[:, :f], "up_proj": self.gate_up_proj[:, f:],
                 "down_proj": self.down_proj}.get(leaf)
 
-    def lora(self) -> ExpertLoRA | None:
+    def local(self) -> tuple[torch.Tensor, torch.Tensor, ExpertLoRA | None]:
+        """(gate_up, down, adapters) as this process computes with them: all of them, or under expert parallelism
+        (pipeline/expert_parallel.py: DTensors sharded by expert) this rank's experts."""
         adapters = self._modules.get("lora_adapters")
-        if not adapters:
-            return None
-        pair = lambda leaf: (adapters[leaf].lora_A, adapters[leaf].lora_B) if leaf in adapters else None  # noqa: E731
-        scale = next(iter(adapters.values())).scale
-        return ExpertLoRA(scale, pair("gate_proj"), pair("up_proj"), pair("down_proj"))
+        lora = None
+        if adapters:
+            pair = lambda leaf: ((_local(adapters[leaf].lora_A), _local(adapters[leaf].lora_B))  # noqa: E731
+                                 if leaf in adapters else None)
+            lora = ExpertLoRA(next(iter(adapters.values())).scale, pair("gate_proj"), pair("up_proj"), pair("down_proj"))
+        return _local(self.gate_up_proj), _local(self.down_proj), lora
+
+    def shard(self, shard: Callable[[torch.Tensor], nn.Parameter]) -> None:
+        """Replace the stacked weights and their adapters by `shard(...)` of each (expert parallelism)."""
+        self.gate_up_proj, self.down_proj = shard(self.gate_up_proj), shard(self.down_proj)
+        for adapter in (self._modules.get("lora_adapters") or {}).values():
+            adapter.lora_A, adapter.lora_B = shard(adapter.lora_A), shard(adapter.lora_B)
 
     def train_flops(self, slots: int) -> int:
         """Training FLOPs of the experts on `slots` routed rows (N·k): gate/up and down, forward and input-gradient,
@@ -208,16 +217,30 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
         self.experts = Experts(args)
-        self.top_k, self.norm_topk_prob, self.kernels = args.top_k, args.norm_topk_prob, args.kernels
+        self.num_experts, self.top_k, self.norm_topk_prob = args.num_experts, args.top_k, args.norm_topk_prob
+        self.kernels = args.kernels
+        self.exchange = None  # expert parallelism's all-to-all (use_exchange), None: every expert is here
+
+    def use_exchange(self, exchange: Any, shard: Callable[[torch.Tensor], nn.Parameter]) -> None:
+        """Expert parallelism (pipeline/expert_parallel.py): keep this rank's experts (`shard` of each stacked weight
+        and adapter) and send the tokens of the others through `exchange` (kernels.moe.Exchange)."""
+        self.experts.shard(shard)
+        self.exchange = exchange
 
     def forward(self, x: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B,T,D] → (y [B,T,D], router statistics [2, E] over the real tokens `real` [N] (0/1), or None)."""
         b, t, d = x.shape
+        gate_up, down, lora = self.experts.local()
         # args.kernels picks the MoE path too: auto (Triton dispatch + grouped GEMMs on CUDA) | triton | ref
-        out, routing = moe(x.reshape(b * t, d), self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-                           self.top_k, self.norm_topk_prob, self.experts.lora(), self.kernels, self.kernels)  # [N,D]
+        out, routing = moe(x.reshape(b * t, d), self.gate.weight, gate_up, down, self.top_k, self.norm_topk_prob, lora,
+                           self.kernels, self.kernels, self.exchange)  # [N,D]
         stats = None if real is None else router_stats(routing.logits, self.top_k, real)
         return out.view(b, t, d), stats
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (expert parallelism), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def router_stats(logits: torch.Tensor, top_k: int, real: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,19 @@ No host sync on the grouped path: sort, scatter-add, cumsum, the Triton gathers 
   on the device only. The per-expert loop (the CPU's path where a grouped GEMM's 16-byte stride rule is not met,
   and fp32 on CUDA, where torch._grouped_mm is bf16-only) reads offs on the host.
 
+Expert parallelism (pipeline/expert_parallel.py): with an `exchange`, this rank holds only its share of the experts
+(weights [E/P, ...]); the sorted slots go to the ranks owning their experts and come back by all-to-all around the
+local grouped GEMMs. Routing, dispatch and combine stay local.
+
 Implementations (argument `impl`): "triton" (the Triton dispatch / combine around grouped GEMMs: torch._grouped_mm
 where the inputs allow it, the per-expert loop otherwise), "ref" (moe_ref: plain PyTorch in fp32, differentiated by
-autograd), "auto" (triton on CUDA, ref elsewhere).
+autograd; under expert parallelism, plain-PyTorch gathers around the local experts), "auto" (triton on CUDA, ref
+elsewhere).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -292,21 +298,48 @@ def _check(x, router_weight, gate_up, down, top_k, impl) -> None:
         raise ValueError(f"moe: top_k must be in 1..{n_experts} (the number of experts), got {top_k}")
 
 
+class Exchange(Protocol):
+    """Expert parallelism's all-to-all (pipeline/expert_parallel.py ExpertExchange)."""
+
+    def dispatch(self, xs: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Slots sorted by global expert [S, D] and their offs [E] → (this rank's experts' rows, sorted by local
+        expert [R, D], a plan whose `offs` [E/P] are theirs)."""
+        ...
+
+    def combine(self, ys_local: torch.Tensor, plan: Any) -> torch.Tensor:
+        """The local experts' outputs [R, D] → this rank's slots' outputs [S, D], in dispatch's order."""
+        ...
+
+
 def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
         norm_topk_prob: bool, lora: ExpertLoRA | None = None, impl: str = "auto",
-        kernels: str = "auto") -> tuple[torch.Tensor, Routing]:
+        kernels: str = "auto", exchange: Exchange | None = None) -> tuple[torch.Tensor, Routing]:
     """The sparse MoE block on N tokens: x [N, D] → (out [N, D] in the compute dtype, its Routing).
 
-    `kernels` is the SwiGLU kernel choice (kernels/swiglu.py) of the Triton path.
+    `kernels` is the SwiGLU kernel choice (kernels/swiglu.py) of the Triton path. With `exchange` (expert
+    parallelism), gate_up, down and lora hold this rank's experts only.
     """
-    _check(x, router_weight, gate_up, down, top_k, impl)
-    if impl == "ref" or (impl == "auto" and not x.is_cuda):
-        return moe_ref(x, router_weight, gate_up, down, top_k, norm_topk_prob, lora)
+    ref = impl == "ref" or (impl == "auto" and not x.is_cuda)
+    if exchange is None:
+        _check(x, router_weight, gate_up, down, top_k, impl)
+        if ref:
+            return moe_ref(x, router_weight, gate_up, down, top_k, norm_topk_prob, lora)
     r = route(x, router_weight, top_k, norm_topk_prob)
     cd = _compute_dtypes(x, lora)[0]
-    xs = Dispatch.apply(x.to(cd).contiguous(), r.pos)  # [S, D]
-    ys = experts_ffn(xs, gate_up, down, r.offs, lora, kernels)  # [S, D]
-    return Combine.apply(ys, r.pos, r.weights.to(ys.dtype)), r
+    x = x.to(cd).contiguous()
+    if ref:  # plain-PyTorch gathers (the CPU's path under expert parallelism)
+        xs = x.new_zeros(r.pos.numel(), x.shape[1]).index_copy(0, r.pos.reshape(-1), x.repeat_interleave(top_k, 0))
+    else:
+        xs = Dispatch.apply(x, r.pos)  # [S, D]
+    if exchange is None:
+        ys = experts_ffn(xs, gate_up, down, r.offs, lora, kernels)  # [S, D]
+    else:
+        rows, plan = exchange.dispatch(xs, r.offs)
+        ys = exchange.combine(experts_ffn(rows, gate_up, down, plan.offs, lora, "ref" if ref else kernels), plan)
+    w = r.weights.to(ys.dtype)
+    if ref:
+        return (ys[r.pos].float() * w[..., None].float()).sum(1).to(ys.dtype), r  # [N, k, D] → [N, D]
+    return Combine.apply(ys, r.pos, w), r
 
 
 # --- reference ------------------------------------------------------------------------------------
