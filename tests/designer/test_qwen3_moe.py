@@ -467,3 +467,67 @@ def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
         assert main(args(moe_world, one, *extra, *common, "--set", "train.micro_batch=2")) == 0
         assert_same_losses(one, two / mode, range(1, 5))
         assert_same_safetensors(one / file, two / mode / file)
+
+
+# --- kernels on == off, compiled blocks on the GPU -------------------------------------------------
+def test_kernels_on_equals_kernels_off(monkeypatch):
+    """Qwen3MoeArgs.kernels reaches the MoE block: the Triton dispatch / combine and the grouped GEMMs (CPU: Triton's
+    interpreter, torch._grouped_mm or the per-expert loop) give the reference's packed loss and gradients in fp32,
+    adapters on every expert included. Both are the same math in other orders (test_moe.py's bounds: rounding
+    through the layers, 1e-5 of the loss, 1e-4 of each gradient's scale)."""
+    import dataclasses
+
+    import atelier_studio.kernels.moe as moe_kernels
+
+    launched = {}
+    for name in ("moe_gather_sum", "moe_scatter"):
+        real = getattr(moe_kernels, name)
+        monkeypatch.setattr(moe_kernels, name, lambda *a, _r=real, _k=name: launched.update({_k: 1}) or _r(*a))
+    ref = random_moe(6)
+    apply_lora(ref, LoraArgs(rank=4, alpha=8.0))
+    randomise_adapters(ref, 7)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    cu = torch.tensor([0, 10, 24, 34, 48], dtype=torch.int32)
+    runs = []
+    for kernels in ("ref", "triton"):
+        model = apply_lora(Qwen3Moe(dataclasses.replace(ref.args, kernels=kernels)), LoraArgs(rank=4, alpha=8.0))
+        model.load_state_dict(ref.state_dict())
+        hidden = model(ids, pos, cu, 14).reshape(-1, ref.args.dim)
+        loss = linear_cross_entropy(hidden, model.lm_head_weight, ids.reshape(-1), impl="torch")
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (l_ref, g_ref), (l_tri, g_tri) = runs
+    assert set(launched) == {"moe_gather_sum", "moe_scatter"}, launched
+    assert abs(l_tri - l_ref) <= 1e-5 * abs(l_ref)
+    assert any("lora_adapters" in n for n in g_ref)
+    for n, g in g_ref.items():
+        assert rel_err(g_tri[n], g) <= 1e-4, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_blocks_match_eager_on_the_gpu():
+    """The bench's configuration at tiny size: bf16 base, LoRA on every expert, per-block torch.compile around the
+    Triton dispatch / combine (custom ops) and torch._grouped_mm: the eager loss and adapter gradients, within bf16
+    (norm-relative 2e-2: a few bf16 roundings, 2^-9 each; a wrong graph is O(1))."""
+    import copy
+
+    from atelier_studio.pipeline.policies import compile_blocks
+
+    model = random_moe(9, dim=128, num_heads=4, head_dim=32, moe_ffn_dim=64)  # 16-byte rows for the grouped GEMMs
+    apply_lora(model, LoraArgs(rank=8, alpha=16.0))
+    randomise_adapters(model, 10)
+    model = model.cuda().to(torch.bfloat16)
+    compiled = compile_blocks(copy.deepcopy(model))
+    ids = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    pos = torch.arange(64).repeat(2, 1).cuda()
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32).cuda()
+    grads = []
+    for m in (model, compiled):
+        m(ids, pos, cu, 64).float().pow(2).mean().backward()
+        grads.append({n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad})
+    assert any("lora_adapters" in n for n in grads[0])
+    for n, want in grads[0].items():
+        err = ((grads[1][n] - want).norm() / want.norm()).item()
+        assert err <= 2e-2, (n, err)
