@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import (KERNEL_IMPLS, MLP, Attend, Attention, CausalLM, ModelArgs, PackedAttention,
-                                           RMSNorm, check_packed_inputs, init_param, linear_train_flops)
+from atelier_studio.designer.model import (KERNEL_IMPLS, MLP, Attend, Attention, Backbone, CausalLM, ModelArgs,
+                                           PackedAttention, RMSNorm, check_packed_inputs, init_param,
+                                           linear_train_flops, meta_shapes)
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.moe import ExpertLoRA, moe
 from atelier_studio.kernels.rope import rope_cos_sin
@@ -281,21 +281,11 @@ class Block(nn.Module):
         return x + y, stats
 
 
-class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, blocks, final norm."""
-
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, sparse) for sparse in args.sparse_layers)
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
-
-
 class Qwen3Moe(CausalLM):
     """Qwen3-MoE causal LM. `state_dict()` keys equal transformers 5's Qwen3MoeForCausalLM keys."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__(args, Backbone(args))
+        super().__init__(args, Backbone(args, (Block(args, sparse) for sparse in args.sparse_layers)))
 
     def init_weights(self, seed: int | None = None) -> Qwen3Moe:
         """Initialise every parameter from one CPU generator (CausalLM.init_by_name), the experts drawn one stored
@@ -423,13 +413,11 @@ EXPERT_KEYS = ExpertKeys()
 
 def hf_param_shapes(args: Qwen3MoeArgs) -> dict[str, tuple[int, ...]]:
     """State-dict key → shape of every parameter (experts stacked), in state-dict order, without allocating."""
-    with torch.device("meta"):
-        model = Qwen3Moe(dataclasses.replace(args, attention_impl="sdpa"))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return meta_shapes(Qwen3Moe, args)
 
 
 def num_params(args: Qwen3MoeArgs) -> int:
-    """Parameter count (the tied LM head counted once)."""
+    """Parameter count (the tied LM head counted once; every expert)."""
     return sum(math.prod(s) for s in hf_param_shapes(args).values())
 
 

@@ -23,8 +23,8 @@ from atelier_studio.designer.qwen3_moe import (FAMILY, Qwen3Moe, Qwen3MoeArgs, a
 from atelier_studio.flows.cli import main
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.moe import route
-from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf, rel_err,
-                                       run_rows)
+from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf,
+                                       norms_away_from_one, randomise_adapters, rel_err, run_rows)
 
 ROOT = Path(__file__).parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
@@ -34,23 +34,7 @@ V = 97
 def random_moe(seed: int, vocab: int = V, **overrides) -> Qwen3Moe:
     """The tiny Qwen3-MoE (2 sparse layers around a dense one) with norms away from 1."""
     model = Qwen3Moe(FAMILY.args_of_size("qwen3-moe-tiny", vocab, eos_token_id=2, pad_token_id=0, **overrides))
-    model.init_weights(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + len(name)))
-    return model
-
-
-def randomise_adapters(model, seed: int) -> None:
-    """Non-zero B everywhere, so every adapter changes the logits (PEFT's init makes B = 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear):
-                m.lora_B.weight.normal_(0, 0.05, generator=g)
-            elif isinstance(m, GroupedLoRA):
-                m.lora_B.normal_(0, 0.05, generator=g)
+    return norms_away_from_one(model.init_weights(seed), seed)
 
 
 def router_inputs(model) -> tuple[list[torch.Tensor], list]:
