@@ -429,7 +429,8 @@ def test_train_then_generate_through_the_cli(moe_world, tmp_path, mode):
 def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
     """Experts sharded over 2 gloo processes (4 of each layer's 8 per rank), tokens exchanged by all-to-all, the rest
     FSDP2, each rank reading only its experts' rows of the per-expert safetensors: the same losses and exports as
-    one process on the same global batch, with LoRA on every expert and with full fine-tuning.
+    one process on the same global batch, with LoRA on every expert and with full fine-tuning; and plain FSDP2
+    (the experts sharded and all-gathered like any weight) the same for LoRA.
 
     The load-balancing loss is off here: it is a product of batch means, so each rank's term over its own rows
     (what data parallelism computes, in transformers as here) is not the term over both ranks' rows; every other
@@ -444,13 +445,18 @@ def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
     ep = ("--set", "train.micro_batch=1", "--set", "train.distributed.expert_parallel=2")
     two = tmp_path / "two"
     launch_two({"lora": args(moe_world, two / "lora", *LORA, *common, *ep),
-                "full": args(moe_world, two / "full", *full, *common, *ep)}, tmp_path)
+                "full": args(moe_world, two / "full", *full, *common, *ep),
+                "lora_fsdp": args(moe_world, two / "lora_fsdp", *LORA, *common, "--set", "train.micro_batch=1")},
+               tmp_path)
     for mode, extra, file in (("lora", LORA, "adapter/adapter_model.safetensors"),
                               ("full", full, "model/model.safetensors")):
         one = tmp_path / f"{mode}-one"
         assert main(args(moe_world, one, *extra, *common, "--set", "train.micro_batch=2")) == 0
         assert_same_losses(one, two / mode, range(1, 5))
         assert_same_safetensors(one / file, two / mode / file)
+        if mode == "lora":
+            assert_same_losses(one, two / "lora_fsdp", range(1, 5))
+            assert_same_safetensors(one / file, two / "lora_fsdp" / file)
 
 
 # --- kernels on == off, compiled blocks on the GPU -------------------------------------------------
