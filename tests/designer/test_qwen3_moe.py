@@ -429,8 +429,9 @@ def test_train_then_generate_through_the_cli(moe_world, tmp_path, mode):
 def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
     """Experts sharded over 2 gloo processes (4 of each layer's 8 per rank), tokens exchanged by all-to-all, the rest
     FSDP2, each rank reading only its experts' rows of the per-expert safetensors: the same losses and exports as
-    one process on the same global batch, with LoRA on every expert and with full fine-tuning; and plain FSDP2
-    (the experts sharded and all-gathered like any weight) the same for LoRA.
+    one process on the same global batch, with LoRA on every expert (and activation checkpointing: the recompute in
+    the backward exchanges again, in the same order on every rank) and with full fine-tuning; and plain FSDP2 (the
+    experts sharded and all-gathered like any weight) the same for LoRA.
 
     The load-balancing loss is off here: it is a product of batch means, so each rank's term over its own rows
     (what data parallelism computes, in transformers as here) is not the term over both ranks' rows; every other
@@ -444,7 +445,8 @@ def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
     full = (*FULL, "--set", "train.lr=1e-4")
     ep = ("--set", "train.micro_batch=1", "--set", "train.distributed.expert_parallel=2")
     two = tmp_path / "two"
-    launch_two({"lora": args(moe_world, two / "lora", *LORA, *common, *ep),
+    launch_two({"lora": args(moe_world, two / "lora", *LORA, *common, *ep,  # recomputed blocks exchange again
+                             "--set", "train.distributed.activation_checkpointing=full"),
                 "full": args(moe_world, two / "full", *full, *common, *ep),
                 "lora_fsdp": args(moe_world, two / "lora_fsdp", *LORA, *common, "--set", "train.micro_batch=1")},
                tmp_path)
