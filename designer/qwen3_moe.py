@@ -169,8 +169,6 @@ class Experts(nn.Module):
     matrices, and adapters (after apply_lora) live in `lora_adapters`.
     """
 
-    LEAVES = ("gate_proj", "up_proj", "down_proj")
-
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
         e, d, f = args.num_experts, args.dim, args.moe_ffn_dim
@@ -203,7 +201,7 @@ class Experts(nn.Module):
     def train_flops(self, slots: int) -> int:
         """Training FLOPs of the experts on `slots` routed rows (N·k): gate/up and down, forward and input-gradient,
         weight-gradient when they train; the adapters' own."""
-        e, two_f, d = self.gate_up_proj.shape
+        _, two_f, d = self.gate_up_proj.shape
         per = 2 * slots * (two_f * d + d * self.down_proj.shape[2])
         total = per * (3 if self.gate_up_proj.requires_grad else 2)
         adapters = self._modules.get("lora_adapters") or {}  # designer.lora.GroupedLoRA, by leaf

@@ -285,12 +285,14 @@ def _compute_dtypes(x: torch.Tensor, lora: ExpertLoRA | None) -> tuple[torch.dty
 
 
 # --- public ---------------------------------------------------------------------------------------
-def _check(x, router_weight, gate_up, down, top_k, impl) -> None:
+def _check(x, router_weight, gate_up, down, top_k, impl, local: bool) -> None:
+    """Shapes and arguments; `local`: the experts are this rank's share (expert parallelism), not all E."""
     if impl not in IMPLS:
         raise ValueError(f"moe: impl must be one of {IMPLS}, got {impl!r}")
     n_experts, d = router_weight.shape
-    if (x.dim() != 2 or x.shape[1] != d or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != n_experts
-            or down.shape[:2] != (n_experts, d) or gate_up.shape[1:] != (2 * down.shape[2], d)):
+    held = gate_up.shape[0] if local and gate_up.dim() == 3 else n_experts
+    if (x.dim() != 2 or x.shape[1] != d or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != held
+            or n_experts % held or down.shape[:2] != (held, d) or gate_up.shape[1:] != (2 * down.shape[2], d)):
         raise ValueError(f"moe: expected x [N, D], router_weight [E, D], gate_up [E, 2F, D], down [E, D, F]; got "
                          f"x {tuple(x.shape)}, router_weight {tuple(router_weight.shape)}, gate_up "
                          f"{tuple(gate_up.shape)}, down {tuple(down.shape)}")
@@ -320,8 +322,8 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, dow
     parallelism), gate_up, down and lora hold this rank's experts only.
     """
     ref = impl == "ref" or (impl == "auto" and not x.is_cuda)
+    _check(x, router_weight, gate_up, down, top_k, impl, local=exchange is not None)
     if exchange is None:
-        _check(x, router_weight, gate_up, down, top_k, impl)
         if ref:
             return moe_ref(x, router_weight, gate_up, down, top_k, norm_topk_prob, lora)
     r = route(x, router_weight, top_k, norm_topk_prob)
