@@ -260,17 +260,25 @@ def _adapted(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, lora: tuple[t
 
 def experts_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
                 lora: ExpertLoRA | None = None, kernels: str = "auto") -> torch.Tensor:
-    """The experts on their slots: xs [S, D] (sorted by expert), gate_up [E, 2F, D], down [E, D, F] → ys [S, D]."""
+    """The experts on their slots: xs [S, D] (sorted by expert), gate_up [E, 2F, D], down [E, D, F] → ys [S, D].
+
+    gate and up run as one grouped GEMM [S, 2F]; their adapters read xs once too (x [A_gate; A_up]ᵀ [S, 2r]), and
+    adding each adapter's term makes the gate and up halves contiguous for SwiGLU, which the plain halves would need
+    copying for anyway.
+    """
     cd, ad = _compute_dtypes(xs, lora)
     xs, gate_up, down = xs.to(cd), gate_up.to(cd), down.to(cd)
     f = down.shape[2]
-    if lora is None or (lora.gate is None and lora.up is None):
-        h = grouped_mm(xs, gate_up, offs)  # [S, 2F]
-        gate, up = h[:, :f], h[:, f:]
-    else:
-        gate = _adapted(xs, gate_up[:, :f], offs, lora.gate, lora.scale, ad)  # [S, F]
-        up = _adapted(xs, gate_up[:, f:], offs, lora.up, lora.scale, ad)  # [S, F]
-    act = swiglu(gate, up, kernels)  # [S, F]
+    h = grouped_mm(xs, gate_up, offs)  # [S, 2F]
+    halves = [h[:, :f], h[:, f:]]  # gate, up
+    pairs = [] if lora is None else [(i, p) for i, p in enumerate((lora.gate, lora.up)) if p is not None]
+    if pairs:
+        r = pairs[0][1][0].shape[1]
+        u = grouped_mm(xs.to(ad), torch.cat([p[0] for _, p in pairs], dim=1).to(ad), offs)  # [S, m·r]
+        for j, (i, (_, lora_b)) in enumerate(pairs):
+            delta = grouped_mm(u[:, j * r:(j + 1) * r], lora_b.to(ad), offs)  # [S, F]
+            halves[i] = halves[i] + (delta * lora.scale).to(cd)
+    act = swiglu(halves[0], halves[1], kernels)  # [S, F]
     return _adapted(act, down, offs, None if lora is None else lora.down, 0.0 if lora is None else lora.scale, ad)
 
 
