@@ -1,6 +1,7 @@
 """Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches.
 
     python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
+        |qwen3-30b-a3b-lora[-1doc]
         --out DIR [--peers hf,hf-liger,hf-liger-bf16lora,hf-nofla] [--micro-batches 2,4,8] [--steps 10 --warmup 3]
         [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed] [--profile]
         [--tokenizer .gpu/qwen3-tokenizer] [--tiny]
@@ -25,7 +26,8 @@ themselves. The peer's mask is dense T×T and its kernel cannot skip masked bloc
 
 FLOPs: the family's own counter (`Qwen3.train_flops`, designer/family.py) (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
 FT, LM head on the loss tokens: the head FLOPs Atelier performs) — the same count is used for the peers' MFU
-(same tokens). `mfu_4n_head_all` is the peers' convention (docs/mfu.md), the LM head counted on every
+(same tokens). For a mixture of experts N_mm is the ACTIVE weights: attention, routers and the k experts a token
+runs (designer/qwen3_moe.py), and the report adds the spread of tokens over the experts (`expert_tokens`). `mfu_4n_head_all` is the peers' convention (docs/mfu.md), the LM head counted on every
 token (the peers compute it there; Atelier computes it only where a loss is taken). `mfu_6n` is the 6·N_mm
 convention most peers quote. MFU against 989 TFLOP/s and against bench.env.matmul_tflops.
 """
@@ -54,7 +56,8 @@ from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, gu
                            train_step, write_report)
 from atelier_studio.data.chat import EncodedDoc
 from atelier_studio.data.packing import Batch, fixed_shape, make_batch, pack_documents
-from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
+from atelier_studio.designer.lora import (LoraArgs, apply_lora, grouped_lora_names, grouped_weight, lora_parameters,
+                                          lora_targets, peft_tensors)
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
@@ -92,6 +95,12 @@ CONFIGS = {
     # leak across documents), so on packed rows only speed compares; loss parity uses rows of one document.
     "qwen3.5-9b-lora": BenchConfig("qwen3.5-9b", True, 2048, (2, 4, 8), vocab_size=248320),
     "qwen3.5-9b-lora-1doc": BenchConfig("qwen3.5-9b", True, 2048, (2, 4), one_doc=True, vocab_size=248320),
+    # the mixture of experts (48 layers × 128 experts, top-8): LoRA on attention and on every expert; its bf16
+    # weights are 61 GB, drawn once on the GPU and shared by every run. Micro-batch 1 too: PEFT's adapter on the
+    # stacked experts keeps W + ΔW of every layer for the backward (1.2 GB a layer), so the peer may fit only there.
+    # Loss parity: rows of one document.
+    "qwen3-30b-a3b-lora": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2, 4)),
+    "qwen3-30b-a3b-lora-1doc": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2), one_doc=True),
 }
 
 
@@ -178,18 +187,21 @@ def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed
 
 
 def lora_init(args: Args, lora: LoraArgs, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """PEFT's default init for every adapter, by Atelier name: A kaiming-uniform(a=√5) in fp32, B zeros."""
+    """PEFT's default init for every adapter, by Atelier name: A kaiming-uniform(a=√5) in fp32, B zeros; a grouped
+    weight's (the experts') one adapter per group, stacked ([G, r, I] and [G, O, r])."""
     g = torch.Generator(device=device).manual_seed(seed)
-    shapes = hf_param_shapes(args)
     with torch.device("meta"):
-        targets = [name for name, _, _ in lora_targets(build_model(args), lora)]  # the linears apply_lora wraps
+        model = build_model(args)
+        targets = [(name, parent, leaf) for name, parent, leaf in lora_targets(model, lora)]  # what apply_lora wraps
     out = {}
-    for stem in targets:
-        out_features, fan_in = shapes[f"{stem}.weight"]
+    for stem, parent, leaf in targets:
+        grouped = grouped_weight(parent, leaf)
+        groups, out_features, fan_in = grouped.shape if grouped is not None else (1, *getattr(parent, leaf).weight.shape)
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): gain·√(3/fan_in) = 1/√fan_in
-        out[f"{stem}.lora_A.weight"] = torch.empty(lora.rank, fan_in, device=device).uniform_(-bound, bound,
-                                                                                              generator=g)
-        out[f"{stem}.lora_B.weight"] = torch.zeros(out_features, lora.rank, device=device)
+        a = torch.empty(groups, lora.rank, fan_in, device=device).uniform_(-bound, bound, generator=g)
+        b = torch.zeros(groups, out_features, lora.rank, device=device)
+        names = grouped_lora_names(stem) if grouped is not None else (f"{stem}.lora_A.weight", f"{stem}.lora_B.weight")
+        out[names[0]], out[names[1]] = (a, b) if grouped is not None else (a[0], b[0])
     return out
 
 
@@ -344,26 +356,41 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(dev)
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
+        from peft.utils import set_peft_model_state_dict
 
         lora = LoraArgs(rank=16, alpha=32.0)
         with torch.device("meta"):
             targets = sorted({leaf for _, _, leaf in lora_targets(build_model(args), lora)})
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
         dtype = torch.bfloat16 if name.endswith("bf16lora") else torch.float32
+        # the same adapters, in PEFT's own key layout: per expert, converted by PEFT onto transformers 5's stacked
+        # experts as its loader converts a saved adapter (there a gate/up pair is one adapter of rank 2r)
+        state = peft_tensors({k: v.to(dev) for k, v in lora_sd.items()})
+        if any(".experts." in k for k in state):
+            from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+            state = convert_peft_adapter_state_dict_for_transformers(model, model.peft_config["default"], state)
+        result = set_peft_model_state_dict(model, state)
+        if result.unexpected_keys or [k for k in result.missing_keys if "lora_" in k]:
+            raise RuntimeError(f"build_peer: PEFT did not take the adapters: unexpected {result.unexpected_keys[:3]}, "
+                               f"missing {[k for k in result.missing_keys if 'lora_' in k][:3]}")
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if "lora_" in pname:
-                    key = pname.removeprefix("base_model.model.").replace(".default.", ".")
-                    p.data = lora_sd[key].to(device=dev, dtype=dtype).clone()
+                    p.data = p.data.to(dtype)
     else:
         model.requires_grad_(True)
     model.train()
     autocast = not exact and (not cfg.lora or name == "hf-amp")
+    # an MoE trains as its released config says (Qwen3-30B-A3B: output_router_logits false): no load-balancing
+    # loss on either side (Atelier's runs call the plain forward)
+    extra = {"output_router_logits": False} if family_of_args(args).forward_with_aux is not None else {}
 
     def loss(b: Batch) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             # labels are already shifted (data/packing.py): pass them as shift_labels too so nothing re-shifts
-            out = model(input_ids=b.input_ids, position_ids=b.position_ids, labels=b.labels, shift_labels=b.labels)
+            out = model(input_ids=b.input_ids, position_ids=b.position_ids, labels=b.labels, shift_labels=b.labels,
+                        **extra)
         return out.loss
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -429,11 +456,33 @@ def step_flops(cfg: BenchConfig, args: Args, batches: list[Batch]) -> tuple[list
     useful = [train_flops(m, b.doc_lens, b.num_loss_tokens) for b in batches]
     head_all = [train_flops(m, b.doc_lens, sum(b.doc_lens)) for b in batches]
     m.requires_grad_(True)  # every matmul with a weight gradient: the 6N convention
-    for mod in m.modules():
-        if isinstance(mod, LoRALinear):
-            mod.lora_A.requires_grad_(False), mod.lora_B.requires_grad_(False)
+    for p in lora_parameters(m):
+        p.requires_grad_(False)
     six = [train_flops(m, b.doc_lens, b.num_loss_tokens) for b in batches]
     return useful, six, head_all
+
+
+def expert_tokens(build: Callable[[], Run], batch: Batch) -> dict[str, Any]:
+    """How evenly a mixture of experts spreads a batch's tokens (its family's expert_counts, [layers, E]): per layer
+    the busiest and idlest expert against the mean, and the coefficient of variation; the median layer and the
+    worst. A dropless MoE's step time follows its busiest experts, so the spread is part of the speed result."""
+    run = build()
+    try:
+        model = run.model
+        counts = family_of_args(model.args).expert_counts(model, batch.input_ids, batch.position_ids, batch.cu_seqlens,
+                                                          batch.max_seqlen, batch.real_tokens().to(batch.input_ids.device))
+    finally:
+        del run
+        gc.collect()
+    counts = counts.double().cpu()  # [Ls, E]
+    mean = counts.mean(dim=1, keepdim=True)
+    busiest, idlest = (counts.max(dim=1).values / mean[:, 0]), (counts.min(dim=1).values / mean[:, 0])
+    cv = counts.std(dim=1) / mean[:, 0]
+    med = lambda t: float(t.median())  # noqa: E731
+    return {"tokens_per_expert_mean": float(mean.mean()), "max_over_mean_median_layer": med(busiest),
+            "max_over_mean_worst_layer": float(busiest.max()), "min_over_mean_median_layer": med(idlest),
+            "cv_median_layer": med(cv), "cv_worst_layer": float(cv.max()),
+            "idle_experts": int((counts == 0).sum()), "layers": counts.shape[0], "experts": counts.shape[1]}
 
 
 def mfu_of(flops: list[int], step_s: list[float], warmup: int) -> float:
@@ -605,6 +654,10 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     parity = report["loss_mean_abs_diff_by_peer"].get(parity_peer)
     report["loss_mean_abs_diff"] = parity["diff"] if parity else None
     report["loss_parity_peer"] = parity_peer
+    if best_mb is not None and family_of_args(args).expert_counts is not None:
+        plain, _, _, _, _ = batches_by_mb[best_mb]
+        report["expert_tokens"] = expert_tokens(lambda: build_atelier(cfg, args, sd, lora_sd, dataclasses.replace(
+            main, compile=False), exact), plain[0])
     report["ablation"] = {}
     if ablation and best_mb is not None:
         plain, fixed, flops, _, _ = batches_by_mb[best_mb]
@@ -651,6 +704,11 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{fmt(r['peak_gb'], '.1f')} |")
     lines += ["", f"loss mean abs diff vs {report.get('loss_parity_peer', 'hf')} (same adapter dtype): "
                   f"{fmt(report['loss_mean_abs_diff'], '.2e')}"]
+    if "expert_tokens" in report:
+        e = report["expert_tokens"]
+        lines.append(f"tokens per expert (mean {e['tokens_per_expert_mean']:.0f}): busiest/mean {e['max_over_mean_median_layer']:.2f} "
+                     f"(median layer), {e['max_over_mean_worst_layer']:.2f} (worst); CV {e['cv_median_layer']:.2f}; "
+                     f"idle expert-layers {e['idle_experts']} of {e['layers'] * e['experts']}")
     for pair, d in report.get("loss_mean_abs_diff_between_peers", {}).items():
         lines.append(f"loss mean abs diff between peers, {pair} (the bf16 floor): {d['diff']:.2e}")
     if "loss_mean_abs_diff_fp32_lora_vs_hf" in report:

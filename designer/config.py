@@ -23,6 +23,9 @@ class ModelConfig:
     # Qwen3.5's gated delta rule (kernels/gated_delta_rule.py): "auto" = fla-core on CUDA (an error if it is
     # not installed), the fp32 reference on CPU; "ref" accepts the slow reference anywhere
     delta_rule: Literal["auto", "fla", "ref"] = "auto"
+    # Qwen3-MoE's load-balancing loss (router_aux_loss_coef · aux, over the real tokens): "auto" = config.json's
+    # output_router_logits decides, as in transformers; "on" / "off" force it. Families without one: auto or off
+    router_aux_loss: Literal["auto", "on", "off"] = "auto"
 
     def validate(self) -> None:
         if not self.path:

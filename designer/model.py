@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,12 +285,12 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, blocks, final norm."""
+    """HF's `model.` prefix: embeddings, blocks (Qwen3's, or a family's own `blocks`), final norm."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, blocks: Iterable[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(blocks if blocks is not None else (Block(args) for _ in range(args.num_layers)))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
 
@@ -430,11 +430,17 @@ def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
     raise ValueError(f"init_param: no init rule for parameter {name}")
 
 
+def meta_shapes(model_cls: Callable[[Any], nn.Module], args: Any) -> dict[str, tuple[int, ...]]:
+    """State-dict key → shape of every tensor of `model_cls(args)`, in state-dict order, built on the meta device
+    (nothing allocated)."""
+    with torch.device("meta"):
+        model = model_cls(dataclasses.replace(args, attention_impl="sdpa"))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def hf_param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """HF key → shape of every parameter of a Qwen3 with `args`, in state-dict order, without allocating."""
-    with torch.device("meta"):
-        model = Qwen3(dataclasses.replace(args, attention_impl="sdpa"))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return meta_shapes(Qwen3, args)
 
 
 def num_params(args: ModelArgs) -> int:

@@ -36,13 +36,16 @@ from atelier_studio.data.packing import Batch, compile_shape, pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.family import DesignerArgs
-from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
+from atelier_studio.designer.hf import Model, StoredWeights, build_model, load_pretrained, read_args, save_pretrained
 from atelier_studio.designer.lora import (
     ADAPTER_FILE,
-    PEFT_PREFIX,
+    GroupedLoRA,
     LoraArgs,
+    grouped_lora_names,
+    grouped_weight,
     lora_init_like,
     lora_targets,
+    lora_tensors_of_adapter,
     apply_lora,
     load_peft_adapter,
     merge_lora,
@@ -66,6 +69,7 @@ class DeviceBatch:
 
     batch: Batch
     loss_index: torch.Tensor  # [num_loss_tokens] positions (in the flattened B*T tokens) that carry a label
+    real_tokens: torch.Tensor  # [B, T] bool: not padding (a family's auxiliary loss counts these only)
 
 
 class DesignerTask:
@@ -98,6 +102,11 @@ class DesignerTask:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        if self.lora_args is not None and self.lora_args.dropout > 0:
+            _check_grouped_dropout(args, self.lora_args, cfg.lora.dropout)
+        if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
+            raise ConfigError(f"model.router_aux_loss = 'on': {self.family.name} models have no auxiliary loss "
+                              f"(model.path {model_dir}); leave it 'auto' or 'off'")
         _preflight(cfg, args, device)
         check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
@@ -137,36 +146,28 @@ class DesignerTask:
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
-        from safetensors import safe_open
-
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
         args = read_args(model_dir, self.cfg.model.attention, self.cfg.model.delta_rule, self.cfg.model.kernels)
-        where = check_weight_files(model_dir, args)
+        stored = StoredWeights(model_dir, args)  # checks every key and shape before anything is built
         with torch.device("meta"):
             model = build_model(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
-                adapter = Path(self.cfg.lora.init_adapter) / ADAPTER_FILE
-                with safe_open(str(adapter), framework="pt", device="cpu") as f:
-                    lora_init = {k[len(PEFT_PREFIX):]: f.get_tensor(k) for k in f.keys()}
+                lora_init = lora_tensors_of_adapter(model, Path(self.cfg.lora.init_adapter) / ADAPTER_FILE)
             else:
                 lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 apply_lora(model, self.lora_args)
         self._wrap(model)
-        with contextlib.ExitStack() as stack:
-            files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                     for f in sorted(set(where.values()))}
-            names = {f: set(h.keys()) for f, h in files.items()}
+        with stored:
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
-                key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
-                return files[where[key]].get_slice(file_key(key, names[where[key]]))[rows]
+                return stored.read(name.replace(".base_layer.", "."), rows)  # a LoRA-wrapped base has the HF name
 
             materialize_(model, self.device, read)
         return model
@@ -190,7 +191,8 @@ class DesignerTask:
         if self.cfg.train.distributed.compile:
             batch = compile_shape(batch)  # a bounded set of shapes for the compiled blocks
         loss_index = batch.labels.reshape(-1).ne(-100).nonzero().squeeze(1)  # on the host: no device sync
-        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True))
+        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True),
+                           batch.real_tokens().to(self.device, non_blocking=True))
 
     def train_batches(self) -> Iterator[DeviceBatch]:
         return (self._to_device(b) for b in self.train_loader)
@@ -212,13 +214,24 @@ class DesignerTask:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def loss_sum(self, b: DeviceBatch) -> torch.Tensor:
+        """Σ cross-entropy over the caption tokens, plus a family's auxiliary loss term (Qwen3-MoE's load balancing)
+        times the micro-batch's loss tokens: divided by the accumulated batch's loss tokens (the trainer), the step
+        loss is the mean cross-entropy plus the auxiliary term weighted by each micro-batch's share of the loss
+        tokens (with one micro-batch: exactly transformers' loss + router_aux_loss_coef · aux)."""
         batch = b.batch
         with self._autocast():
-            hidden = self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)  # [B,T,D]
+            inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            aux = None
+            if self.family.forward_with_aux is None:
+                hidden = self.model(*inputs)  # [B,T,D]
+            else:
+                hidden, aux = self.family.forward_with_aux(self.model, *inputs, b.real_tokens,
+                                                           self.cfg.model.router_aux_loss)
             hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, b.loss_index)  # [N,D]
             labels = batch.labels.reshape(-1).index_select(0, b.loss_index)  # [N]
             weight = self.model.lm_head_weight
-            return linear_cross_entropy(hidden, weight, labels)
+            total = linear_cross_entropy(hidden, weight, labels)
+        return total if aux is None else total + aux.float() * batch.num_loss_tokens
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_loader is None:
@@ -294,10 +307,35 @@ def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) ->
         family.preflight(args, cfg.model, device)
 
 
+def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -> None:
+    """LoRA dropout on grouped weights (Qwen3-MoE's experts) is refused before anything is loaded, naming the key."""
+    with torch.device("meta"):
+        probe = build_model(args)
+    leaves = sorted({leaf for _, parent, leaf in lora_targets(probe, lora) if grouped_weight(parent, leaf) is not None})
+    if leaves:
+        targets = [t for t, path in family_of_args(args).lora_targets.items() if path.rsplit(".", 1)[1] in leaves]
+        raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where dropout "
+                          f"is not supported (PEFT refuses it there too); set lora.dropout = 0, or lora.targets without "
+                          f"{', '.join(targets)}")
+
+
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
-    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name."""
-    layers = [(name, getattr(parent, leaf)) for name, parent, leaf in lora_targets(model, args)]
-    return lora_init_like(layers, args, device)
+    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name: a
+    grouped weight's (Qwen3-MoE's experts) from GroupedLoRA itself, a linear's from pipeline.lora.lora_init_like,
+    one target at a time so the draws come in apply_lora's order. Every rank draws all of them and keeps its rows,
+    so a sharded run starts from the adapter a one-process run with the same seed starts from.
+    """
+    out = {}
+    for name, parent, leaf in lora_targets(model, args):
+        grouped = grouped_weight(parent, leaf)
+        if grouped is None:
+            out.update(lora_init_like([(name, getattr(parent, leaf))], args, device))
+            continue
+        g, o, i = grouped.shape
+        lora = GroupedLoRA(g, o, i, leaf, args, device)
+        a_name, b_name = grouped_lora_names(name)
+        out[a_name], out[b_name] = lora.lora_A.detach(), lora.lora_B.detach()
+    return out
 
 
 __all__ = ["DesignerTask", "check_prompts_fit", "copy_tokenizer", "merge_lora"]

@@ -4,7 +4,7 @@
     atelier data synth --out DIR --n N --seed S
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR  (registered sizes)
+    atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR  (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "init", designer_init, "write a random-init model directory of a registered family (HF layout)")
     sp.add_argument("--size", required=True,
                     help="a size of a registered family (designer/registry.py), e.g. Qwen3's tiny, demo, 0.6b ... 32b "
-                         "or Qwen3.5's qwen3.5-tiny, qwen3.5-9b; an unknown size lists them all")
+                         "Qwen3.5's qwen3.5-tiny, qwen3.5-9b, Qwen3-MoE's qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b; "
+                         "an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ AC_MODES = ("none", "full", "selective")
 # (norms, RoPE, SwiGLU, casts, adds) is recomputed in backward. Looked up by name so that ops missing in a
 # given torch build are simply absent.
 _SAVE_OP_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
 )

@@ -97,6 +97,16 @@ def write(path: Path, data: str | bytes) -> Path:
     return path
 
 
+def moe_model(tmp: Path, w: World, drop: str = "") -> Path:
+    """A tiny Qwen3-MoE directory (`designer init`) in tmp/moe; with `drop`, that key taken out of its config.json."""
+    assert main(["designer", "init", "--size", "qwen3-moe-tiny", "--tokenizer", str(w.tokenizer), "--out",
+                 str(tmp / "moe"), "--dtype", "float32"]) == 0
+    if drop:
+        cfg = json.loads((tmp / "moe" / "config.json").read_text())
+        (tmp / "moe" / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != drop}))
+    return tmp / "moe"
+
+
 def fixture_lines(n: int) -> list[bytes]:
     return FIXTURE.read_bytes().splitlines(keepends=True)[:n]
 
@@ -295,6 +305,14 @@ CASES = [
     # the family is known only from model.path's config.json, so the names are checked when the run starts
     Case("lora-target-not-in-the-family", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.targets=q,qkv"),
          ("lora.targets", "['qkv'] are not Qwen3 linears", "q, k, v, o, gate, up, down"), absent=("run/checkpoints",)),
+    Case("router-aux-loss-on-a-dense-model", lambda t, w: designer_train(t, w, "model.router_aux_loss=on"),
+         ("model.router_aux_loss = 'on'", "Qwen3 models have no auxiliary loss"), absent=("run",)),
+    Case("moe-config-without-its-expert-keys",
+         lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w, drop='moe_intermediate_size')}"),
+         ("{tmp}/moe/config.json", "missing keys ['moe_intermediate_size']"), absent=("run",)),
+    Case("lora-dropout-on-experts",
+         lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.dropout=0.1"),
+         ("lora.dropout = 0.1", "gate, up, down adapters are one per expert", "lora.dropout = 0"), absent=("run",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",

@@ -81,6 +81,28 @@ def test_tiny_parity_one_doc_rows_and_full_finetuning(name, tmp_path):
         assert abs(losses[0] - losses[-1]) > 1e-4
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora", "qwen3-30b-a3b-lora-1doc"])
+def test_tiny_moe_parity_active_flops_and_expert_spread(name, tmp_path):
+    """The MoE configs at tiny size: loss parity with transformers + PEFT (adapters on attention and every expert,
+    handed to PEFT in its per-expert layout), FLOPs from the active parameters, the tokens-per-expert spread."""
+    from atelier_studio.bench.designer import step_flops
+    from atelier_studio.designer.hf import args_from_size
+
+    cfg = dataclasses.replace(tiny_config(CONFIGS[name]), micro_batches=(2,))
+    r = bench(name, cfg, tmp_path, ["hf"], [2], steps=3, warmup=1, ablation=False, tokenizer=None, device=CPU,
+              exact=True)
+    assert r["loss_mean_abs_diff"] < 1e-4  # fp32 both sides (1e-5 measured), as the dense configs
+    e = r["expert_tokens"]
+    assert (e["layers"], e["experts"]) == (2, 8) and e["max_over_mean_worst_layer"] >= e["max_over_mean_median_layer"] >= 1
+    first = make_batches(cfg, 2, 4, None, 2)[0]  # bench()'s batches at micro-batch 2 (seed + 2, warmup + steps)
+    assert e["tokens_per_expert_mean"] * e["experts"] == pytest.approx(2 * first.num_tokens)  # k = 2 per real token
+    args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
+    batch = make_batches(cfg, 2, 1, None, 0)[0]
+    useful, six, _ = step_flops(cfg, args, [batch])
+    all_experts = dataclasses.replace(args, top_k=args.num_experts)  # every expert on every token: 4x the experts
+    assert step_flops(cfg, all_experts, [batch])[0][0] > useful[0] and six[0] > useful[0]
+
+
 def _setup(seed: int = 0):
     cfg = tiny_config(CONFIGS["qwen3-8b-lora"])
     args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
