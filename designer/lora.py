@@ -25,6 +25,7 @@ experts. Dropout is not supported there (PEFT's own adapter on a stacked weight 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,7 @@ class GroupedLoRA(nn.Module):
         if args.dropout > 0:
             raise ValueError(f"LoRA dropout {args.dropout} is not supported on grouped weights ({leaf}: one adapter per "
                              f"expert); set lora.dropout = 0")
-        dtype = _DTYPES[args.dtype]
+        dtype = layers.DTYPES[args.dtype]
         self.leaf, self.scale, self.rank = leaf, args.scale, args.rank
         self.lora_A = nn.Parameter(torch.empty(groups, args.rank, in_features, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(groups, out_features, args.rank, device=device, dtype=dtype))

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.distributed import DistContext, DistributedError
+
+if TYPE_CHECKING:
+    from atelier_studio.pipeline.distributed import DistContext
 
 
 class AllToAll(torch.autograd.Function):
@@ -76,7 +79,7 @@ class ExpertExchange:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.size:
-            raise DistributedError(f"expert parallelism: {num_experts} experts do not split over {self.size} ranks")
+            raise ConfigError(f"train.distributed.expert_parallel: {num_experts} experts do not split over {self.size} ranks")
         self.local = num_experts // self.size
 
     @property
