@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -17,6 +18,38 @@ import torch
 import torch._dynamo
 
 PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (docs/mfu.md)
+PEAK_FP8_TFLOPS = 1979.0  # dense FP8, H100/H200 SXM: what FP8 runs are also quoted against
+
+
+class Budget:
+    """A benchmark's time budget (--budget-s): runs that would start after it is spent are recorded as skipped
+    with `reason()` instead of run, so a bench under a hard time limit ends with a report of what it finished.
+    None seconds: no limit."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def reason(self) -> str:
+        return f"time budget (--budget-s {self.seconds:g}) spent"
+
+    def skipped(self) -> dict[str, Any]:
+        """A run's result when the budget was spent before it started."""
+        return {"oom": False, "skipped": self.reason()}
+
+
+def mfu_fields(tflops: float, matmul_bf16: float | None, matmul_fp8: float | None) -> dict[str, float | None]:
+    """MFU against the ceilings beside the dense bf16 peak (which each bench reports under its own key): the dense
+    FP8 peak, and the bf16 and FP8 matmul rates measured on the card in the same run (bench/env.py matmul_rates)."""
+    return {"mfu_fp8_peak": tflops / PEAK_FP8_TFLOPS,
+            "mfu_matmul": tflops / matmul_bf16 if matmul_bf16 else None,
+            "mfu_matmul_fp8": tflops / matmul_fp8 if matmul_fp8 else None}
 
 
 def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
@@ -98,6 +131,21 @@ def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda
     result["baseline_gb"] = baseline
     result["oom"] = False
     return result
+
+
+def attempt(run: Callable[[], dict[str, Any]], passthrough: tuple[type[BaseException], ...] = (ImportError,)
+            ) -> dict[str, Any]:
+    """run() (a measurement), with any failure other than `passthrough` (a compile error, a kernel that cannot run
+    these shapes) recorded as its result instead of ending the bench: {"oom": False, "failed": True, "error": the
+    exception's type and first line}; the traceback goes to stderr."""
+    try:
+        return run()
+    except passthrough:
+        raise
+    except Exception as e:  # an unattended run records every failure and goes on to the next measurement
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {first}"}
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool) -> torch.optim.AdamW:
