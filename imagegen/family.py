@@ -11,6 +11,8 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   train_flops      the model's own FLOP counter: train_flops(model, batch_size, image_tokens, text_tokens)
   blocks           the parallelize plan: the repeated blocks (each its own AC / compile / FSDP2 unit)
   diffusers_class  the diffusers class it is compared with in tests and bench/imagegen.py ("module:Class")
+  fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
+                   bench apply FP8 with them: pipeline/policies.apply_fp8)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Family:
     train_flops: Callable[[Any, int, int, int], int]
     blocks: Callable[[nn.Module], list[nn.Module]]
     diffusers_class: str  # "diffusers:SD3Transformer2DModel"
+    fp8_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []

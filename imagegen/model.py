@@ -552,4 +552,9 @@ FAMILY = Family(
     name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
     diffusers_class="diffusers:SD3Transformer2DModel",
+    # kept out of FP8: the linears that run once per image (the timestep and pooled-text embedders, every AdaLN
+    # modulation: M = the batch, so quantising their weight each step costs more than their matmul) and the final
+    # projection (N = p²·C = 64 outputs, next to the loss)
+    fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+              "norm_out.linear", "proj_out"),
 )
