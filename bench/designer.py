@@ -413,11 +413,12 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
           warmup: int, ablation: bool, tokenizer: str | None, device: torch.device, exact: bool,
           compile_modes: tuple[bool, ...] = (True,), profile: bool = False, seed: int = 0,
           fp8: tuple[str, ...] = (), fp8_micro_batches: list[int] | None = None,
-          fp8_compile_modes: tuple[bool, ...] | None = None, peer_micro_batches: list[int] | None = None,
-          budget: Budget | None = None, on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+          fp8_compile_modes: tuple[bool, ...] | None = None,
+          peer_micro_batches: list[int] | dict[str, list[int]] | None = None, budget: Budget | None = None, on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     """One config, in this order: Atelier's bf16 micro-batch sweep (each micro-batch in each of `compile_modes`),
     the FP8 rows (each recipe of `fp8` at `fp8_micro_batches`, default the best bf16 one, in each of
-    `fp8_compile_modes`, default the best bf16 run's), the peers (each at `peer_micro_batches`, default the sweep's),
+    `fp8_compile_modes`, default the best bf16 run's), the peers (each at `peer_micro_batches`: one list for all, or
+    a list per peer name; default the sweep's),
     the ablation around the best bf16 run, an optional profile. A run that would start once `budget` is spent is
     recorded as skipped; `on_result(report)` gets the summarised report after every run."""
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
@@ -505,7 +506,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     # the peers
     for p in peers:
         spec = parse_peer(p)
-        for mb in peer_micro_batches or micro_batches:
+        own = peer_micro_batches.get(p) if isinstance(peer_micro_batches, dict) else peer_micro_batches
+        for mb in own or micro_batches:
             if budget.spent():
                 report["peer_runs"][p][str(mb)] = budget.skipped()
                 emit()
@@ -761,7 +763,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default=",".join(PEERS),
                    help="comma list of peer names: hf|hf-amp|hf-liger|hf-liger-bf16lora|hf-nofla, then optionally "
-                        "-compiled, then optionally -1doc (bench/designer_peers.py)")
+                        "-compiled, then optionally -1doc (bench/designer_peers.py); NAME@4+8 runs that peer at "
+                        "micro-batches 4 and 8 only")
     p.add_argument("--micro-batches", type=parse_ints, default=None)
     p.add_argument("--peer-micro-batches", type=parse_ints, default=None,
                    help="the peers' micro-batches (a -1doc peer's token budget is this × T); default: --micro-batches")
@@ -795,13 +798,17 @@ COMPILE_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    peers = [x for x in a.peers.split(",") if x]
-    bad = []
-    for x in peers:
+    peers, own_mbs, bad = [], {}, []
+    for item in (x for x in a.peers.split(",") if x):
+        name, _, mbs = item.partition("@")
         try:
-            parse_peer(x)
+            parse_peer(name)
+            if mbs:
+                own_mbs[name] = [int(m) for m in mbs.split("+")]
         except ValueError:
-            bad.append(x)
+            bad.append(item)
+            continue
+        peers.append(name)
     if bad:
         p.error(f"--peers: unknown {bad}; known: a base of {list(PEER_BASES)}, then optionally -compiled, then "
                 "optionally -1doc")
@@ -825,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
                    exact=a.tiny, compile_modes=COMPILE_MODES[a.compile], profile=a.profile, fp8=recipes,
                    fp8_micro_batches=a.fp8_micro_batches,
                    fp8_compile_modes=COMPILE_MODES[a.fp8_compile] if a.fp8_compile else None,
-                   peer_micro_batches=a.peer_micro_batches, budget=Budget(a.budget_s),
+                   peer_micro_batches={p: own_mbs.get(p) or a.peer_micro_batches or mbs for p in peers},
+                   budget=Budget(a.budget_s),
                    on_result=lambda r: write(r, out))
     path = write(report, out)
     print(markdown(report))

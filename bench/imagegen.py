@@ -372,9 +372,11 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
           seed: int = 0, profile_path: Path | None = None, attention: str = "auto", fp8: tuple[str, ...] = (),
           fp8_batches: list[int] | None = None, fp8_compile_modes: tuple[bool, ...] | None = None,
           peer_batches: list[int] | None = None, loader: bool = True, budget: Budget | None = None,
-          on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
-    """One config, in this order: Atelier's bf16 batch sweep, the FP8 rows (each recipe of `fp8` at `fp8_batches`,
-    default the best bf16 batch, compiled as `fp8_compile_modes`, default as bf16), the peers (at `peer_batches`,
+          on_result: Callable[[dict[str, Any]], Any] | None = None,
+          compile_modes: tuple[bool, ...] = (True,)) -> dict[str, Any]:
+    """One config, in this order: Atelier's bf16 batch sweep (each batch in each of `compile_modes`), the FP8 rows
+    (each recipe of `fp8` at `fp8_batches`, default the best bf16 batch, compiled as `fp8_compile_modes`, default as
+    the best bf16 run), the peers (at `peer_batches`,
     default the sweep's), the ablation and attention backends, a profile, the EMA and loader timings. A run that
     would start once `budget` is spent is recorded as skipped; `on_result(report)` gets the summarised report after
     every run."""
@@ -388,7 +390,8 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
                               "run": {"warmup": warmup, "steps": steps, "seed": seed, "budget_s": budget.seconds},
                               "clocks": {"before": clocks()}, "matmul_tflops": rates["bf16"],
                               "matmul_tflops_fp8": rates["fp8"], "matmul_tflops_fp8_best": rates["fp8_best"],
-                              "sweep": {}, "fp8_runs": {}, "peer_runs": {p: {} for p in peers}, "ablation_runs": {},
+                              "atelier_runs": {}, "fp8_runs": {}, "peer_runs": {p: {} for p in peers},
+                              "ablation_runs": {},
                               "notes": {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master "
                                                    "copies per run, bf16 autocast",
                                         "loss": "mean over images of imagegen.flow.flow_loss (no weighting), same "
@@ -401,7 +404,8 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     with torch.device("meta"):
         meta_model = MMDiT(args)
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
-    main_variant = Variant(compile=not exact, kernels=kernels, attention=attention)
+    modes = (False,) if exact else tuple(compile_modes)
+    base = Variant(kernels=kernels, attention=attention)
     data: dict[int, tuple[list[ImageBatch], int]] = {}
 
     def data_for(bs: int) -> tuple[list[ImageBatch], int]:
@@ -410,11 +414,13 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
                         meta_model.train_flops(bs, N, L))
         return data[bs]
 
-    def measured(build: Callable[[], Run], bs: int, label: str) -> dict[str, Any]:
+    def measured(build: Callable[[], Run], bs: int, label: str, compiled: bool | None = None) -> dict[str, Any]:
         if budget.spent():
             return budget.skipped()
         host, flops = data_for(bs)
         r = attempt(build, host, warmup, steps, cfg.lr, flops)
+        if compiled is not None:
+            r["compile"] = compiled
         print(f"{label} batch={bs}: " + _said(r), flush=True)
         return r
 
@@ -424,15 +430,19 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
             on_result(report)
 
     for bs in batches:
-        report["sweep"][str(bs)] = measured(lambda: build_atelier(args, sd, main_variant, exact), bs, "atelier bf16")
-        emit()
+        for c in modes:
+            v = dataclasses.replace(base, compile=c)
+            report["atelier_runs"].setdefault(str(bs), {})[str(c)] = measured(
+                lambda: build_atelier(args, sd, v, exact), bs, f"atelier bf16 compile={c}", c)
+            emit()
     best = _best(report["sweep"])
+    main_variant = dataclasses.replace(base, compile=report["sweep"][best]["compile"] if best else modes[0])
     f_modes = (False,) if exact else tuple(fp8_compile_modes or (main_variant.compile,))
     for recipe in fp8:
         for bs in fp8_batches or ([int(best)] if best else []):
             for c in f_modes:
                 v = dataclasses.replace(main_variant, compile=c, precision="fp8", fp8_recipe=recipe)
-                r = measured(lambda: build_atelier(args, sd, v, exact), bs, f"atelier fp8-{recipe} compile={c}")
+                r = measured(lambda: build_atelier(args, sd, v, exact), bs, f"atelier fp8-{recipe} compile={c}", c)
                 report["fp8_runs"].setdefault(recipe, {}).setdefault(str(bs), {})[str(c)] = r
                 emit()
     for p in peers:
@@ -514,9 +524,18 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     """The report's derived fields from its raw runs (sweep, fp8_runs, peer_runs, ablation_runs), in place: each
     configuration's best run, the strongest peer and the ratios against it, loss parity with diffusers, the FP8 rows
     against bf16 on the same batches. Idempotent: called after every run."""
-    sweep = report["sweep"]
+    sweep, by_compile = {}, {}
+    for bs, modes in report["atelier_runs"].items():
+        k = _best(modes)
+        sweep[bs] = modes[k] if k else next(iter(modes.values()))
+        if len(modes) > 1:
+            by_compile[bs] = {c: r.get("images_per_s") for c, r in modes.items()}
+    report["sweep"] = sweep
+    if by_compile:
+        report["sweep_by_compile"] = by_compile
     best = _best(sweep)
-    report["atelier"] = _summary(sweep[best], int(best), report) if best else _failed(sweep)
+    report["atelier"] = {**_summary(sweep[best], int(best), report), "compile": sweep[best].get("compile")} \
+        if best else _failed(sweep)
     report["peers"], report["loss_mean_abs_diff_by_peer"] = {}, {}
     for p, runs in report["peer_runs"].items():
         if "skipped" in runs:
@@ -546,7 +565,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         bs, c = max(ok, key=lambda key: flat[key]["images_per_s"])
         r = flat[(bs, c)]
         row = {**_summary(r, int(bs), report), "compile": c == "True"}
-        bf16 = sweep.get(bs, {})
+        same = report["atelier_runs"].get(bs, {})
+        bf16 = same.get(c) if _ok(same.get(c, {})) else sweep.get(bs, {})
         if _ok(bf16):
             row["speedup_vs_bf16_same_batches"] = r["images_per_s"] / bf16["images_per_s"]
             row["loss_mean_abs_diff_vs_bf16"] = _loss_diff(r["timed_losses"], bf16["timed_losses"])
@@ -590,11 +610,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report["fp8_runs"]:
         lines += ["", "| FP8 ablation | batch | compile | images/s | × bf16, same batches | loss mean abs diff "
                       "vs bf16 |", "|---|---|---|---|---|---|"]
-        lines += [f"| bf16 (FP8 off) | {bs} | — | {_rate(r)} | 1.00× | — |" for bs, r in report["sweep"].items()]
+        lines += [f"| bf16 (FP8 off) | {bs} | {c} | {_rate(r)} | 1.00× | — |"
+                  for bs, modes in report["atelier_runs"].items() for c, r in modes.items()]
         for recipe, by_bs in report["fp8_runs"].items():
             for bs, modes in by_bs.items():
                 for comp, r in modes.items():
-                    bf16 = report["sweep"].get(bs, {})
+                    bf16 = report["atelier_runs"].get(bs, {}).get(comp, {})
                     both = _ok(r) and _ok(bf16)
                     ratio = f"{r['images_per_s'] / bf16['images_per_s']:.2f}×" if both else "—"
                     dl = f"{_loss_diff(r['timed_losses'], bf16['timed_losses']):.2e}" if both else "—"
@@ -669,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", choices=("auto", *SDPA_BACKENDS), default="auto",
                    help="Atelier's SDPA backend (MMDiTArgs.attention); the sdpa_* ablation rows measure each")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
+    p.add_argument("--compile", choices=("on", "off", "both"), default="on",
+                   help="per-block torch.compile for Atelier; both: each batch both ways, the faster kept")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     p.add_argument("--loader-only", action="store_true",
                    help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
@@ -704,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
                    profile_path=out / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
                    if a.profile else None, attention=a.attention, fp8=recipes, fp8_batches=a.fp8_batches,
                    fp8_compile_modes=modes[a.fp8_compile] if a.fp8_compile else None, peer_batches=a.peer_batches,
-                   loader=not a.no_loader, budget=Budget(a.budget_s), on_result=lambda r: write(r, out))
+                   loader=not a.no_loader, budget=Budget(a.budget_s), on_result=lambda r: write(r, out),
+                   compile_modes=modes[a.compile])
     path = write(report, out)
     print(markdown(report))
     print(f"wrote {path}")

@@ -40,7 +40,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["--config", "qwen3-8b-lora", "--tiny", "--out", str(out), "--peers", "hf,hf-liger,hf-1doc",
+    assert main(["--config", "qwen3-8b-lora", "--tiny", "--out", str(out), "--peers", "hf,hf-liger,hf-1doc@2",
                  "--steps", "2", "--warmup", "1", "--ablation", "--fp8", "rowwise"]) == 0
     (path,) = out.glob("designer-qwen3-8b-lora-*.json")
     assert path.with_suffix(".md").is_file()
@@ -78,6 +78,7 @@ def test_tiny_run_writes_every_field(tiny_report):
     assert set(ran) == {"hf", "hf-1doc"} and r["strongest_peer"] == max(ran, key=ran.get)
     assert r["speedup_vs_strongest_peer"] == pytest.approx(a["tokens_per_s"] / max(ran.values()), rel=1e-12)
     assert r["peers"]["hf-1doc"]["rows"] == "one document per row" and r["peer_runs"]["hf-1doc"]["2"]["batches"] > 0
+    assert set(r["peer_runs"]["hf-1doc"]) == {"2"} and set(r["peer_runs"]["hf"]) == {"1", "2"}  # NAME@2: mb 2 only
     # the FP8 row ran on the bf16 run's batches; bf16 here is fp32 (exact), so any loss difference is the FP8
     # quantisation: nonzero, and far below one E4M3 rounding step of the loss (2^-4 relative: the operands' rounding
     # errors are independent and average out in every dot product)
@@ -303,6 +304,9 @@ def test_peer_names_parse_and_bad_ones_are_named(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "qwen3-8b-lora", "--tiny", "--peers", "hf,hf-1doc-compiled"])
     assert "--peers: unknown ['hf-1doc-compiled']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--peers", "hf@two"])
+    assert "--peers: unknown ['hf@two']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", "qwen3-8b-lora", "--tiny", "--fp8", "blockwise"])
     assert "--fp8: unknown ['blockwise']" in capsys.readouterr().err
