@@ -65,8 +65,9 @@ from torch import nn
 from atelier_studio.bench.designer_peers import (PEER_BASES, build_peer as build_hf_peer, one_document_batches,
                                                  parse_peer, peer_context, peer_kernels, peer_notes)
 from atelier_studio.bench.env import clocks, environment, matmul_rates
-from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt, bar_chart, fmt, guarded, mfu_fields,
-                                          parse_ints, profile_table, timed_steps, train_step, write_report)
+from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt, bar_chart, best_per_size, best_run,
+                                          fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table, run_status,
+                                          timed_steps, train_step, write_report)
 from atelier_studio.data.chat import EncodedDoc
 from atelier_studio.data.packing import Batch, PackResult, fixed_shape, make_batch, pack_documents
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
@@ -414,7 +415,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
           compile_modes: tuple[bool, ...] = (True,), profile: bool = False, seed: int = 0,
           fp8: tuple[str, ...] = (), fp8_micro_batches: list[int] | None = None,
           fp8_compile_modes: tuple[bool, ...] | None = None,
-          peer_micro_batches: list[int] | dict[str, list[int]] | None = None, budget: Budget | None = None, on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+          peer_micro_batches: list[int] | dict[str, list[int]] | None = None, budget: Budget | None = None,
+          on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     """One config, in this order: Atelier's bf16 micro-batch sweep (each micro-batch in each of `compile_modes`),
     the FP8 rows (each recipe of `fp8` at `fp8_micro_batches`, default the best bf16 one, in each of
     `fp8_compile_modes`, default the best bf16 run's), the peers (each at `peer_micro_batches`: one list for all, or
@@ -556,11 +558,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
 
 
 def _said(r: dict[str, Any]) -> str:
-    if r.get("skipped"):
-        return f"skipped ({r['skipped']})"
-    if r.get("failed"):
-        return f"failed ({r['error']})"
-    return "OOM" if r["oom"] else f"{r['tokens_per_s']:,.0f} tok/s, {fmt(r.get('peak_gb'), '.1f')} GB"
+    return run_status(r, lambda x: f"{x['tokens_per_s']:,.0f} tok/s")
 
 
 def _rate(r: dict[str, Any]) -> str:
@@ -577,31 +575,18 @@ def _summary(r: dict[str, Any], mb: str, report: dict[str, Any]) -> dict[str, An
 
 
 def _best(runs: dict[str, dict[str, Any]]) -> str | None:
-    ok = [k for k, r in runs.items() if _ok(r)]
-    return max(ok, key=lambda k: runs[k]["tokens_per_s"]) if ok else None
+    return best_run(runs, "tokens_per_s")
 
 
 def _failed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The row of a configuration with no rate: out of memory everywhere, or skipped (why)."""
-    rs = list(runs.values())
-    if rs and all(r.get("oom") for r in rs):
-        return {"oom": True, "micro_batches": [int(k) for k in runs]}
-    failed = next((r["error"] for r in rs if r.get("failed")), None)
-    if failed:
-        return {"failed": True, "error": failed}
-    return {"skipped": next((r["skipped"] for r in rs if r.get("skipped")), "no run")}
+    return no_rate(runs, "micro_batches")
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     """The report's derived fields from its raw runs (atelier_runs, fp8_runs, peer_runs, ablation_runs), in place:
     the best run of each configuration, the strongest peer and every ratio against it, loss parity, the FP8 rows
     against bf16. Idempotent: called after every run."""
-    sweep, by_compile = {}, {}
-    for mb, modes in report["atelier_runs"].items():
-        k = _best(modes)
-        sweep[mb] = modes[k] if k else next(iter(modes.values()))
-        if len(modes) > 1:
-            by_compile[mb] = {c: r.get("tokens_per_s") for c, r in modes.items()}
+    sweep, by_compile = best_per_size(report["atelier_runs"], "tokens_per_s")
     report["sweep"] = sweep
     if by_compile:
         report["sweep_by_compile"] = by_compile

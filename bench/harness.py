@@ -148,6 +148,47 @@ def attempt(run: Callable[[], dict[str, Any]], passthrough: tuple[type[BaseExcep
         return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {first}"}
 
 
+def best_run(runs: dict[str, dict[str, Any]], rate: str) -> str | None:
+    """The key of the fastest of `runs` by their `rate` field (tokens_per_s, images_per_s); None when no run has
+    one (out of memory, failed, skipped)."""
+    ok = [k for k, r in runs.items() if r and rate in r]
+    return max(ok, key=lambda k: runs[k][rate]) if ok else None
+
+
+def best_per_size(runs: dict[str, dict[str, dict[str, Any]]], rate: str
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float | None]]]:
+    """runs[size][compile mode] → (the best run of each size, or its first when none has a rate; the rate of each
+    mode per size where a size ran in several)."""
+    best, by_mode = {}, {}
+    for size, modes in runs.items():
+        k = best_run(modes, rate)
+        best[size] = modes[k] if k else next(iter(modes.values()))
+        if len(modes) > 1:
+            by_mode[size] = {c: r.get(rate) for c, r in modes.items()}
+    return best, by_mode
+
+
+def no_rate(runs: dict[str, dict[str, Any]], sizes: str) -> dict[str, Any]:
+    """The report row of a configuration none of whose runs has a rate: out of memory at every size (listed under
+    `sizes`), else the first failure's error, else why it was skipped."""
+    rs = list(runs.values())
+    if rs and all(r.get("oom") for r in rs):
+        return {"oom": True, sizes: [int(k) for k in runs]}
+    failed = next((r["error"] for r in rs if r.get("failed")), None)
+    if failed:
+        return {"failed": True, "error": failed}
+    return {"skipped": next((r["skipped"] for r in rs if r.get("skipped")), "no run")}
+
+
+def run_status(r: dict[str, Any], rate_text: Callable[[dict[str, Any]], str]) -> str:
+    """A run as its log line reads: skipped (why), failed (the error), OOM, or rate_text(r) and its peak memory."""
+    if r.get("skipped"):
+        return f"skipped ({r['skipped']})"
+    if r.get("failed"):
+        return f"failed ({r['error']})"
+    return "OOM" if r["oom"] else f"{rate_text(r)}, {fmt(r.get('peak_gb'), '.1f')} GB"
+
+
 def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool) -> torch.optim.AdamW:
     """The benches' optimizer: fused AdamW (CUDA) or the foreach one, no weight decay."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)

@@ -57,8 +57,9 @@ import torch
 from torch import nn
 
 from atelier_studio.bench.env import clocks, environment, matmul_rates
-from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt as attempt_run, bar_chart, fmt, guarded,
-                                          mfu_fields, parse_ints, profile_table, timed_steps, train_step, write_report)
+from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt as attempt_run, bar_chart, best_per_size,
+                                          best_run, fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table,
+                                          run_status, timed_steps, train_step, write_report)
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
@@ -363,8 +364,7 @@ def _ok(r: dict[str, Any]) -> bool:
 
 
 def _best(runs: dict[str, dict[str, Any]]) -> str | None:
-    ok = {k: v for k, v in runs.items() if _ok(v)}
-    return max(ok, key=lambda k: ok[k]["images_per_s"]) if ok else None
+    return best_run(runs, "images_per_s")
 
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
@@ -494,11 +494,7 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
 
 
 def _said(r: dict[str, Any]) -> str:
-    if r.get("skipped"):
-        return f"skipped ({r['skipped']})"
-    if r.get("failed"):
-        return f"failed ({r['error']})"
-    return "OOM" if r["oom"] else f"{r['images_per_s']:.2f} images/s, {fmt(r.get('peak_gb'), '.1f')} GB"
+    return run_status(r, lambda x: f"{x['images_per_s']:.2f} images/s")
 
 
 def _rate(r: dict[str, Any]) -> str:
@@ -506,14 +502,7 @@ def _rate(r: dict[str, Any]) -> str:
 
 
 def _failed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The row of a configuration with no rate: out of memory everywhere, failed (the first error), or skipped."""
-    rs = list(runs.values())
-    if rs and all(r.get("oom") for r in rs):
-        return {"oom": True, "batches": [int(k) for k in runs]}
-    failed = next((r["error"] for r in rs if r.get("failed")), None)
-    if failed:
-        return {"failed": True, "error": failed}
-    return {"skipped": next((r["skipped"] for r in rs if r.get("skipped")), "no run")}
+    return no_rate(runs, "batches")
 
 
 def _loss_diff(a: list[float], b: list[float]) -> float:
@@ -524,12 +513,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     """The report's derived fields from its raw runs (sweep, fp8_runs, peer_runs, ablation_runs), in place: each
     configuration's best run, the strongest peer and the ratios against it, loss parity with diffusers, the FP8 rows
     against bf16 on the same batches. Idempotent: called after every run."""
-    sweep, by_compile = {}, {}
-    for bs, modes in report["atelier_runs"].items():
-        k = _best(modes)
-        sweep[bs] = modes[k] if k else next(iter(modes.values()))
-        if len(modes) > 1:
-            by_compile[bs] = {c: r.get("images_per_s") for c, r in modes.items()}
+    sweep, by_compile = best_per_size(report["atelier_runs"], "images_per_s")
     report["sweep"] = sweep
     if by_compile:
         report["sweep_by_compile"] = by_compile

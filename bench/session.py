@@ -347,7 +347,8 @@ def run_session(make_parts: Callable[[str | None], list[Part]], budget_s: float,
     bundle(session)
     for part in parts:
         for step in part.steps:
-            dest = work / "results" / (f"{part.key}-{part.name}" if len(part.steps) == 1 else f"{part.key}-{step.label}")
+            folder = f"{part.key}-{part.name}" if len(part.steps) == 1 else f"{part.key}-{step.label}"
+            dest = work / "results" / folder
             dest.mkdir(parents=True, exist_ok=True)
             left = session.left() - RESERVE_S
             entry: dict[str, Any] = {"part": part.key, "step": step.label, "command": list(step.command)}

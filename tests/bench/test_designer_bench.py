@@ -29,7 +29,7 @@ from atelier_studio.bench.designer import (
     to_device,
 )
 from atelier_studio.bench.designer_peers import PAD_MULTIPLE, one_document_batches, parse_peer, row_documents
-from atelier_studio.bench.harness import Budget
+from tests.bench._budget import SpentAfter
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
 from atelier_studio.designer.model import ModelArgs
@@ -312,25 +312,13 @@ def test_peer_names_parse_and_bad_ones_are_named(capsys):
     assert "--fp8: unknown ['blockwise']" in capsys.readouterr().err
 
 
-class _After(Budget):
-    """A budget spent after `n` runs have started (the bench asks once per run)."""
-
-    def __init__(self, n: int):
-        super().__init__(60.0)
-        self.left_runs = n
-
-    def spent(self) -> bool:
-        self.left_runs -= 1
-        return self.left_runs < 0
-
-
 def test_a_spent_budget_skips_the_rest_and_every_run_is_reported(tmp_path):
     """Atelier's one bf16 run fits the budget; the FP8 row and the peer's run are recorded as skipped, and the
     report was handed out after every run (a run killed from outside still leaves what finished)."""
     cfg = dataclasses.replace(tiny_config(CONFIGS["qwen3-1.7b-full"]), micro_batches=(2,))
     seen = []
     r = bench("qwen3-1.7b-full", cfg, tmp_path, ["hf"], [2], steps=1, warmup=1, ablation=False, tokenizer=None,
-              device=CPU, exact=True, fp8=("rowwise",), budget=_After(1), on_result=lambda rep: seen.append(
+              device=CPU, exact=True, fp8=("rowwise",), budget=SpentAfter(1), on_result=lambda rep: seen.append(
                   (rep["atelier"].get("tokens_per_s"), dict(rep["fp8"]), dict(rep["peers"]))))
     assert r["atelier"]["tokens_per_s"] > 0
     assert r["fp8"]["rowwise"]["skipped"].startswith("time budget")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from atelier_studio.bench.harness import Budget
+from tests.bench._budget import SpentAfter
 from atelier_studio.bench.imagegen import (
     CONFIGS,
     Variant,
@@ -128,25 +128,13 @@ def test_a_failing_run_is_a_result_not_the_end_of_the_bench():
     assert r == {"oom": False, "failed": True, "error": "RuntimeError: No available kernel. Aborting execution."}
 
 
-class _After(Budget):
-    """A budget spent after `n` runs have started (the bench asks once per run, and once before the loader)."""
-
-    def __init__(self, n: int):
-        super().__init__(60.0)
-        self.left_runs = n
-
-    def spent(self) -> bool:
-        self.left_runs -= 1
-        return self.left_runs < 0
-
-
 def test_a_spent_budget_skips_the_rest_and_every_run_is_reported():
     """Atelier's bf16 run fits; the FP8 row, the peer and the loader are recorded as skipped, and the report was
     handed out after every run."""
     cfg = tiny_config(CONFIGS["sd3-medium-512"])
     seen = []
     r = bench("sd3-medium-512", cfg, ["diffusers"], [1], steps=1, warmup=0, ablation=[], loader_workers=0,
-              device=CPU, exact=True, kernels=KERNELS, fp8=("tensorwise",), budget=_After(1),
+              device=CPU, exact=True, kernels=KERNELS, fp8=("tensorwise",), budget=SpentAfter(1),
               on_result=lambda rep: seen.append(rep["atelier"].get("images_per_s")))
     assert r["atelier"]["images_per_s"] > 0 and seen[0] == r["atelier"]["images_per_s"] and len(seen) >= 3
     assert r["fp8"]["tensorwise"]["skipped"].startswith("time budget")
