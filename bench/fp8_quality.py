@@ -299,7 +299,8 @@ def write(report: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
     p = argparse.ArgumentParser(prog="python3 -m bench.fp8_quality", description=__doc__.split("\n")[0])
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--steps", type=int, default=300)
@@ -317,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--budget-s", type=float, default=None, help="seconds: a part that would start later is skipped")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (fp32 master weights): tests")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     parts = [x for x in a.parts.split(",") if x]
     if [x for x in parts if x not in PARTS]:

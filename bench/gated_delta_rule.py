@@ -148,7 +148,8 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
     p = argparse.ArgumentParser(prog="python3 -m bench.gated_delta_rule", description=__doc__.split("\n")[0])
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--repeats", type=int, default=10)
@@ -157,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (tests; without a GPU every backend skips)")
     p.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)  # one backend, in this process
     p.add_argument("--child-out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     lens, heads = (TINY_LENS, TINY_HEADS) if a.tiny else (LENS, HEADS)
     if a.child:

@@ -648,7 +648,8 @@ def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
     p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
@@ -679,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     p.add_argument("--loader-only", action="store_true",
                    help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
     bad = [x for x in peers if x not in PEERS]

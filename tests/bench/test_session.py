@@ -112,3 +112,38 @@ def test_bad_arguments_say_what(capsys, tmp_path):
     assert "--budget-s must be > 10" in capsys.readouterr().err
     assert main(["--budget-s", "500", "--plan", "--parts", "a,d"]) == 0
     assert "total ~260 s of estimates" in capsys.readouterr().out
+
+
+def test_every_step_of_the_gpu_plan_is_a_valid_command_of_its_bench():
+    """The H200 plan is never run here: each of its commands is parsed by its bench's own parser (with what the
+    driver appends), and the values the benches check after parsing (peer names, FP8 recipes, attention paths,
+    configs) are checked the same way, so a typo cannot cost device time."""
+    import importlib
+
+    from atelier_studio.bench.designer_peers import parse_peer
+    from atelier_studio.bench.joint_attention import PATHS
+    from atelier_studio.bench.session import plan
+    from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
+
+    steps = [s for part in plan("/tok") for s in part.steps]
+    assert [p.key for p in plan(None)] == list("abcdefg") and len(steps) == 8
+    for s in steps:
+        assert s.command[0] == "-m" and s.min_s <= s.estimate_s and s.tail_s < s.estimate_s
+        module = importlib.import_module(s.command[1])
+        args = [*s.command[2:], "--out", "x", *(["--budget-s", "1"] if s.takes_budget else [])]
+        if module.__name__.endswith("joint_attention"):
+            paths = args[args.index("--paths") + 1].split(",")
+            assert set(paths) <= set(PATHS), paths
+            continue
+        a = module.parser().parse_args(args)
+        if hasattr(a, "peers") and module.__name__.endswith("designer"):
+            for item in filter(None, a.peers.split(",")):
+                name, _, mbs = item.partition("@")
+                parse_peer(name)
+                assert all(m.isdigit() for m in filter(None, mbs.split("+"))), item
+        if module.__name__.endswith("imagegen"):
+            assert set(filter(None, a.peers.split(","))) <= set(module.PEERS)
+        if getattr(a, "fp8", ""):
+            assert set(a.fp8.split(",")) <= set(TRAIN_RECIPES)
+        if "--tokenizer" in args:
+            assert a.tokenizer == "/tok"
