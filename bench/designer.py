@@ -450,7 +450,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     sd = random_state_dict(args, dtype, device, seed)
     lora_sd = lora_init(args, LoraArgs(rank=16, alpha=32.0), device, seed + 1) if cfg.lora else {}
     packs: dict[int, PackResult] = {}
-    data: dict[tuple[int, bool], tuple[list[Batch], StepFlops]] = {}
+    data: dict[tuple[int, str], tuple[list[Batch], StepFlops]] = {}
 
     def batches_for(mb: int, one_doc: bool = False, fixed: bool = True) -> tuple[list[Batch], StepFlops]:
         """Micro-batch `mb`'s device batches (as make_batches draws them) and their FLOPs: Atelier's (cu_seqlens
@@ -539,7 +539,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     if ablation and best_mb is not None:
         for abl, v in ablation_switches(cfg, main, exact).items():
             r = run_atelier(v, best_mb)
-            report["ablation_runs"][abl] = {k: r.get(k) for k in ("tokens_per_s", "peak_gb", "oom", "skipped")}
+            report["ablation_runs"][abl] = {k: r.get(k) for k in ("tokens_per_s", "peak_gb", "oom", "skipped", "failed",
+                                                                  "error")}
             hf_run = report["peer_runs"].get("hf", {}).get(str(best_mb))
             if abl == "fp32_lora" and _ok(r) and _ok(hf_run):
                 # fp32 adapters on both sides: the exact-precision parity (PEFT's default dtype)
