@@ -9,8 +9,8 @@ Shapes: N packed tokens in S documents, Hk key heads, Hv value heads, Dk, Dv hea
 layer: Hk 16, Hv 32, Dk = Dv = 128, on four packed rows of 2048 (N 8,192; the documents of the GPU test at these
 shapes, tests/kernels/test_gated_delta_rule.py), bf16, the log decay in fp32.
 
-Backends. On Hopper with Triton 3.4 – 3.7.0, fla refuses its Triton backward (a Triton miscompile at key tiles of 64) unless the guard is
-lifted, which Atelier does for key head dims in (64, 128] only; with tilelang installed (and nvcc), fla dispatches
+Backends. On Hopper with Triton 3.4 – 3.7.0, fla refuses its Triton backward (a Triton miscompile at key tiles of
+64) unless the guard is lifted, which Atelier does for key head dims in (64, 128] only; with tilelang installed (and nvcc), fla dispatches
 that backward kernel to its tilelang backend instead and no guard applies. fla reads its dispatch switch
 (FLA_DISABLE_BACKEND_DISPATCH) when it is imported, so each backend runs in its own process:
   tilelang  fla as installed (the dispatch on); recorded as skipped unless tilelang really takes the kernel
