@@ -11,8 +11,8 @@ shapes, tests/kernels/test_gated_delta_rule.py), bf16, the log decay in fp32.
 
 Backends. On Hopper with Triton 3.4 – 3.7.0, fla refuses its Triton backward (a Triton miscompile at key tiles of
 64) unless the guard is lifted, which Atelier does for key head dims in (64, 128] only; with tilelang installed (and
-nvcc), fla dispatches that backward kernel to its tilelang backend instead and no guard applies. fla reads its dispatch switch
-(FLA_DISABLE_BACKEND_DISPATCH) when it is imported, so each backend runs in its own process:
+nvcc), fla dispatches that backward kernel to its tilelang backend instead and no guard applies. fla reads its
+dispatch switch (FLA_DISABLE_BACKEND_DISPATCH) when it is imported, so each backend runs in its own process:
   tilelang  fla as installed (the dispatch on); recorded as skipped unless tilelang really takes the kernel
             (kernels.gated_delta_rule.fla_tilelang_enabled);
   triton    FLA_DISABLE_BACKEND_DISPATCH=1: fla's Triton kernels, the guard lifted by Atelier.
