@@ -13,6 +13,8 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   diffusers_class  the diffusers class it is compared with in tests and bench/imagegen.py ("module:Class")
   lora_targets     the linears a LoRA may wrap, as module paths inside a block (diffusers' names, which are
                    PEFT's target_modules); `default_lora_targets` the ones `lora.targets = []` takes
+  fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
+                   bench apply FP8 with them: pipeline/policies.apply_fp8)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Family:
     diffusers_class: str  # "diffusers:SD3Transformer2DModel"
     lora_targets: tuple[str, ...] = ()
     default_lora_targets: tuple[str, ...] = ()
+    fp8_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []

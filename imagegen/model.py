@@ -580,4 +580,9 @@ FAMILY = Family(
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
     diffusers_class="diffusers:SD3Transformer2DModel", lora_targets=LORA_ATTENTION + LORA_FEED_FORWARD,
     default_lora_targets=LORA_ATTENTION,
+    # kept out of FP8: the linears that run once per image (the timestep and pooled-text embedders, every AdaLN
+    # modulation: M = the batch, so quantising their weight each step costs more than their matmul) and the final
+    # projection (N = p²·C = 64 outputs, next to the loss)
+    fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+              "norm_out.linear", "proj_out"),
 )

@@ -40,9 +40,9 @@ Precision (docs/training.md): fp32 master weights; `model.dtype = "bfloat16"` ru
 autocast, "float32" is exact. The loss is reduced in fp32.
 
 `train.precision = "fp8"` (pipeline/float8.py) computes the joint blocks' attention projections and MLPs and the
-caption projection in FP8 and keeps, in the model's dtype, the linears that run once per image (the timestep and
-pooled-text embedders and every AdaLN modulation: M = the batch, so quantising their weight each step would cost
-more than their matmul) and the final projection (N = p²·C = 64 outputs, next to the loss). One process only.
+caption projection in FP8 and keeps, in the model's dtype, what the family's `fp8_skip` names (imagegen/model.py:
+the linears that run once per image, the timestep and pooled-text embedders and every AdaLN modulation, and the
+final projection). One process only.
 
 Evaluation and the sample grid use their own seeded generators, so they never move the training RNG:
 eval images get fixed noise and fixed timesteps t = (k + 0.5) / 8 (k = image index mod 8), the loss is
@@ -92,9 +92,6 @@ from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Samples
 
 NUM_BINS = 4
-# What stays out of FP8 under train.precision = "fp8" (the module docstring says why): pipeline.policies.apply_fp8 globs
-FP8_SKIP = ("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
-            "norm_out.linear", "proj_out")
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
 
 
@@ -238,7 +235,8 @@ class ImagegenTask:
         (kept only for diffusers' layout, imagegen/model.py Attention). They never get a gradient, so AdamW
         never makes state for them, and a sharded resume would look for that state in the checkpoint.
         """
-        apply_precision(model, self.cfg.train, FP8_SKIP)  # FP8 linears first: the policies below wrap what runs
+        # FP8 linears first: the policies below wrap what runs; the family names what stays in the model's dtype
+        apply_precision(model, self.cfg.train, family_of_args(model.args).fp8_skip)
         for block in model.transformer_blocks:
             if block.attn.to_add_out is None:  # context_pre_only: no text output, no text queries
                 for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -19,12 +20,17 @@ from atelier_studio.bench.designer import (
     lora_init,
     main,
     make_batches,
+    markdown,
+    pack_rows,
     peer_floor,
     random_state_dict,
+    summarize,
     tiny_config,
     to_device,
 )
-from atelier_studio.data.packing import fixed_shape
+from atelier_studio.bench.designer_peers import PAD_MULTIPLE, one_document_batches, parse_peer, row_documents
+from tests.bench._budget import SpentAfter
+from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
 from atelier_studio.designer.model import ModelArgs
 
@@ -34,8 +40,8 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["--config", "qwen3-8b-lora", "--tiny", "--out", str(out), "--peers", "hf,hf-liger",
-                 "--steps", "2", "--warmup", "1", "--ablation"]) == 0
+    assert main(["--config", "qwen3-8b-lora", "--tiny", "--out", str(out), "--peers", "hf,hf-liger,hf-1doc@2",
+                 "--steps", "2", "--warmup", "1", "--ablation", "--fp8", "rowwise"]) == 0
     (path,) = out.glob("designer-qwen3-8b-lora-*.json")
     assert path.with_suffix(".md").is_file()
     return json.loads(path.read_text())
@@ -63,6 +69,23 @@ def test_tiny_run_writes_every_field(tiny_report):
     assert all(v > 0 for v in r["ablation"].values())
     for run in r["sweep"].values():  # same batches, same weights: every Atelier variant trains the same way
         assert all(math.isfinite(x) for x in run["timed_losses"])
+    # every MFU beside the dense bf16 one: the dense FP8 peak is 1,979 (the measured matmul rates need a GPU)
+    for row in (a, r["peers"]["hf"], r["fp8"]["rowwise"]):
+        assert row["mfu_fp8_peak"] == pytest.approx(row["mfu_4n"] * 989 / 1979, rel=1e-12)
+        assert row["mfu_matmul"] is None and row["mfu_matmul_fp8"] is None
+    # the strongest peer is the fastest that ran, and every ratio is stated against the peers' rates
+    ran = {p: x["tokens_per_s"] for p, x in r["peers"].items() if x.get("tokens_per_s")}
+    assert set(ran) == {"hf", "hf-1doc"} and r["strongest_peer"] == max(ran, key=ran.get)
+    assert r["speedup_vs_strongest_peer"] == pytest.approx(a["tokens_per_s"] / max(ran.values()), rel=1e-12)
+    assert r["peers"]["hf-1doc"]["rows"] == "one document per row" and r["peer_runs"]["hf-1doc"]["2"]["batches"] > 0
+    assert set(r["peer_runs"]["hf-1doc"]) == {"2"} and set(r["peer_runs"]["hf"]) == {"1", "2"}  # NAME@2: mb 2 only
+    # the FP8 row ran on the bf16 run's batches; bf16 here is fp32 (exact), so any loss difference is the FP8
+    # quantisation: nonzero, and far below one E4M3 rounding step of the loss (2^-4 relative: the operands' rounding
+    # errors are independent and average out in every dot product)
+    f = r["fp8"]["rowwise"]
+    assert f["micro_batch"] == a["micro_batch"] and f["tokens_per_s"] > 0
+    assert 0 < f["loss_mean_abs_diff_vs_bf16"] < 2**-4 * r["sweep"][str(a["micro_batch"])]["timed_losses"][0]
+    assert "| atelier fp8 rowwise |" in markdown(r) and "| FP8 ablation |" in markdown(r)
 
 
 def test_tiny_packed_loss_parity_with_peft(tiny_report):
@@ -168,7 +191,7 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
 
     import transformers.models.qwen3.modeling_qwen3 as modeling
 
-    from atelier_studio.bench.designer import _hf_model, peer_context
+    from atelier_studio.bench.designer_peers import hf_model, parse_peer, peer_context
 
     class FakeLigerNorm(modeling.Qwen3RMSNorm):
         pass
@@ -185,12 +208,12 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
     args = ModelArgs.from_size("tiny", vocab_size=64)
-    _hf_model(args)  # transformers' package caches the class it hands out: the undo must reach that cache
-    with peer_context("hf-liger", args):
-        patched = _hf_model(args)
+    hf_model(args)  # transformers' package caches the class it hands out: the undo must reach that cache
+    with peer_context(parse_peer("hf-liger"), args):
+        patched = hf_model(args)
         assert type(patched.model.norm).__name__ == "FakeLigerNorm" and type(patched).forward is fused_forward
-    with peer_context("hf", args):
-        plain = _hf_model(args)
+    with peer_context(parse_peer("hf"), args):
+        plain = hf_model(args)
         assert type(plain.model.norm).__name__ == "Qwen3RMSNorm"
         assert type(plain).forward is not fused_forward
 
@@ -211,7 +234,7 @@ def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_repo
             x.pop("mfu_4n_head_all", None)
         return r
 
-    assert tiny_report["run"] == {"warmup": 1, "steps": 2, "seed": 0, "tokenizer": None}
+    assert tiny_report["run"] == {"warmup": 1, "steps": 2, "seed": 0, "tokenizer": None, "budget_s": None}
     got = recount(stripped())
     assert got["atelier"]["mfu_4n_head_all"] == pytest.approx(tiny_report["atelier"]["mfu_4n_head_all"], rel=1e-12)
     assert got["peers"]["hf"]["mfu_4n_head_all"] == pytest.approx(tiny_report["peers"]["hf"]["mfu_4n_head_all"],
@@ -231,9 +254,129 @@ def test_recount_adds_the_head_on_every_token_mfu_the_bench_now_writes(tiny_repo
 
 def test_peer_floor_pairs_peers_at_the_largest_micro_batch_both_ran():
     def run(losses, oom=False):
-        return {"oom": oom, "timed_losses": losses}
-    runs = {"b": {"2": run([1.0, 2.0]), "4": run([1.0, 1.0])},
-            "a": {"2": run([1.5, 2.5]), "4": run([0.0, 0.0], oom=True)},
-            "c": {"skipped": "import failed"}, "d": {"8": run([3.0, 3.0])}}
-    assert peer_floor(runs) == {"a vs b": {"micro_batch": 2, "diff": 0.5}}
-    assert peer_floor({"a": runs["a"]}) == {}
+        return {"oom": oom, "timed_losses": losses, **({} if oom else {"tokens_per_s": 1.0})}
+    runs = {"hf-nofla": {"2": run([1.0, 2.0]), "4": run([1.0, 1.0])},
+            "hf-amp": {"2": run([1.5, 2.5]), "4": run([0.0, 0.0], oom=True)},
+            "hf-liger": {"skipped": "import failed"}, "hf": {"8": run([3.0, 3.0])},
+            "hf-1doc": {"2": run([7.0, 7.0])}}  # one document per row: other batches, never paired with packed ones
+    assert peer_floor(runs) == {"hf-amp vs hf-nofla": {"micro_batch": 2, "diff": 0.5}}
+    assert peer_floor({"hf-amp": runs["hf-amp"]}) == {}
+
+
+def test_one_document_rows_hold_the_same_documents_right_padded():
+    """The -1doc peer's rows: every document segment of Atelier's packed rows exactly once (tokens and shifted
+    labels), one per row, padded on the right to a multiple of 8 with labels -100, within the token budget."""
+    cfg = tiny_config(CONFIGS["qwen3-8b-lora"])
+    packed = pack_rows(cfg, 6, None, seed=3)
+    budget = 2 * cfg.seq_len
+    batches = one_document_batches(packed, range(6), budget, seed=3)
+    want = sorted((tuple(i.tolist()), tuple(l.tolist())) for i, l in row_documents(packed, range(6)))
+    assert len(want) > 6  # the rows were really packed with several documents each
+    got = []
+    for b in batches:
+        rows, width = b.input_ids.shape
+        assert width % PAD_MULTIPLE == 0 and rows * width <= budget and b.max_seqlen == width
+        for i, n in enumerate(b.doc_lens):
+            assert width - PAD_MULTIPLE < max(b.doc_lens) <= width  # padded to the longest, no further
+            got.append((tuple(b.input_ids[i, :n].tolist()), tuple(b.labels[i, :n].tolist())))
+            assert (b.labels[i, n:] == -100).all() and (b.input_ids[i, n:] == packed.pad_id).all()
+        assert b.num_tokens == sum(b.doc_lens) and b.num_loss_tokens == int((b.labels != -100).sum())
+    assert sorted(got) == want
+    assert sum(b.num_tokens for b in batches) == sum(map(sum, packed.doc_lens[:6]))
+
+
+def test_one_document_rows_train_exactly_like_the_packed_rows_and_left_padding_would_not():
+    """transformers+PEFT on one-document rows with no mask and no position ids (the -1doc peer) computes the same
+    summed loss over the documents as Atelier on the packed rows: right padding is invisible to a causal row. The
+    same rows padded on the LEFT (what a careless peer does without a mask) attend to the padding and move it."""
+    cfg, args, sd, lsd, _ = _setup()
+    packed = pack_rows(cfg, 4, None, seed=5)
+    atelier = build_atelier(cfg, args, sd, lsd, Variant(compile=False), exact=True)
+    peer = build_peer("hf-1doc", cfg, args, sd, lsd, exact=True)
+    with torch.no_grad():
+        want = sum(atelier.loss(to_device(b, CPU)) * b.num_loss_tokens for b in
+                   (make_batch(packed, [0, 1]), make_batch(packed, [2, 3])))
+        rows = one_document_batches(packed, range(4), 2 * cfg.seq_len, seed=5)
+        got = sum(peer.loss(to_device(b, CPU)) * b.num_loss_tokens for b in rows)
+        # fp32 sums of the same terms in another order: a few eps of the total per reduction level
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        left = [dataclasses.replace(b, input_ids=_left(b.input_ids, b.doc_lens, 0), labels=_left(b.labels, b.doc_lens,
+                                                                                             -100)) for b in rows]
+        leaked = sum(peer.loss(to_device(b, CPU)) * b.num_loss_tokens for b in left)
+    # random-init attention is nearly uniform, so padding in front moves the loss little, but ten times past the
+    # bound the right-padded rows meet
+    assert (leaked - want).abs() > 10 * 1e-5 * want.abs()
+
+
+def _left(x: torch.Tensor, lens: list[int], fill: int) -> torch.Tensor:
+    """Each row's document moved to the end of the row, the padding (`fill`) before it."""
+    out = torch.full_like(x, fill)
+    for i, n in enumerate(lens):
+        out[i, x.shape[1] - n:] = x[i, :n]
+    return out
+
+
+def test_peer_names_parse_and_bad_ones_are_named(capsys):
+    spec = parse_peer("hf-liger-bf16lora-compiled-1doc")
+    assert (spec.base, spec.compiled, spec.one_doc, spec.liger) == ("hf-liger-bf16lora", True, True, True)
+    assert (parse_peer("hf-1doc").compiled, parse_peer("hf-compiled").one_doc) == (False, False)
+    for bad in ("hf-1doc-compiled", "unsloth-1doc", "hf-"):
+        with pytest.raises(ValueError, match="then optionally -compiled"):
+            parse_peer(bad)
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--peers", "hf,hf-1doc-compiled"])
+    assert "--peers: unknown ['hf-1doc-compiled']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--peers", "hf@two"])
+    assert "--peers: unknown ['hf@two']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-lora", "--tiny", "--fp8", "blockwise"])
+    assert "--fp8: unknown ['blockwise']" in capsys.readouterr().err
+
+
+def test_a_spent_budget_skips_the_rest_and_every_run_is_reported(tmp_path):
+    """Atelier's one bf16 run fits the budget; the FP8 row and the peer's run are recorded as skipped, and the
+    report was handed out after every run (a run killed from outside still leaves what finished)."""
+    cfg = dataclasses.replace(tiny_config(CONFIGS["qwen3-1.7b-full"]), micro_batches=(2,))
+    seen = []
+    r = bench("qwen3-1.7b-full", cfg, tmp_path, ["hf"], [2], steps=1, warmup=1, ablation=False, tokenizer=None,
+              device=CPU, exact=True, fp8=("rowwise",), budget=SpentAfter(1), on_result=lambda rep: seen.append(
+                  (rep["atelier"].get("tokens_per_s"), dict(rep["fp8"]), dict(rep["peers"]))))
+    assert r["atelier"]["tokens_per_s"] > 0
+    assert r["fp8"]["rowwise"]["skipped"].startswith("time budget")
+    assert r["peers"]["hf"]["skipped"].startswith("time budget")
+    assert len(seen) >= 3 and seen[0][0] == r["atelier"]["tokens_per_s"]  # the first report already held it
+    assert "time budget" in markdown(r)
+
+
+def test_summarize_states_ratios_against_the_strongest_peer_and_parity_against_packed_peers():
+    """Synthetic runs: the strongest peer is the fastest configuration that ran (a one-document peer here), every
+    ratio is against the peers' best micro-batch, FP8 rows compare with bf16 on the same batches, and loss parity
+    skips the one-document peer (other batches)."""
+    def run(tps, losses, **kw):
+        return {"oom": False, "tokens_per_s": tps, "tokens_per_s_min": tps, "tokens_per_s_max": tps, "tflops": tps,
+                "mfu_4n": tps / 989, "mfu_6n": 0.0, "mfu_4n_head_all": 0.0, "peak_gb": 1.0, "timed_losses": losses,
+                **kw}
+    bf16 = {"compile": True, "precision": "bf16", "lora_dtype": "bfloat16"}
+    report = {"matmul_tflops": 800.0, "matmul_tflops_fp8_best": 1600.0,
+              "config": {"lora": True, "lora_dtype": "bfloat16"},
+              "atelier_runs": {"4": {"True": run(100.0, [2.0, 2.0], variant=bf16)},
+                               "8": {"True": run(120.0, [3.0, 3.0], variant=bf16)}},
+              "fp8_runs": {"rowwise": {"8": {"True": run(180.0, [3.1, 2.9], variant={**bf16, "precision": "fp8"})}}},
+              "peer_runs": {"hf-liger-bf16lora": {"4": run(60.0, [2.5, 2.0]), "8": {"oom": True}},
+                            "hf-liger-bf16lora-1doc": {"4": run(80.0, [9.0, 9.0]), "8": run(90.0, [9.0, 9.0])}},
+              "peer_config": {}, "ablation_runs": {}}
+    r = summarize(report)
+    assert r["atelier"]["micro_batch"] == 8 and r["strongest_peer"] == "hf-liger-bf16lora-1doc"
+    assert r["speedup_vs_strongest_peer"] == pytest.approx(120 / 90)
+    assert r["speedup"]["hf-liger-bf16lora"] == pytest.approx(120 / 60)
+    assert r["atelier"]["mfu_matmul"] == pytest.approx(120 / 800) and r["atelier"]["mfu_matmul_fp8"] == pytest.approx(
+        120 / 1600)
+    f = r["fp8"]["rowwise"]
+    assert f["speedup_vs_bf16_same_batches"] == pytest.approx(1.5)
+    assert f["speedup_vs_strongest_peer"] == pytest.approx(2)
+    assert f["loss_mean_abs_diff_vs_bf16"] == pytest.approx(0.1)
+    assert r["loss_parity_peer"] == "hf-liger-bf16lora" and r["loss_mean_abs_diff"] == pytest.approx(0.25)
+    assert set(r["loss_mean_abs_diff_by_peer"]) == {"hf-liger-bf16lora"}
+    before = copy.deepcopy(r)
+    assert summarize(r) == before  # idempotent: the bench calls it after every run

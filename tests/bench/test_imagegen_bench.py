@@ -10,13 +10,16 @@ import math
 import pytest
 import torch
 
+from tests.bench._budget import SpentAfter
 from atelier_studio.bench.imagegen import (
     CONFIGS,
     Variant,
     attempt,
+    bench,
     build_atelier,
     build_peer,
     main,
+    markdown,
     make_batches,
     make_lora,
     model_args,
@@ -34,7 +37,7 @@ KERNELS = "ref" if torch.cuda.is_available() else "triton"
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     assert main(["--config", "sd3-medium-1024", "--tiny", "--out", str(out), "--peers", "diffusers", "--steps", "2",
-                 "--warmup", "1", "--ablation", "--loader-workers", "2", "--kernels", KERNELS]) == 0
+                 "--warmup", "1", "--ablation", "--loader-workers", "2", "--kernels", KERNELS, "--fp8", "rowwise"]) == 0
     (path,) = out.glob("imagegen-sd3-medium-1024-*.json")
     assert path.with_suffix(".md").is_file()
     return json.loads(path.read_text())
@@ -58,6 +61,19 @@ def test_tiny_run_writes_every_field(tiny_report):
     assert r["config"]["image_tokens"] == 16 and r["config"]["text_tokens"] == 7
     for run in list(r["sweep"].values()) + list(r["peer_runs"]["diffusers"].values()):
         assert all(math.isfinite(x) for x in run["timed_losses"])
+    # every MFU beside the dense bf16 one: the dense FP8 peak is 1,979 (the measured matmul rates need a GPU)
+    f = r["fp8"]["rowwise"]
+    for row in (a, d, f):
+        assert row["mfu_fp8_peak"] == pytest.approx(row["mfu"] * 989 / 1979, rel=1e-12)
+        assert row["mfu_matmul"] is None and row["mfu_matmul_fp8"] is None
+    assert r["strongest_peer"] == "diffusers"
+    assert r["speedup_vs_strongest_peer"] == pytest.approx(a["images_per_s"] / d["images_per_s"], rel=1e-12)
+    # the FP8 row ran on the bf16 run's batches (fp32 here, so any loss difference is the FP8 quantisation):
+    # nonzero, and far below one E4M3 rounding step of the loss (2^-4 relative: independent operand roundings
+    # average out in every dot product)
+    assert f["batch"] == a["batch"] and f["images_per_s"] > 0
+    assert 0 < f["loss_mean_abs_diff_vs_bf16"] < 2**-4 * r["sweep"][str(a["batch"])]["timed_losses"][0]
+    assert "| atelier fp8 rowwise |" in markdown(r) and "| FP8 ablation |" in markdown(r)
 
 
 def test_tiny_loss_parity_with_diffusers(tiny_report):
@@ -161,3 +177,18 @@ def test_lora_runs_train_the_same_adapters_as_diffusers_with_peft():
         if p.requires_grad:  # <module>.lora_A.weight -> <module>.lora_A.default.weight
             torch.testing.assert_close(p, theirs[name.replace(".weight", ".default.weight")], rtol=1e-3, atol=1e-4,
                                        msg=name)
+
+
+def test_a_spent_budget_skips_the_rest_and_every_run_is_reported():
+    """Atelier's bf16 run fits; the FP8 row, the peer and the loader are recorded as skipped, and the report was
+    handed out after every run."""
+    cfg = tiny_config(CONFIGS["sd3-medium-512"])
+    seen = []
+    r = bench("sd3-medium-512", cfg, ["diffusers"], [1], steps=1, warmup=0, ablation=[], loader_workers=0,
+              device=CPU, exact=True, kernels=KERNELS, fp8=("tensorwise",), budget=SpentAfter(1),
+              on_result=lambda rep: seen.append(rep["atelier"].get("images_per_s")))
+    assert r["atelier"]["images_per_s"] > 0 and seen[0] == r["atelier"]["images_per_s"] and len(seen) >= 3
+    assert r["fp8"]["tensorwise"]["skipped"].startswith("time budget")
+    assert r["peers"]["diffusers"]["skipped"].startswith("time budget")
+    assert r["loader"]["error"].startswith("time budget")
+    assert "time budget" in markdown(r)
