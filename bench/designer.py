@@ -21,7 +21,7 @@ captions through the chat template (loss on the caption); otherwise random-token
 lognormal length distribution (median 300 tokens, loss on the last 60%). The 64k config is one document.
 
 Atelier: the micro-batch sweep (each micro-batch in each --compile mode, the faster kept), then with --fp8 the same
-model with `train.precision = "fp8"` (pipeline/policies.apply_fp8, as the trainer applies it: every block linear
+model with `train.precision = "fp8"` (pipeline/float8.apply_fp8, as the trainer applies it: every block linear
 in FP8, LoRA bases quantised once, the LM head in bf16) for each recipe, at --fp8-micro-batches (default: the best
 bf16 one) in each --fp8-compile mode: the FP8 ablation is bf16 (FP8 off) against each recipe on the same batches,
 with the mean |Δloss| against the bf16 run over the timed steps.
@@ -75,10 +75,12 @@ from atelier_studio.data.packing import Batch, PackResult, fixed_shape, make_bat
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from atelier_studio.designer.lora import (LoraArgs, apply_lora, grouped_lora_names, grouped_weight, lora_parameters,
                                           lora_targets)
+from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
-from atelier_studio.pipeline.policies import apply_fp8, checkpoint_blocks, compile_block_list, cpu_offload
+from atelier_studio.pipeline.float8 import apply_fp8
+from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list, cpu_offload
 
 PEERS = PEER_BASES  # the default --peers: every base on packed rows
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
@@ -264,7 +266,7 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
     else:
         model.requires_grad_(True)
     if v.precision == "fp8":  # as the trainer applies train.precision: first, on the loaded model with LoRA on it
-        apply_fp8(model, v.fp8_recipe)
+        apply_fp8(model, v.fp8_recipe, conversions=FP8_CONVERSIONS)
     blocks = family_of_args(args).blocks(model)  # the family's parallelize plan: its repeated blocks
     checkpoint_blocks(blocks, cfg.ac)
     if v.compile:
@@ -477,7 +479,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
                                       "parity",
                   "atelier_shapes": "cu_seqlens padded with empty segments and max_seqlen = T so compiled blocks see "
                                     "one shape",
-                  "fp8": "train.precision = fp8 as the trainer applies it (pipeline/policies.apply_fp8): every block "
+                  "fp8": "train.precision = fp8 as the trainer applies it (pipeline/float8.apply_fp8): every block "
                          "linear in FP8, LoRA bases quantised once, LM head and norms in bf16",
                   "data": "shapes-world chat documents through the Qwen3 tokenizer" if tokenizer else
                           "random-token documents (lognormal lengths)"}}

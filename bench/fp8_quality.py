@@ -5,7 +5,7 @@ loss curves, and the drift of the FP8 loss over the last steps.
         [--tokenizer DIR] [--designer-size 1.7b] [--designer-rows 2] [--imagegen-layers 6] [--imagegen-batch 4]
         [--out DIR] [--budget-s 200] [--tiny]
 
-A part trains its model twice, `train.precision = "bf16"` then "fp8" (pipeline/policies.apply_fp8 as the trainers
+A part trains its model twice, `train.precision = "bf16"` then "fp8" (pipeline/float8.apply_fp8 as the trainers
 apply it; the recipe from --recipe), each from the same initial weights through the same batches, the same
 timesteps and noise (imagegen), with the trainers' recipe: AdamW (betas 0.9/0.95, no weight decay, fused on CUDA),
 warm-up then cosine decay to 10% (pipeline/trainer.py lr_factor), global gradient norm clipped at 1, fp32 master

@@ -28,7 +28,7 @@ does (imagegen/task.py). Peers: diffusers' SD3Transformer2DModel eager (its trai
 "diffusers-compiled", the same with per-block compile. The ablation switches one optimisation off at a time;
 `attention` times each SDPA backend (flash, cuDNN, memory-efficient) with everything else on, so the attention
 choice is made by measurement. With --fp8, the same model with `train.precision = "fp8"` as the trainer applies it
-(pipeline/policies.apply_fp8 with the family's fp8_skip: the joint blocks' projections and MLPs and the caption
+(pipeline/float8.apply_fp8 with the family's fp8_skip: the joint blocks' projections and MLPs and the caption
 projection in FP8, the per-image modulation linears, embedders and final projection in bf16) for each recipe, on the
 bf16 run's batches: the FP8 ablation (FP8 off, rowwise, tensorwise) with the mean |Δloss| against bf16.
 
@@ -77,7 +77,8 @@ from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
 from atelier_studio.imagegen.registry import family_of_args, family_of_size
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 from atelier_studio.pipeline.lora import LoraArgs, lora_layers
-from atelier_studio.pipeline.policies import apply_fp8, compile_blocks
+from atelier_studio.pipeline.float8 import apply_fp8
+from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")

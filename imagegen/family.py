@@ -14,7 +14,7 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   lora_targets     the linears a LoRA may wrap, as module paths inside a block (diffusers' names, which are
                    PEFT's target_modules); `default_lora_targets` the ones `lora.targets = []` takes
   fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
-                   bench apply FP8 with them: pipeline/policies.apply_fp8)
+                   bench apply FP8 with them: pipeline/float8.apply_fp8)
 """
 
 from __future__ import annotations
