@@ -135,6 +135,13 @@ class LoRALinear(nn.Module):
         w = self.base_layer.weight
         return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
 
+    def merged_linear(self) -> nn.Linear:
+        """The base nn.Linear with W + s·B·A written into its weight: what merge_lora puts in this layer's place."""
+        base = self.base_layer
+        with torch.no_grad():
+            base.weight.copy_(self.merged_weight())
+        return base
+
 
 def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
     """(full module name, parent, attribute) of every target linear the model's blocks have."""
@@ -277,8 +284,5 @@ def merge_lora(model: Model) -> Model:
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):
             parent_name, leaf = name.rsplit(".", 1)
-            base = m.base_layer
-            with torch.no_grad():
-                base.weight.copy_(m.merged_weight())
-            setattr(model.get_submodule(parent_name), leaf, base)
+            setattr(model.get_submodule(parent_name), leaf, m.merged_linear())
     return model
