@@ -1,7 +1,7 @@
 """Designer speed on one GPU: Atelier vs transformers+PEFT (+Liger) on the same weights and batches.
 
-    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
-        --out DIR [--peers hf,hf-liger,hf-liger-bf16lora,hf-nofla] [--micro-batches 2,4,8] [--steps 10 --warmup 3]
+    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]|qwen3-8b-qlora
+        --out DIR [--peers hf,hf-liger,hf-liger-bf16lora,hf-nofla,hf-bnb] [--micro-batches 2,4,8] [--steps 10 --warmup 3]
         [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed] [--profile]
         [--tokenizer .gpu/qwen3-tokenizer] [--tiny]
 
@@ -22,6 +22,14 @@ Peers see the same packed rows as dense [B,T] tensors with the per-document posi
 detects the restarts (masking_utils.find_packed_sequence_indices) and gives SDPA a block-diagonal causal
 mask, so the peer's attention is exact (no leaking) and losses are comparable on the packed batches
 themselves. The peer's mask is dense T×T and its kernel cannot skip masked blocks: that is its real cost.
+
+QLoRA (`qwen3-8b-qlora`, lora.base_dtype = "nf4"): the LoRA bases in NF4 (designer/lora_nf4.py), and at every
+micro-batch the same run over the bf16 base ("bf16_base", same adapters, batches, activation checkpointing), so
+tokens/s and peak memory compare at equal micro-batch. The random weights are drawn on the device and kept on the
+host, so each run's peak counts only what it puts on the device (the QLoRA run quantises one weight at a time there).
+The peer "hf-bnb" is transformers + PEFT over bitsandbytes' 4-bit NF4 linears (double quantisation, bf16 compute),
+prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training: gradient checkpointing when the config
+checkpoints, the remaining weights in fp32) with fp32 adapters under bf16 autocast; CUDA only.
 
 FLOPs: the family's own counter (`Qwen3.train_flops`, designer/family.py) (4·N_mm + 6·N_lora + attention for LoRA, 6·N_mm + attention for full
 FT, LM head on the loss tokens: the head FLOPs Atelier performs) — the same count is used for the peers' MFU
@@ -55,17 +63,22 @@ from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, gu
 from atelier_studio.data.chat import EncodedDoc
 from atelier_studio.data.packing import Batch, fixed_shape, make_batch, pack_documents
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_targets
+from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list, cpu_offload
 
 # hf-amp: PEFT's fp32 adapters under bf16 autocast, as transformers' Trainer runs LoRA with bf16=True
-PEERS = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
+PEERS = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla", "hf-bnb")
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
 # (the first of each list that ran; "mixed" = fp32 adapters computed in bf16, like hf-amp)
 PARITY_PEER = {"bfloat16": ("hf-liger-bf16lora",), "float32": ("hf",), "mixed": ("hf-amp", "hf")}
+# QLoRA runs compare with the 4-bit peer (another NF4 quantiser: their losses differ by its rounding, not bit parity)
+QLORA_PEER = "hf-bnb"
+# The issue's targets for QLoRA on one H200: peak at micro-batch 1, tokens/s against the bf16 base and the peer
+QLORA_TARGETS = {"peak_gb_at_mb1": 16.0, "vs_bf16_base": 0.8, "vs_peer": 2.0}
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class BenchConfig:
     lr: float = 1e-4
     lora_dtype: str = "bfloat16"   # Atelier's adapter weights (exact runs use float32)
     vocab_size: int = 151936       # Qwen3's embedding rows
+    base: str = "bf16"             # the LoRA bases' storage: "bf16", or "nf4" (QLoRA, with a bf16-base twin run)
 
 
 CONFIGS = {
@@ -92,6 +106,8 @@ CONFIGS = {
     # leak across documents), so on packed rows only speed compares; loss parity uses rows of one document.
     "qwen3.5-9b-lora": BenchConfig("qwen3.5-9b", True, 2048, (2, 4, 8), vocab_size=248320),
     "qwen3.5-9b-lora-1doc": BenchConfig("qwen3.5-9b", True, 2048, (2, 4), one_doc=True, vocab_size=248320),
+    # QLoRA on a 16 GB budget: full AC (a no-AC micro-batch of 2048 tokens keeps ~11 GB of activations on its own)
+    "qwen3-8b-qlora": BenchConfig("8b", True, 2048, (1, 2, 4), ac="full", base="nf4"),
 }
 
 
@@ -105,6 +121,7 @@ class Variant:
     attention: str = "auto"        # kernels.attention impl
     fused_adamw: bool = True
     lora_dtype: str = "bfloat16"
+    base: str = "bf16"             # "nf4": the LoRA bases quantised on the device (designer/lora_nf4.py)
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
@@ -165,15 +182,19 @@ def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str 
 
 # ------------------------------------------------------------------------------------------------ weights
 
-def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`."""
+def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed: int,
+                      store: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`
+    and kept on `store` (default: `device`), one tensor at a time: the same values wherever they are kept."""
     g = torch.Generator(device=device).manual_seed(seed)
+    store = store or device
     out = {}
     for name, shape in hf_param_shapes(args).items():
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=dtype, device=device)
+            out[name] = torch.ones(shape, dtype=dtype, device=store)
         else:
-            out[name] = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=g).to(dtype)
+            t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=g).to(dtype)
+            out[name] = t.to(store)
     return out
 
 
@@ -214,6 +235,7 @@ class Run:
 
 def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
     args = dataclasses.replace(args, attention_impl=v.attention, kernels=v.kernels)
+    dev = next(iter(lora_sd.values())).device if lora_sd else next(iter(sd.values())).device
     with torch.device("meta"):
         model = build_model(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
@@ -225,15 +247,17 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
             for name, p in model.named_parameters():
                 if "lora_" in name:
                     p.copy_(lora_sd[name])
+        if v.base == "nf4":
+            quantize_lora_bases(model, dev)  # from the host weights, one base at a time
     else:
         model.requires_grad_(True)
+    model.to(dev)  # host-kept weights (the QLoRA config) come over now; a no-op otherwise
     blocks = family_of_args(args).blocks(model)  # the family's parallelize plan: its repeated blocks
     checkpoint_blocks(blocks, cfg.ac)
     if v.compile:
         compile_block_list(blocks)
     # full FT: fp32 master weights under bf16 autocast (docs/training.md); "mixed" LoRA likewise for its adapters
     autocast = not exact and (not cfg.lora or v.lora_dtype == "mixed")
-    dev = next(model.parameters()).device
 
     def loss(b: Batch) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -339,9 +363,12 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
     model.load_state_dict(weights, assign=True, strict=not args.tie_embeddings)
     if args.tie_embeddings:
         model.tie_weights()
-    dev = next(iter(weights.values())).device
+    dev = next(iter(lora_sd.values())).device if lora_sd else next(iter(weights.values())).device
     # non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the device
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(dev)
+    if name == "hf-bnb":
+        model = _bitsandbytes_4bit(model, dev, checkpointing=cfg.ac != "none")
+    model.to(dev)
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -358,7 +385,7 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
     else:
         model.requires_grad_(True)
     model.train()
-    autocast = not exact and (not cfg.lora or name == "hf-amp")
+    autocast = not exact and (not cfg.lora or name in ("hf-amp", "hf-bnb"))
 
     def loss(b: Batch) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -368,6 +395,33 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
 
     params = [p for p in model.parameters() if p.requires_grad]
     return Run(model, loss, params, fused_adamw=dev.type == "cuda")
+
+
+def _bitsandbytes_4bit(model: nn.Module, device: torch.device, checkpointing: bool) -> nn.Module:
+    """The decoder layers' linears as bitsandbytes Linear4bit (NF4, blocks of 64, double quantisation, bf16 compute:
+    transformers' BitsAndBytesConfig for QLoRA), quantised as they move to `device` one layer at a time; then
+    PEFT's prepare_model_for_kbit_training, as a transformers QLoRA run does."""
+    if device.type != "cuda":
+        raise ImportError("hf-bnb: bitsandbytes' 4-bit training runs on CUDA only (skipped on the CPU)")
+    import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+
+    for layer in model.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is not nn.Linear:
+                continue
+            new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                    compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                    device="meta")
+            new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, compress_statistics=True,
+                                           quant_type="nf4", blocksize=64)
+            if mod.bias is not None:
+                new.bias = mod.bias
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, new.to(device))
+    model.is_loaded_in_4bit = True  # what transformers sets: PEFT's preparation then sets up checkpointing
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def peer_context(name: str, args: Args) -> contextlib.AbstractContextManager:
@@ -505,7 +559,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg)},
                               "run": {"warmup": warmup, "steps": steps, "seed": seed, "tokenizer": tokenizer},
                               "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
-    sd = random_state_dict(args, dtype, device, seed)
+    # QLoRA: the weights stay on the host, so a run's peak is what it puts on the device
+    sd = random_state_dict(args, dtype, device, seed, store=torch.device("cpu") if cfg.base == "nf4" else None)
     lora_sd = lora_init(args, LoraArgs(rank=16, alpha=32.0), device, seed + 1) if cfg.lora else {}
     offload = cfg.offload
     sweep: dict[str, Any] = {}
@@ -517,8 +572,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
              "data": "shapes-world chat documents through the Qwen3 tokenizer" if tokenizer else
                      "random-token documents (lognormal lengths)"}
     modes = (False,) if exact else tuple(compile_modes)
-    variants = {c: Variant(compile=c, lora_dtype="float32" if exact else cfg.lora_dtype) for c in modes}
+    variants = {c: Variant(compile=c, lora_dtype="float32" if exact else cfg.lora_dtype, base=cfg.base) for c in modes}
     best_mb, batches_by_mb = None, {}
+    bf16_base: dict[str, Any] = {}  # QLoRA: the same runs over the bf16 base, by micro-batch
     for mb in micro_batches:
         host = make_batches(cfg, mb, warmup + steps, tokenizer, seed + mb)
         segments = max(b.cu_seqlens.numel() - 1 for b in host)
@@ -542,6 +598,13 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         if len(by_mode) > 1:
             report.setdefault("sweep_by_compile", {})[str(mb)] = {
                 str(c): (None if r["oom"] else r["tokens_per_s"]) for c, r in by_mode.items()}
+        if cfg.base == "nf4":  # the twin over the bf16 base, in the compile mode the QLoRA run kept
+            twin = dataclasses.replace(variants[sweep[str(mb)]["compile"]], base="bf16")
+            r = measure(lambda: build_atelier(cfg, args, sd, lora_sd, twin, exact), fixed, cfg, warmup, steps, flops,
+                        offload)
+            bf16_base[str(mb)] = r
+            print(f"atelier bf16 base mb={mb}: " + ("OOM" if r["oom"] else
+                  f"{r['tokens_per_s']:,.0f} tok/s, {fmt(r['peak_gb'], '.1f')} GB"), flush=True)
         for p in peers:
             if "skipped" in peer_runs[p]:
                 continue
@@ -600,11 +663,14 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     # The floor parity is measured against: two peers' implementations of the same model on the same batches
     # (e.g. transformers with and without fla-core) differ by bf16 rounding alone.
     report["loss_mean_abs_diff_between_peers"] = peer_floor(peer_runs)
-    wanted = PARITY_PEER[main.lora_dtype] if cfg.lora else ("hf", "hf-liger")
+    wanted = (QLORA_PEER,) if cfg.base == "nf4" else PARITY_PEER[main.lora_dtype] if cfg.lora else ("hf", "hf-liger")
     parity_peer = next((p for p in wanted if p in report["loss_mean_abs_diff_by_peer"]), wanted[0])
     parity = report["loss_mean_abs_diff_by_peer"].get(parity_peer)
     report["loss_mean_abs_diff"] = parity["diff"] if parity else None
     report["loss_parity_peer"] = parity_peer
+    if cfg.base == "nf4":
+        report["bf16_base"] = bf16_base
+        report["qlora"] = qlora_summary(sweep, bf16_base, peer_runs.get(QLORA_PEER, {}))
     report["ablation"] = {}
     if ablation and best_mb is not None:
         plain, fixed, flops, _, _ = batches_by_mb[best_mb]
@@ -632,6 +698,33 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     return report
 
 
+def qlora_summary(sweep: dict[str, Any], bf16_base: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Per micro-batch: QLoRA's tokens/s and peak against the bf16-base twin's and the 4-bit peer's, the loss
+    difference from the twin (the NF4 error, same batches), and the issue's targets (QLORA_TARGETS)."""
+    rows = {}
+    for mb, q in sweep.items():
+        twin, other = bf16_base.get(mb, {"oom": True}), peer.get(mb, {"oom": True})
+
+        def rate(r: dict[str, Any]) -> float | None:
+            return None if r.get("oom", True) else r["tokens_per_s"]
+
+        tq, tb, tp = rate(q), rate(twin), rate(other)
+        rows[mb] = {"tokens_per_s": tq, "peak_gb": None if q["oom"] else q["peak_gb"],
+                    "bf16_base_tokens_per_s": tb, "bf16_base_peak_gb": None if twin["oom"] else twin["peak_gb"],
+                    "peer_tokens_per_s": tp, "peer_peak_gb": None if other.get("oom", True) else other["peak_gb"],
+                    "vs_bf16_base": tq / tb if tq and tb else None, "vs_peer": tq / tp if tq and tp else None,
+                    "loss_mean_abs_diff_vs_bf16_base": (loss_diff(q["timed_losses"], twin["timed_losses"])
+                                                        if tq and tb else None)}
+    def each_at_least(key: str) -> bool | None:  # None: nothing measured to compare with
+        ratios = [r[key] for r in rows.values() if r[key] is not None]
+        return all(x >= QLORA_TARGETS[key] for x in ratios) if ratios else None
+
+    peak = rows.get("1", {}).get("peak_gb")
+    met = {"peak_gb_at_mb1": None if peak is None else peak <= QLORA_TARGETS["peak_gb_at_mb1"],
+           "vs_bf16_base": each_at_least("vs_bf16_base"), "vs_peer": each_at_least("vs_peer")}
+    return {"by_micro_batch": rows, "targets": QLORA_TARGETS, "met": met}
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 def markdown(report: dict[str, Any]) -> str:
@@ -656,6 +749,21 @@ def markdown(report: dict[str, Any]) -> str:
     if "loss_mean_abs_diff_fp32_lora_vs_hf" in report:
         lines.append(f"loss mean abs diff, fp32 adapters on both sides (Atelier vs hf): "
                      f"{report['loss_mean_abs_diff_fp32_lora_vs_hf']:.2e}")
+    if "qlora" in report:
+        q = report["qlora"]
+        lines += ["", f"QLoRA (NF4 bases) against the same run over the bf16 base and {QLORA_PEER}, by micro-batch:", "",
+                  "| micro-batch | QLoRA tok/s | peak GB | bf16 base tok/s | peak GB | ratio | "
+                  f"{QLORA_PEER} tok/s | peak GB | ratio | mean abs Δloss vs bf16 base |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for mb, r in q["by_micro_batch"].items():
+            lines.append(f"| {mb} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['peak_gb'], '.1f')} | "
+                         f"{fmt(r['bf16_base_tokens_per_s'], ',.0f')} | {fmt(r['bf16_base_peak_gb'], '.1f')} | "
+                         f"{fmt(r['vs_bf16_base'], '.2f')} | {fmt(r['peer_tokens_per_s'], ',.0f')} | "
+                         f"{fmt(r['peer_peak_gb'], '.1f')} | {fmt(r['vs_peer'], '.2f')} | "
+                         f"{fmt(r['loss_mean_abs_diff_vs_bf16_base'], '.2e')} |")
+        t = q["targets"]
+        lines.append(f"targets: peak <= {t['peak_gb_at_mb1']:g} GB at micro-batch 1: {q['met']['peak_gb_at_mb1']}; "
+                     f">= {t['vs_bf16_base']:g}x the bf16 base: {q['met']['vs_bf16_base']}; >= {t['vs_peer']:g}x "
+                     f"{QLORA_PEER}: {q['met']['vs_peer']}")
     if report["ablation"]:
         lines += ["", "| ablation (one switched off) | tokens/s |", "|---|---|"]
         lines += [f"| {k} | {fmt(v, ',.0f') if v is not None else 'OOM'} |" for k, v in report["ablation"].items()]

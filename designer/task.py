@@ -160,7 +160,9 @@ class DesignerTask:
         if self.nf4:
             self._quantize_bases(model)
             model.to(self.device)
-        return self._wrap(model)
+        self._wrap(model)
+        self._log_nf4_shards(model)
+        return model
 
     def _quantize_bases(self, model: Model) -> None:
         """lora.base_dtype = "nf4": every LoRA base that fits NF4 quantised on the device (designer/lora_nf4.py)."""
@@ -215,7 +217,22 @@ class DesignerTask:
                 return hf_tensor(key)[rows]
 
             materialize_(model, self.device, read)
+        self._log_nf4_shards(model)
         return model
+
+    def _log_nf4_shards(self, model: Model) -> None:
+        """Under FSDP2, how much of the NF4 bases this rank holds (1 / world size of it, by rows)."""
+        if not (self.nf4 and self.dist.enabled):
+            return
+        from torch.distributed.tensor import DTensor
+
+        held = total = 0
+        for name, p in model.named_parameters():
+            if NF4Linear.owns_parameter(name):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                held, total = held + local.numel() * local.element_size(), total + p.numel() * p.element_size()
+        log(f"qlora: rank {self.dist.rank} of {self.dist.world_size} holds {held:,} of the {total:,} bytes of NF4 "
+            f"bases")
 
     # ------------------------------------------------------------------ data
 
