@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 LIBRARIES = ("torch", "triton", "transformers", "peft", "diffusers", "liger-kernel", "fla-core", "flash-attn",
-             "accelerate", "safetensors")
+             "accelerate", "safetensors", "bitsandbytes", "torchao")
 
 
 def versions() -> dict[str, str | None]:

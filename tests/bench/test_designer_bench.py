@@ -14,6 +14,7 @@ from atelier_studio.bench.designer import (
     CONFIGS,
     Variant,
     bench,
+    markdown,
     build_atelier,
     build_peer,
     lora_init,
@@ -215,3 +216,22 @@ def test_peer_floor_pairs_peers_at_the_largest_micro_batch_both_ran():
             "c": {"skipped": "import failed"}, "d": {"8": run([3.0, 3.0])}}
     assert peer_floor(runs) == {"a vs b": {"micro_batch": 2, "diff": 0.5}}
     assert peer_floor({"a": runs["a"]}) == {}
+
+
+def test_tiny_qlora_rows_against_the_bf16_base_twin(tmp_path):
+    """The QLoRA config: at each micro-batch the NF4 run and its bf16-base twin on the same batches and adapters
+    (their losses differ by the NF4 error of the base: above zero, far below the loss), the 4-bit peer skipped
+    on the CPU with the reason, and the summary's targets left open where nothing was measured."""
+    cfg = dataclasses.replace(tiny_config(CONFIGS["qwen3-8b-qlora"]), micro_batches=(1, 2))
+    assert cfg.base == "nf4" and cfg.ac == "full"
+    r = bench("qwen3-8b-qlora", cfg, tmp_path, ["hf-bnb"], [1, 2], steps=2, warmup=1, ablation=False,
+              tokenizer=None, device=CPU, exact=True)
+    assert "CUDA only" in r["peers"]["hf-bnb"]["skipped"]
+    q = r["qlora"]
+    assert set(q["by_micro_batch"]) == {"1", "2"} == set(r["bf16_base"])
+    for row in q["by_micro_batch"].values():
+        assert row["tokens_per_s"] > 0 and row["bf16_base_tokens_per_s"] > 0 and row["vs_bf16_base"] > 0
+        assert 0 < row["loss_mean_abs_diff_vs_bf16_base"] < 0.05
+        assert row["peer_tokens_per_s"] is None and row["vs_peer"] is None
+    assert q["met"]["vs_peer"] is None and q["met"]["peak_gb_at_mb1"] is None  # no peer, no CUDA peak here
+    assert "QLoRA (NF4 bases)" in markdown(r)

@@ -20,6 +20,7 @@ from atelier_studio.kernels.nf4_linear import (
     nf4_matmul_t,
 )
 from tests.kernels._compare import assert_error_within, assert_within_rounding
+from tests.kernels.test_nf4 import torchao_nf4
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("y", "dx", "dA", "dB")
@@ -106,7 +107,7 @@ def test_triton_fp16_within_2x_eager():
 def test_reads_torchaos_nf4_tensor_as_is(dtype):
     """A torchao NF4Tensor's own storage (viewed, not re-quantised) through the kernel gives torchao's
     dequantise-then-matmul: up to one rounding of the output dtype (the kernel sums in fp32, then rounds once)."""
-    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    nf4_tensor = torchao_nf4()
     g = torch.Generator().manual_seed(6)
     w = (torch.randn(64, 512, generator=g) * 0.05).to(DEV, dtype)  # 512 blocks: two full groups
     t = nf4_tensor.to_nf4(w, block_size=64, scaler_block_size=256)
