@@ -178,7 +178,7 @@ QWEN35_9B = {"qkv": (4096, 8192), "b-a": (4096, 32), "out": (4096, 4096)}
 GPU_SHAPES = [pytest.param((3, 5), 192, 80, id="small")] + [
     pytest.param((2, 2048), k, n, id=f"qwen3-8b-{name}", marks=pytest.mark.slow) for name, (k, n) in QWEN3_8B.items()
 ] + [pytest.param((2, 2048), k, n, id=f"qwen3.5-9b-{name}", marks=pytest.mark.slow)
-     for name, (k, n) in QWEN35_9B.items()] + [pytest.param((7,), 4096, 12288, id="decode-gate-up",
+     for name, (k, n) in QWEN35_9B.items()] + [pytest.param((7,), 4096, 12288, id="qwen3-8b-decode-gate-up",
                                                              marks=pytest.mark.slow)]
 
 
