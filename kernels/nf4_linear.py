@@ -47,6 +47,8 @@ from atelier_studio.kernels.lora_linear import (
     adapter_backward,
     add_adapter_,
     dropout_mask,
+    lora_bwd_flops,
+    lora_fwd_flops,
     lora_linear_ref,
 )
 from atelier_studio.kernels.nf4 import BLOCK, GROUP, NF4Weight, dequantize_nf4, nf4_supported
@@ -278,18 +280,14 @@ def _linear_bwd_flops(dy, data, *args, out_shape=None, **kwargs) -> int:
 @register_flop_formula(torch.ops.atelier.nf4_lora_fwd)
 def _lora_fwd_flops(x, data, scalers, factor, mean, code, bias, lora_a, *args, out_shape=None, **kwargs) -> int:
     (t, i), o, r = x, data[0], lora_a[0]
-    return 2 * t * i * o + 2 * t * i * r + 2 * t * r * o
+    return lora_fwd_flops(t, i, o, r)
 
 
 @register_flop_formula(torch.ops.atelier.nf4_lora_bwd)
 def _lora_bwd_flops(dy, x, data, scalers, factor, mean, code, lora_a, lora_b, u, mask, scale, p, need_x, need_a,
                     need_b, out_shape=None, **kwargs) -> int:
     (t, i), o, r = x, dy[1], lora_a[0]
-    flops = 2 * t * o * r if (need_x or need_a) else 0  # g = s·dy B
-    flops += 2 * o * t * r if need_b else 0  # dB
-    flops += 2 * r * t * i if need_a else 0  # dA
-    flops += 2 * t * o * i + 2 * t * r * i if need_x else 0  # dY Ŵ + g A
-    return flops
+    return lora_bwd_flops(t, i, o, r, need_x, need_a, need_b)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
