@@ -154,8 +154,8 @@ def _m_bucket(m: int) -> int:
     return 1 << max(4, (m - 1).bit_length())  # the next power of two, at least 16: the tuning key
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # ("tf32" is ignored for 16-bit operands)
+def _precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # fp32 exactly (no TF32); 16-bit operands have one choice
 
 
 def nf4_matmul(x: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
