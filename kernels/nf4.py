@@ -17,7 +17,7 @@ FSDP2 can shard them by rows. With w the row-major flattening of W [O, I], and d
   code       = the 16 NF4 levels (Appendix E of the paper) to 4 decimals, rounded to d, as torchao stores them.
 Dequantisation, every operation rounded to d as torchao's `get_original_weight` computes it:
   s_b = d(d(scalers_b / factor_{b/256}) + mean),   w_i = d(code[idx_i] · s_b).
-Stored per element: 4 bits of data plus 8/64 of a scaler bit pair (0.516 bytes); factor, mean and code are
+Stored per weight: a 4-bit code plus an 8-bit scaler per 64 weights, 0.516 bytes; factor, mean and code add
 1/16384 of that and stay whole on every rank.
 
 Layout of NF4Weight (the torchao tensors, viewed): data uint8 [E…, O, I/2] (torchao's quantized_data),
@@ -25,7 +25,8 @@ scalers int8 [E…, O, I/64] (quantized_scalers), factor d [E…, G] (quantizati
 code d [16] (nf4). For numel a multiple of 64·256 every tensor equals torchao's bit for bit (tested); torchao
 refuses other sizes, for which the last group here holds fewer than 256 blocks and takes its factor from them.
 
-A block whose values are all zero quantises to zeros (torchao divides 0 by 0 there); nothing else differs.
+A block whose values are all zero quantises to zeros, and a group whose block maxima all equal the mean takes the
+factor 1 (torchao divides 0 by 0 in both); nothing else differs.
 """
 from __future__ import annotations
 
