@@ -58,10 +58,11 @@ def _ungroup(module: nn.Module) -> None:
 
 
 def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
-    from atelier_studio.pipeline.policies import apply_fp8
+    from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+    from atelier_studio.pipeline.float8 import apply_fp8
 
     if variant.startswith("fp8-"):
-        apply_fp8(module, variant.split("-")[1], skip)
+        apply_fp8(module, variant.split("-")[1], skip, conversions=FP8_CONVERSIONS)
         if variant.endswith("-ungrouped"):
             _ungroup(module)
 

@@ -9,6 +9,9 @@ import argparse
 import contextlib
 import gc
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -157,3 +160,26 @@ def write_report(report: dict[str, Any], out: Path, stem: str, markdown: str,
     atomic_write_text(out / f"{stem}.md", markdown, what="benchmark report")
     chart(out / f"{stem}-ablation.png")
     return path
+
+
+# --- runs through the user-facing CLI (the first-runs benchmarks) -----------------------------------------------
+
+def atelier(*args: str, log: Path) -> tuple[int, float]:
+    """`atelier ARGS` from the repository root, its output appended to `log`: (exit status, seconds)."""
+    start = time.time()
+    with open(log, "a") as fh:
+        fh.write(f"$ atelier {' '.join(args)}\n")
+        fh.flush()
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=Path(__file__).parents[1], stdout=fh,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc.returncode, time.time() - start
+
+
+def read_run(out: Path) -> dict:
+    """A finished run's summary.json and metrics.jsonl, whichever exist."""
+    result: dict = {}
+    if (out / "summary.json").is_file():
+        result["summary"] = json.loads((out / "summary.json").read_text())
+    if (out / "metrics.jsonl").is_file():
+        result["metrics"] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return result

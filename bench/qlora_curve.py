@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from atelier_studio.bench.env import clocks, environment
-from atelier_studio.bench.first_runs import ROOT, atelier, read_run
-from atelier_studio.bench.harness import fmt
+from atelier_studio.bench.harness import atelier, fmt, read_run
 from atelier_studio.pipeline.atomic import atomic_write_text
 
 BASES = ("bf16", "nf4")
+ROOT = Path(__file__).parents[1]
 
 
 def prepare(work: Path, size: str, tokenizer: str | None, docs: int, dtype: str, log: Path) -> Path:

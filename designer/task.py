@@ -54,6 +54,7 @@ from atelier_studio.designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
+from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
@@ -132,7 +133,7 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
-        apply_precision(model, self.cfg.train)  # FP8 linears first: the policies below wrap what runs
+        apply_precision(model, self.cfg.train, conversions=FP8_CONVERSIONS)  # FP8 linears first: the policies below wrap what runs
         return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 

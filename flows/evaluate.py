@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.evaluate")
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed)

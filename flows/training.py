@@ -83,7 +83,7 @@ def training_flow_main(flow_fn: Callable[[str, list[str], int], str], kind: Kind
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server(f"python -m {name}")
     print(flow_fn(args.config, args.set, args.nproc))

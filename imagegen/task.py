@@ -76,7 +76,8 @@ from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
-from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
+from atelier_studio.imagegen.sd3_text import load_text_encoder
+from atelier_studio.imagegen.text import EncodedPrompts, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,

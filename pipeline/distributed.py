@@ -81,14 +81,22 @@ def torchrun_env() -> dict[str, int] | None:
     return out
 
 
+def resolve_device(spec: str) -> torch.device:
+    """`train.device` on one process: "auto" is CUDA where there is one, else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DistributedError(f"train.device = {spec!r} but CUDA is not available on this machine")
+    return device
+
+
 def launched_by_torchrun() -> bool:
     return torchrun_env() is not None
 
 
 def init_distributed(train: TrainConfig) -> DistContext:
     """The process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or a one-process context."""
-    from atelier_studio.pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
-
     env = torchrun_env()
     if env is None:
         return DistContext(device=resolve_device(train.device))

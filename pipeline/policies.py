@@ -20,14 +20,13 @@ Each policy wraps the block INSTANCE's forward or compiles the instance in place
 (state dicts, checkpoints, PEFT exports) keep the stock keys — no `_checkpoint_wrapped_module.` or
 `_orig_mod.` prefixes.
 
-FP8 (`train.precision = "fp8"`, apply_fp8) comes first of all, right after the model is loaded (and LoRA applied):
-it swaps modules for FP8 ones that keep the same Parameters and state-dict keys.
+FP8 (`train.precision = "fp8"`, pipeline/float8.py apply_fp8) comes before all of these, right after the model is
+loaded (and LoRA applied): it swaps modules for FP8 ones that keep the same Parameters and state-dict keys.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import inspect
 from collections.abc import Iterator, Sequence
@@ -166,39 +165,3 @@ def cpu_offload(enabled: bool = True, pin_memory: bool = True) -> Iterator[None]
     pin = pin_memory and torch.cuda.is_available()
     with torch.autograd.graph.save_on_cpu(pin_memory=pin):
         yield
-
-
-# The LM head stays in bf16 (the issue's rule, until a measurement says otherwise); callers add their own.
-FP8_ALWAYS_SKIPPED = ("lm_head", "*.lm_head")
-
-
-def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = (), impl: str = "auto") -> list[str]:
-    """Swap every nn.Linear of `model` for a Float8Linear and every LoRA layer for its FP8-base variant, in place.
-
-    Not swapped: the LM head and every module whose qualified name matches a glob of `skip` (fnmatch: `*` also
-    crosses dots, e.g. "transformer_blocks.*.norm1.linear"); a LoRA layer's own adapters A and B (they stay in
-    their dtype); anything that is not a plain nn.Linear (norms, embeddings, convolutions). The swapped modules keep
-    the same Parameters, so state dicts, checkpoints and exports are unchanged. `impl` is Float8Linear's
-    (auto | scaled_mm | ref); LoRA layers keep their own kernel choice. Returns the swapped names, in module order.
-    """
-    from atelier_studio.designer.lora import LoRALinear
-    from atelier_studio.designer.lora_fp8 import Float8LoRALinear
-    from atelier_studio.pipeline.float8 import Float8Linear
-
-    patterns = (*FP8_ALWAYS_SKIPPED, *skip)
-    swaps: list[tuple[str, nn.Module]] = []
-    lora_names: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(n + ".") for n in lora_names):  # (the root cannot be swapped in place)
-            continue  # inside a LoRA layer: its base is swapped with it, its adapters never
-        if type(module) is LoRALinear:
-            lora_names.append(name)
-        if type(module) in (LoRALinear, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            swaps.append((name, module))
-    for name, module in swaps:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        new = (Float8LoRALinear.from_lora(module, recipe) if isinstance(module, LoRALinear)
-               else Float8Linear.from_linear(module, recipe, impl))
-        setattr(parent, leaf, new)
-    return [name for name, _ in swaps]

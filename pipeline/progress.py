@@ -150,6 +150,46 @@ def format_step_line(step: int, total: int, record: dict[str, Any], unit: str, e
 _UNIT_LABEL = {"tokens": "tok/s", "images": "img/s"}
 
 
+class RunLog:
+    """Everything a training run reports, in one place: each record goes to metrics.jsonl, TensorBoard and the
+    progress bar (train records) or a message line (eval records). Only rank 0 of a multi-process run reports
+    (`main`); on the other ranks every call does nothing."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, total_steps: int, start_step: int, unit: str,
+                 main: bool = True):
+        self.main = main
+        if not main:
+            return
+        self.metrics = MetricsLog(Path(out_dir) / "metrics.jsonl", resume_step=start_step)
+        self.tensorboard = TensorBoardLog(Path(out_dir) / "tensorboard", tensorboard)
+        self.bar = ProgressBar(total_steps, start_step, unit)
+
+    def train(self, record: dict[str, Any]) -> None:
+        """A logged training step: its record (step, loss, lr, throughput, ...) everywhere, the bar moved on."""
+        if self.main:
+            self.metrics.write(record)
+            self.tensorboard.write(record)
+            self.bar.update(record["step"], record)
+
+    def eval(self, step: int, result: dict[str, float]) -> None:
+        """An evaluation's results at `step`, with a line saying them."""
+        if self.main and result:
+            record = {"kind": "eval", "step": step, **result}
+            self.metrics.write(record)
+            self.tensorboard.write(record)
+            self.bar.message("eval step {}: {}".format(step, " ".join(f"{k} {v:.4f}" for k, v in result.items())))
+
+    def message(self, text: str) -> None:
+        if self.main:
+            self.bar.message(text)
+
+    def close(self) -> None:
+        if self.main:
+            self.bar.close()
+            self.metrics.close()
+            self.tensorboard.close()
+
+
 def log(msg: str) -> None:
     """A plain status line (setup, checkpoints) on stdout, flushed so flows stream it at once."""
     print(msg, file=sys.stdout, flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from atelier_studio.flows.serve import Endpoint, ServerNotRunning, require_server
+from atelier_studio.flows.local_server import Endpoint, ServerNotRunning, require_server
 from tests.flows.conftest import designer_config
 
 ROOT = Path(__file__).parents[2]

@@ -10,7 +10,7 @@ from torch import nn
 
 import atelier_studio.kernels.fp8_linear as fp8
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
-from atelier_studio.designer.lora_fp8 import Float8LoRALinear
+from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
 from atelier_studio.designer.model import ModelArgs, Qwen3
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.imagegen.task import FP8_SKIP
@@ -20,7 +20,11 @@ import atelier_studio.designer.model as designer_model
 import atelier_studio.kernels.fp8_group as fp8_group
 import atelier_studio.pipeline.float8 as float8
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
-from atelier_studio.pipeline.policies import apply_fp8
+
+
+def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] = (), impl: str = "auto") -> list[str]:
+    """pipeline.float8.apply_fp8 with the designer's LoRA conversion, as designer/task.py calls it."""
+    return float8.apply_fp8(model, recipe, skip, impl, conversions=FP8_CONVERSIONS)
 
 
 def _tiny_qwen3(tie: bool = False) -> Qwen3:

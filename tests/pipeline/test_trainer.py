@@ -187,7 +187,7 @@ def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):
     with pytest.raises(CheckpointError, match="optimizer.safetensors: truncated"):
         verify_checkpoint(newest)
     again, _ = make(tmp_path, max_steps=12)
-    with pytest.raises(TrainingError, match=r"optimizer.safetensors: truncated.*Older checkpoints: .*step-4"):
+    with pytest.raises(CheckpointError, match=r"optimizer.safetensors: truncated.*Older checkpoints: .*step-4"):
         again.fit()
     assert f.read_bytes() == data[: len(data) // 2]  # left as found for inspection
     assert (newest.parent / "step-4").is_dir()
@@ -195,7 +195,7 @@ def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):
 
 def test_resume_never_refuses_to_overwrite(tmp_path):
     make(tmp_path, max_steps=4)[0].fit()
-    with pytest.raises(TrainingError, match="refusing to overwrite"):
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
         make(tmp_path, max_steps=8, resume="never")[0].fit()
 
 
