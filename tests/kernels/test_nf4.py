@@ -1,7 +1,11 @@
-"""kernels/nf4.py: the quantiser equals torchao's to_nf4 bit for bit, ragged groups and expert stacks, the error
-bound holds (and catches a wrong level), all-zero blocks and equal block maxima."""
+"""kernels/nf4.py: the quantiser equals torchao's to_nf4 bit for bit (its stored output, and torchao itself where
+installed), ragged groups and expert stacks, the error bound holds (and catches a wrong level), all-zero blocks and
+equal block maxima."""
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from atelier_studio.kernels.nf4 import (
     BLOCK,
@@ -14,6 +18,25 @@ from atelier_studio.kernels.nf4 import (
 )
 
 FIELDS = ("data", "scalers", "factor", "mean", "code")
+# torchao 0.18.0's to_nf4(w, 64, 256) of a 64 x 512 weight (512 blocks: two groups) in bf16 and fp32, with the weight
+# and torchao's dequantisation: NF4Tensor's tensors under their own names. The suite does not install torchao
+# (diffusers imports whatever torchao it finds and warns on stderr when the versions disagree), so its output is
+# kept here; test_quantize_equals_torchao_bit_for_bit compares against torchao itself where it is installed.
+TORCHAO = Path(__file__).parents[1] / "fixtures" / "nf4" / "torchao-0.18.0.safetensors"
+
+
+def torchao_fixture(dtype_name: str) -> tuple[torch.Tensor, NF4Weight, torch.Tensor]:
+    """(the weight, torchao's NF4 tensors as an NF4Weight, torchao's dequantised weight) from TORCHAO."""
+    t = {k.split(".", 1)[1]: v for k, v in load_file(str(TORCHAO)).items() if k.startswith(dtype_name + ".")}
+    o, i = t["weight"].shape
+    w = NF4Weight(t["quantized_data"].view(o, i // 2), t["quantized_scalers"].view(o, i // BLOCK),
+                  t["quantization_factor"], t["scaler_mean"].view(()), t["nf4"])
+    return t["weight"], w, t["dequantized"]
+
+
+def _weight(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
 
 
 def torchao_nf4():
@@ -26,9 +49,18 @@ def torchao_nf4():
     return nf4_tensor
 
 
-def _weight(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_quantize_equals_torchaos_stored_output_bit_for_bit(dtype_name):
+    """Every tensor and the dequantised weight equal what torchao 0.18.0 made of the same weight: the same
+    operations in the same dtype, so exact (atol = rtol = 0)."""
+    weight, theirs, their_weight = torchao_fixture(dtype_name)
+    ours = quantize_nf4(weight)
+    for f in FIELDS:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, f
+        assert torch.equal(a, b), f"{f}: {int((a != b).sum())} of {a.numel()} differ"
+    assert torch.equal(dequantize_nf4(ours), their_weight)
+    assert torch.equal(dequantize_nf4(theirs), their_weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

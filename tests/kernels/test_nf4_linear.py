@@ -1,13 +1,13 @@
 """NF4 linear: the Triton kernels dequantise bit for bit, y / dx / dA / dB against the dequantise-then-matmul
-reference (fp32 and fp16 through the interpreter, bf16 on the GPU), torchao's format read as is, no dW, the ops'
-contracts."""
+reference (fp32 and fp16 through the interpreter, bf16 on the GPU), torchao's stored tensors read as is, no dW, the
+ops' contracts."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from atelier_studio.kernels.lora_linear import lora_linear
-from atelier_studio.kernels.nf4 import dequantize_nf4, nf4_from_torchao, quantize_nf4
+from atelier_studio.kernels.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from atelier_studio.kernels.nf4_linear import (
     nf4_linear,
     nf4_linear_bwd,
@@ -20,7 +20,7 @@ from atelier_studio.kernels.nf4_linear import (
     nf4_matmul_t,
 )
 from tests.kernels._compare import assert_error_within, assert_within_rounding
-from tests.kernels.test_nf4 import torchao_nf4
+from tests.kernels.test_nf4 import torchao_fixture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("y", "dx", "dA", "dB")
@@ -103,18 +103,15 @@ def test_triton_fp16_within_2x_eager():
     _low_precision(torch.float16, (29,), 192, 40, DEV, seed=3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reads_torchaos_nf4_tensor_as_is(dtype):
-    """A torchao NF4Tensor's own storage (viewed, not re-quantised) through the kernel gives torchao's
-    dequantise-then-matmul: up to one rounding of the output dtype (the kernel sums in fp32, then rounds once)."""
-    nf4_tensor = torchao_nf4()
-    g = torch.Generator().manual_seed(6)
-    w = (torch.randn(64, 512, generator=g) * 0.05).to(DEV, dtype)  # 512 blocks: two full groups
-    t = nf4_tensor.to_nf4(w, block_size=64, scaler_block_size=256)
-    x = torch.randn(19, 512, generator=g).to(DEV, dtype)
-    got = nf4_linear(x, nf4_from_torchao(t), impl="triton")
-    exp = x.double() @ t.get_original_weight().double().t()
-    assert_within_rounding(got, exp, f"torchao's format, {dtype}", dtype, terms=512 if dtype == torch.float32 else 1)
+def test_reads_torchaos_nf4_tensors_as_is():
+    """torchao's own NF4 storage (tests/kernels/test_nf4.py's stored to_nf4 output, viewed, not re-quantised) through
+    the kernel gives torchao's dequantise-then-matmul: fp32 products summed in another order (K = 512 terms)."""
+    _, w, their_weight = torchao_fixture("fp32")
+    w = NF4Weight(*(t.to(DEV) for t in (w.data, w.scalers, w.factor, w.mean, w.code)))
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(6)).to(DEV)
+    got = nf4_linear(x, w, impl="triton")
+    assert_within_rounding(got, x.double() @ their_weight.to(DEV).double().t(), "torchao's tensors", torch.float32,
+                           terms=512)
 
 
 def test_frozen_linear_dx_only_and_flops_equal_a_bf16_base():
