@@ -786,7 +786,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m bench.designer", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--peers", default=None, help="comma-separated; default: the bf16 peers, or hf-bnb for QLoRA")
     p.add_argument("--micro-batches", type=parse_ints, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -805,13 +805,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    peers = [x for x in a.peers.split(",") if x]
+    cfg = CONFIGS[a.config]
+    default = (QLORA_PEER,) if cfg.base == "nf4" else tuple(x for x in PEERS if x != QLORA_PEER)
+    peers = [x for x in a.peers.split(",") if x] if a.peers is not None else list(default)
     bad = [x for x in peers if x not in PEERS]
     if bad:
         p.error(f"--peers: unknown {bad}; known: {list(PEERS)}")
     if a.steps < 1 or a.warmup < (0 if a.tiny else 3):
         p.error(f"--steps must be >= 1 and --warmup >= 3 (got {a.steps}, {a.warmup})")
-    cfg = CONFIGS[a.config]
     device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if a.tiny:
         cfg = tiny_config(cfg)
