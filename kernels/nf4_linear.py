@@ -51,7 +51,7 @@ from atelier_studio.kernels.lora_linear import (
     lora_fwd_flops,
     lora_linear_ref,
 )
-from atelier_studio.kernels.nf4 import BLOCK, GROUP, NF4Weight, dequantize_nf4, nf4_supported
+from atelier_studio.kernels.nf4 import BLOCK, NF4Weight, dequantize_nf4, nf4_supported
 
 IMPLS = ("auto", "triton", "ref")
 
@@ -406,5 +406,5 @@ def nf4_lora_linear_ref(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None
     return lora_linear_ref(x, dequantize_nf4(w), bias, lora_a, lora_b, scale, mask, p)
 
 
-__all__ = ["IMPLS", "GROUP", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref", "nf4_lora_linear_ref", "nf4_matmul",
+__all__ = ["IMPLS", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref", "nf4_lora_linear_ref", "nf4_matmul",
            "nf4_matmul_t"]
