@@ -87,6 +87,10 @@ ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
 # (the first of each list that ran on the packed rows; "mixed" = fp32 adapters computed in bf16, like hf-amp)
 PARITY_PEER = {"bfloat16": ("hf-liger-bf16lora",), "float32": ("hf",), "mixed": ("hf-amp", "hf")}
+# QLoRA runs compare with the 4-bit peer (another NF4 quantiser: their losses differ by its rounding, not bit parity)
+QLORA_PEER = "hf-bnb"
+# The issue's targets for QLoRA on one H200: peak at micro-batch 1, tokens/s against the bf16 base and the peer
+QLORA_TARGETS = {"peak_gb_at_mb1": 16.0, "vs_bf16_base": 0.8, "vs_peer": 2.0}
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class BenchConfig:
     lr: float = 1e-4
     lora_dtype: str = "bfloat16"   # Atelier's adapter weights (exact runs use float32)
     vocab_size: int = 151936       # Qwen3's embedding rows
+    base: str = "bf16"             # the LoRA bases' storage: "bf16", or "nf4" (QLoRA, with a bf16-base twin run)
 
 
 CONFIGS = {
@@ -200,15 +205,19 @@ def make_batches(cfg: BenchConfig, micro_batch: int, count: int, tokenizer: str 
 
 # ------------------------------------------------------------------------------------------------ weights
 
-def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`."""
+def random_state_dict(args: Args, dtype: torch.dtype, device: torch.device, seed: int,
+                      store: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """HF-named weights: normal(0, 0.02) matrices, ones for norms (Qwen3.init_weights' table), drawn on `device`
+    and kept on `store` (default: `device`), one tensor at a time: the same values wherever they are kept."""
     g = torch.Generator(device=device).manual_seed(seed)
+    store = store or device
     out = {}
     for name, shape in hf_param_shapes(args).items():
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=dtype, device=device)
+            out[name] = torch.ones(shape, dtype=dtype, device=store)
         else:
-            out[name] = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=g).to(dtype)
+            t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=g).to(dtype)
+            out[name] = t.to(store)
     return out
 
 
@@ -252,6 +261,7 @@ class Run:
 
 def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
     args = dataclasses.replace(args, attention_impl=v.attention, kernels=v.kernels)
+    dev = next(iter(lora_sd.values())).device if lora_sd else next(iter(sd.values())).device
     with torch.device("meta"):
         model = build_model(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
@@ -263,6 +273,8 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
             for name, p in model.named_parameters():
                 if "lora_" in name:
                     p.copy_(lora_sd[name])
+        if v.base == "nf4":
+            quantize_lora_bases(model, dev)  # from the host weights, one base at a time
     else:
         model.requires_grad_(True)
     if v.precision == "fp8":  # as the trainer applies train.precision: first, on the loaded model with LoRA on it
@@ -273,7 +285,6 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
         compile_block_list(blocks)
     # full FT: fp32 master weights under bf16 autocast (docs/training.md); "mixed" LoRA likewise for its adapters
     autocast = not exact and (not cfg.lora or v.lora_dtype == "mixed")
-    dev = next(model.parameters()).device
 
     def loss(b: Batch) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -698,6 +709,33 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if report["ablation_runs"] and mine:
         report["ablation"] = {"all_on": mine, **{k: r.get("tokens_per_s") for k, r in report["ablation_runs"].items()}}
     return report
+
+
+def qlora_summary(sweep: dict[str, Any], bf16_base: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Per micro-batch: QLoRA's tokens/s and peak against the bf16-base twin's and the 4-bit peer's, the loss
+    difference from the twin (the NF4 error, same batches), and the issue's targets (QLORA_TARGETS)."""
+    rows = {}
+    for mb, q in sweep.items():
+        twin, other = bf16_base.get(mb, {"oom": True}), peer.get(mb, {"oom": True})
+
+        def rate(r: dict[str, Any]) -> float | None:
+            return None if r.get("oom", True) else r["tokens_per_s"]
+
+        tq, tb, tp = rate(q), rate(twin), rate(other)
+        rows[mb] = {"tokens_per_s": tq, "peak_gb": None if q["oom"] else q["peak_gb"],
+                    "bf16_base_tokens_per_s": tb, "bf16_base_peak_gb": None if twin["oom"] else twin["peak_gb"],
+                    "peer_tokens_per_s": tp, "peer_peak_gb": None if other.get("oom", True) else other["peak_gb"],
+                    "vs_bf16_base": tq / tb if tq and tb else None, "vs_peer": tq / tp if tq and tp else None,
+                    "loss_mean_abs_diff_vs_bf16_base": (loss_diff(q["timed_losses"], twin["timed_losses"])
+                                                        if tq and tb else None)}
+    def each_at_least(key: str) -> bool | None:  # None: nothing measured to compare with
+        ratios = [r[key] for r in rows.values() if r[key] is not None]
+        return all(x >= QLORA_TARGETS[key] for x in ratios) if ratios else None
+
+    peak = rows.get("1", {}).get("peak_gb")
+    met = {"peak_gb_at_mb1": None if peak is None else peak <= QLORA_TARGETS["peak_gb_at_mb1"],
+           "vs_bf16_base": each_at_least("vs_bf16_base"), "vs_peer": each_at_least("vs_peer")}
+    return {"by_micro_batch": rows, "targets": QLORA_TARGETS, "met": met}
 
 
 # ------------------------------------------------------------------------------------------------ report

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 LIBRARIES = ("torch", "triton", "transformers", "peft", "diffusers", "liger-kernel", "fla-core", "flash-attn",
-             "flash-attn-4", "nvidia-cutlass-dsl", "tilelang", "accelerate", "safetensors")
+             "flash-attn-4", "nvidia-cutlass-dsl", "tilelang", "accelerate", "safetensors", "bitsandbytes", "torchao")
 
 
 def versions() -> dict[str, str | None]:

@@ -298,10 +298,7 @@ def merge_lora(model: Model) -> Model:
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):
             parent_name, leaf = name.rsplit(".", 1)
-            base = m.base_layer
-            with torch.no_grad():
-                base.weight.copy_(m.merged_weight())
-            setattr(model.get_submodule(parent_name), leaf, base)
+            setattr(model.get_submodule(parent_name), leaf, m.merged_linear())
         elif isinstance(m, GroupedLoRA):
             host = model.get_submodule(name.rsplit(".", 2)[0])
             w = host.grouped_lora_weight(m.leaf)  # a view of the stacked parameter

@@ -29,6 +29,7 @@ from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin, rope_type
 from atelier_studio.kernels.swiglu import swiglu
 from atelier_studio.pipeline.float8 import float8_group
+from atelier_studio.pipeline.nf4 import NF4Linear
 
 KERNEL_IMPLS = ("auto", "triton", "ref")  # ModelArgs.kernels: rmsnorm / rope / swiglu / LoRA linear
 
@@ -406,13 +407,14 @@ def linear_train_flops(layers: nn.Module, lm_head_weight: torch.Tensor, tokens: 
     """Training FLOPs of every nn.Linear under `layers` on `tokens` tokens plus the LM head on `head_tokens`.
 
     Per weight W [in → out]: 2·in·out·T forward + 2·in·out·T input-grad + 2·in·out·T weight-grad only if
-    W.requires_grad (a LoRA's frozen base gets none; a LoRA's own A and B are nn.Linear and count themselves).
+    W.requires_grad (a LoRA's frozen base gets none; a LoRA's own A and B are nn.Linear and count themselves; an
+    NF4Linear is a frozen linear: its dequantisation is overhead, never counted).
     """
     total = 0
     for m in layers.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, NF4Linear)):
             per = 2 * m.in_features * m.out_features * tokens
-            total += per * (3 if m.weight.requires_grad else 2)
+            total += per * (3 if isinstance(m, nn.Linear) and m.weight.requires_grad else 2)
     per = 2 * lm_head_weight.shape[0] * lm_head_weight.shape[1] * head_tokens
     return total + per * (3 if lm_head_weight.requires_grad else 2)
 

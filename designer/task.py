@@ -18,6 +18,11 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 `train.precision = "fp8"` (pipeline/float8.py) computes every linear of the blocks in FP8 — full fine-tuning's
 trainable linears, LoRA's frozen bases (quantised once; the adapters stay in lora.dtype) — and keeps the LM head
 (it runs inside the chunked cross-entropy), the embeddings and the norms as they are. One process only.
+
+`lora.base_dtype = "nf4"` (QLoRA, designer/lora_nf4.py) stores the LoRA bases in NF4, quantised on the device at
+load: one process reads the model onto the host and moves one base weight at a time to the device to quantise it;
+under torchrun each rank quantises each whole weight the same way and keeps its rows (FSDP2 shards the 4-bit
+tensors). The LM head, embeddings and norms stay in model.dtype, and the adapters train as in a bf16-base run.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,11 +57,14 @@ from atelier_studio.designer.lora import (
     save_peft_adapter,
 )
 from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
+from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4Linear
 from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -92,6 +100,7 @@ class DesignerTask:
 
         exact = cfg.model.dtype == "float32"
         full = cfg.lora.rank == 0
+        self.nf4 = cfg.lora.base_dtype == "nf4"
         # full FT: fp32 master weights; LoRA: the frozen base in the compute dtype
         base_dtype = torch.float32 if (exact or full) else torch.bfloat16
         self.lora_args: LoraArgs | None = None
@@ -113,7 +122,8 @@ class DesignerTask:
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
         n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        n_all = sum(p.numel() for p in self.model.parameters())
+        n_all = sum(p.numel() for n, p in self.model.named_parameters() if not NF4Linear.owns_parameter(n))
+        n_all += sum(m.in_features * m.out_features for m in self.model.modules() if isinstance(m, NF4Linear))
         log(f"designer: {n_all / 1e6:.3f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({'full fine-tuning' if full else f'LoRA r{cfg.lora.rank}'}), {cfg.model.dtype} on {device}")
 
@@ -124,6 +134,8 @@ class DesignerTask:
         choice = self.cfg.train.distributed.param_dtype
         if choice != "auto":
             return getattr(torch, choice)
+        if self.nf4:  # every parameter in its own dtype: the NF4 tensors are bytes (pipeline/nf4.py)
+            return None
         if self.cfg.model.dtype == "float32":
             return torch.float32
         return None if self.lora_args is not None else torch.bfloat16
@@ -134,15 +146,42 @@ class DesignerTask:
                            self._fsdp_param_dtype())
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
-        """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
-        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device, attention_impl=self.cfg.model.attention,
-                                delta_rule_impl=self.cfg.model.delta_rule, kernels=self.cfg.model.kernels)
+        """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it).
+
+        QLoRA loads the model on the host and quantises the LoRA bases on the device one at a time, so the device
+        never holds the bf16 base; the adapters are drawn on the device as apply_lora draws them in a bf16 run."""
+        model = load_pretrained(model_dir, dtype=base_dtype, device="cpu" if self.nf4 else self.device,
+                                attention_impl=self.cfg.model.attention, delta_rule_impl=self.cfg.model.delta_rule,
+                                kernels=self.cfg.model.kernels)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
+            elif self.nf4:
+                init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
+                with torch.random.fork_rng(devices=[]):  # these host draws are replaced by `init`: no trace of them
+                    apply_lora(model, self.lora_args)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name in init:
+                            p.copy_(init[name])
             else:
                 apply_lora(model, self.lora_args)
-        return self._wrap(model)
+        if self.nf4:
+            self._quantize_bases(model)
+            model.to(self.device)
+        self._wrap(model)
+        self._log_nf4_shards(model)
+        return model
+
+    def _quantize_bases(self, model: Model) -> None:
+        """lora.base_dtype = "nf4": every LoRA base that fits NF4 quantised on the device (designer/lora_nf4.py)."""
+        done, kept = quantize_lora_bases(model, self.device)
+        if not done:
+            raise ConfigError(f'lora.base_dtype = "nf4": no LoRA target of this {self.family.name} model can be stored '
+                              f'in NF4 (in_features must be a multiple of 64; lora.targets wraps {", ".join(kept)}); '
+                              f'target other linears, or set lora.base_dtype = "bf16"')
+        log(f"qlora: {len(done)} LoRA bases stored in NF4" + (f"; kept in the model dtype (in_features not a multiple "
+                                                              f"of 64): {', '.join(kept)}" if kept else ""))
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
@@ -161,16 +200,36 @@ class DesignerTask:
             else:
                 lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 apply_lora(model, self.lora_args)
+            if self.nf4:
+                self._quantize_bases(model)  # meta NF4 tensors: read() below fills them
         self._wrap(model)
         with stored:
+            nf4 = _NF4Reader(lambda key: stored.read(key).to(self.device, base_dtype))
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
+                if nf4.owns(name):
+                    return nf4.read(name, rows)
                 return stored.read(name.replace(".base_layer.", "."), rows)  # a LoRA-wrapped base has the HF name
 
             materialize_(model, self.device, read)
+        self._log_nf4_shards(model)
         return model
+
+    def _log_nf4_shards(self, model: Model) -> None:
+        """Under FSDP2, how much of the NF4 bases this rank holds (1 / world size of it, by rows)."""
+        if not (self.nf4 and self.dist.enabled):
+            return
+        from torch.distributed.tensor import DTensor
+
+        held = total = 0
+        for name, p in model.named_parameters():
+            if NF4Linear.owns_parameter(name):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                held, total = held + local.numel() * local.element_size(), total + p.numel() * p.element_size()
+        log(f"qlora: rank {self.dist.rank} of {self.dist.world_size} holds {held:,} of the {total:,} bytes of NF4 "
+            f"bases")
 
     # ------------------------------------------------------------------ data
 
@@ -317,6 +376,38 @@ def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -
         raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where dropout "
                           f"is not supported (PEFT refuses it there too); set lora.dropout = 0, or lora.targets without "
                           f"{', '.join(targets)}")
+
+
+class _NF4Reader:
+    """materialize_'s reader for the NF4 tensors of a meta model's LoRA bases (pipeline/nf4.py's names).
+
+    A weight's NF4 form depends on the whole weight (its mean and group factors), so a rank reads the whole HF
+    weight, quantises it on the device exactly as one process does, and keeps its rows of the row-sharded data and
+    scalers. materialize_ asks for every parameter before any buffer: the last weight's full NF4 form is kept for
+    its second parameter, and each weight's small whole-rank tensors (factor, mean, code) for the buffers."""
+
+    def __init__(self, load: Callable[[str], torch.Tensor]) -> None:
+        self.load = load
+        self.current: tuple[str, NF4Weight] | None = None
+        self.small: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        return name.rpartition(".")[2] in NF4_TENSORS and ".base_layer." in name
+
+    def read(self, name: str, rows: slice) -> torch.Tensor:
+        stem, _, part = name.rpartition(".")  # stem: <linear>.base_layer
+        if part in ("quantized_data", "quantized_scalers"):
+            if self.current is None or self.current[0] != stem:
+                w = quantize_nf4(self.load(stem.replace(".base_layer", "") + ".weight"))
+                self.current = (stem, w)
+                self.small[stem] = {"quantization_factor": w.factor, "scaler_mean": w.mean, "nf4": w.code}
+            w = self.current[1]
+            return (w.data if part == "quantized_data" else w.scalers)[rows]
+        if stem not in self.small:
+            raise KeyError(f"{name}: read before its layer's quantised parameters")
+        return self.small[stem][part]  # whole on every rank
+
 
 
 def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:

@@ -113,6 +113,13 @@ class LoRALinear(nn.Module):
         w = self.base_layer.weight
         return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
 
+    def merged_linear(self) -> nn.Linear:
+        """The base nn.Linear with W + s·B·A written into its weight: what a merge puts in this layer's place."""
+        base = self.base_layer
+        with torch.no_grad():
+            base.weight.copy_(self.merged_weight())
+        return base
+
 
 def lora_init_like(layers: list[tuple[str, nn.Linear]], args: LoraArgs,
                    device: torch.device) -> dict[str, torch.Tensor]:

@@ -46,13 +46,15 @@ _SAVE_OP_NAMES = (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
 )
-# Atelier's own ops that hold matmuls (the forward GEMMs of kernels/fp8_linear.py and kernels/fp8_group.py), saved
-# by selective AC likewise.
-_SAVE_ATELIER_OP_NAMES = ("fp8_linear_fwd", "fp8_frozen_fwd", "fp8_lora_fwd", "fp8_group_fwd", "fp8_frozen_group_fwd")
+# Atelier's own ops that hold matmuls (the forward GEMMs of kernels/fp8_linear.py, kernels/fp8_group.py and
+# kernels/nf4_linear.py), saved by selective AC likewise.
+_SAVE_ATELIER_OP_NAMES = ("fp8_linear_fwd", "fp8_frozen_fwd", "fp8_lora_fwd", "fp8_group_fwd", "fp8_frozen_group_fwd",
+                          "nf4_linear_fwd", "nf4_lora_fwd")
 
 
 def _save_ops() -> frozenset:
     import atelier_studio.kernels.fp8_group  # noqa: F401  (registers the atelier:: fp8 ops)
+    import atelier_studio.kernels.nf4_linear  # noqa: F401  (registers the atelier:: nf4 ops)
 
     ops = []
     for namespace, names in ((torch.ops.aten, _SAVE_OP_NAMES), (torch.ops.atelier, _SAVE_ATELIER_OP_NAMES)):

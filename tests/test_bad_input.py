@@ -91,6 +91,13 @@ def designer_train(tmp: Path, w: World, *sets: str, config: Path = DESIGNER_DEMO
     return argv
 
 
+def qwen35_tiny(tmp: Path, w: World) -> Path:
+    """A tiny random Qwen3.5 (fp32) with the world's tokenizer."""
+    assert main(["designer", "init", "--size", "qwen3.5-tiny", "--tokenizer", str(w.tokenizer), "--out",
+                 str(tmp / "qwen35"), "--dtype", "float32"]) == 0
+    return tmp / "qwen35"
+
+
 def write(path: Path, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data.encode() if isinstance(data, str) else data)
@@ -313,6 +320,21 @@ CASES = [
     Case("lora-dropout-on-experts",
          lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.dropout=0.1"),
          ("lora.dropout = 0.1", "gate, up, down adapters are one per expert", "lora.dropout = 0"), absent=("run",)),
+    Case("qlora-with-full-finetuning", lambda t, w: designer_train(t, w, "lora.rank=0", "lora.base_dtype=nf4"),
+         ('lora.base_dtype: "nf4"', "rank = 0 is full fine-tuning", "lora.rank > 0"), absent=("run",)),
+    Case("qlora-with-fp8", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
+                                                         "train.precision=fp8"),
+         ('lora.base_dtype = "nf4" with train.precision = "fp8"',), absent=("run",)),
+    Case("qlora-with-an-fsdp-param-dtype",
+         lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
+                                     "train.distributed.param_dtype=bfloat16"),
+         ('train.distributed.param_dtype = "bfloat16" with lora.base_dtype = "nf4"', '"auto"'), absent=("run",)),
+    # Qwen3.5-tiny's out_proj reads 96 features: not whole blocks of 64, so no target is left to quantise
+    Case("qlora-nothing-to-quantise",
+         lambda t, w: designer_train(t, w, f"model.path={qwen35_tiny(t, w)}", "lora.rank=4", "lora.targets=out",
+                                     "lora.base_dtype=nf4"),
+         ('lora.base_dtype = "nf4"', "no LoRA target of this Qwen3.5 model", "multiple of 64", "out_proj"),
+         absent=("run/checkpoints",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",

@@ -15,6 +15,7 @@ from atelier_studio.bench.designer import (
     CONFIGS,
     Variant,
     bench,
+    markdown,
     build_atelier,
     build_peer,
     lora_init,
