@@ -2,19 +2,21 @@
 weights and documents.
 
     python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
-        |qwen3-30b-a3b-lora[-1doc] --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...] [--micro-batches 2,4,8]
+        |qwen3-30b-a3b-lora[-1doc]|qwen3-8b-qlora --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
+        [--micro-batches 2,4,8]
         [--peer-micro-batches 4,8] [--fp8 rowwise,tensorwise] [--fp8-micro-batches 8] [--fp8-compile on|off|both]
         [--steps 10 --warmup 3] [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed]
         [--profile] [--tokenizer .gpu/qwen3-tokenizer] [--budget-s 300] [--tiny]
 
 Shapes: B rows per micro-batch, T tokens per row, N = B·T, D dim, V vocab.
 
-Per config the random bf16 weights are drawn ONCE on the device; every run (Atelier, each peer, each
-ablation) is built around those same tensors (frozen LoRA bases share them; full fine-tuning copies them
-into fp32 master weights), with the same LoRA A/B init and the same batches in the same order, so losses
-are comparable step by step. A step = forward + loss + backward + optimizer step + zero_grad, timed with
-CUDA events (wall clock on CPU); `warmup` steps first (per-block compile happens in the first: shapes
-and max_seqlen are fixed), then `steps` timed ones: median tok/s and min–max. Only non-padding tokens count.
+Per config the random bf16 weights are drawn ONCE on the device (the QLoRA config keeps them on the host:
+below); every run (Atelier, each peer, each ablation) is built around those same tensors (frozen LoRA bases share
+them; full fine-tuning copies them into fp32 master weights), with the same LoRA A/B init and the same batches in
+the same order, so losses are comparable step by step. A step = forward + loss + backward + optimizer step +
+zero_grad, timed with CUDA events (wall clock on CPU); `warmup` steps first (per-block compile happens in the
+first: shapes and max_seqlen are fixed), then `steps` timed ones: median tok/s and min–max. Only non-padding
+tokens count.
 
 Data: documents packed best-fit into rows of T (data/packing.py). With --tokenizer, shapes-world briefs and
 captions through the chat template (loss on the caption); otherwise random-token documents with a
@@ -25,6 +27,16 @@ model with `train.precision = "fp8"` (pipeline/float8.apply_fp8, as the trainer 
 in FP8, LoRA bases quantised once, the LM head in bf16) for each recipe, at --fp8-micro-batches (default: the best
 bf16 one) in each --fp8-compile mode: the FP8 ablation is bf16 (FP8 off) against each recipe on the same batches,
 with the mean |Δloss| against the bf16 run over the timed steps.
+
+QLoRA (`qwen3-8b-qlora`, lora.base_dtype = "nf4" in the trainer): the LoRA bases quantised to NF4 on the device one
+at a time (designer/lora_nf4.quantize_lora_bases, as the trainer loads them), and at every micro-batch the same run
+over the bf16 base (the "bf16-base twin": same adapters, batches, activation checkpointing, compile mode), so
+tokens/s, peak memory and loss compare at equal micro-batch. The random weights are drawn on the device but kept on
+the host, and each run moves over what it uses, so its peak memory counts only what it puts on the device (the
+QLoRA run holds one bf16 base at a time, while it quantises it). Its default peer is "hf-bnb" (transformers + PEFT
+over bitsandbytes' NF4 linears; CUDA only). The `qlora` summary states, per micro-batch, tokens/s and peak against
+the twin and the 4-bit peer, the loss difference from the twin (the NF4 error of the base), and the targets
+(QLORA_TARGETS).
 
 Peers (bench/designer_peers.py has the names and what each runs): the exact-packing peer sees the same packed rows
 through a block-diagonal mask, so losses compare step by step (loss parity is measured against it); a "-1doc" peer
@@ -64,8 +76,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atelier_studio.bench.designer_peers import (PEER_BASES, build_peer as build_hf_peer, one_document_batches,
-                                                 parse_peer, peer_context, peer_kernels, peer_notes)
+from atelier_studio.bench.designer_peers import (PEER_BASES, PeerUnavailable, build_peer as build_hf_peer,
+                                                 one_document_batches, parse_peer, peer_context, peer_kernels,
+                                                 peer_notes)
 from atelier_studio.bench.env import clocks, environment, matmul_rates
 from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt, bar_chart, best_per_size, best_run,
                                           fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table, run_status,
@@ -76,13 +89,13 @@ from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_par
 from atelier_studio.designer.lora import (LoraArgs, apply_lora, grouped_lora_names, grouped_weight, lora_parameters,
                                           lora_targets)
 from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list, cpu_offload
 
-PEERS = PEER_BASES  # the default --peers: every base on packed rows
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")
 # The peer whose LoRA weights have the same dtype as Atelier's: loss parity is measured against it.
 # (the first of each list that ran on the packed rows; "mixed" = fp32 adapters computed in bf16, like hf-amp)
@@ -124,7 +137,15 @@ CONFIGS = {
     # Loss parity: rows of one document.
     "qwen3-30b-a3b-lora": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2, 4)),
     "qwen3-30b-a3b-lora-1doc": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2), one_doc=True),
+    # QLoRA on a 16 GB budget: full AC (a no-AC micro-batch of 2048 tokens keeps ~11 GB of activations on its own)
+    "qwen3-8b-qlora": BenchConfig("8b", True, 2048, (1, 2, 4), ac="full", base="nf4"),
 }
+
+
+def default_peers(cfg: BenchConfig) -> tuple[str, ...]:
+    """--peers' default: the 4-bit peer for a QLoRA config; otherwise every other base on packed rows (a bf16 run
+    never quantises a peer unasked)."""
+    return (QLORA_PEER,) if cfg.base == "nf4" else tuple(b for b in PEER_BASES if not parse_peer(b).four_bit)
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,7 @@ class Variant:
     lora_dtype: str = "bfloat16"
     precision: str = "bf16"        # train.precision: "bf16" or "fp8" (the block linears in FP8)
     fp8_recipe: str = "rowwise"    # train.fp8_recipe, with precision "fp8"
+    base: str = "bf16"             # the LoRA bases: "bf16", or "nf4" (quantised on the device: designer/lora_nf4.py)
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
@@ -259,9 +281,15 @@ class Run:
     fused_adamw: bool
 
 
+def run_device(sd: dict[str, torch.Tensor], lora_sd: dict[str, torch.Tensor]) -> torch.device:
+    """Where the runs train: the adapters' device (the QLoRA config keeps the base weights on the host), else the
+    weights'."""
+    return next(iter(lora_sd.values())).device if lora_sd else next(iter(sd.values())).device
+
+
 def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Variant, exact: bool) -> Run:
     args = dataclasses.replace(args, attention_impl=v.attention, kernels=v.kernels)
-    dev = next(iter(lora_sd.values())).device if lora_sd else next(iter(sd.values())).device
+    dev = run_device(sd, lora_sd)
     with torch.device("meta"):
         model = build_model(args)
     model.load_state_dict(weights_for(sd, not cfg.lora, exact), assign=True)
@@ -273,10 +301,14 @@ def build_atelier(cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict, v: Vari
             for name, p in model.named_parameters():
                 if "lora_" in name:
                     p.copy_(lora_sd[name])
-        if v.base == "nf4":
-            quantize_lora_bases(model, dev)  # from the host weights, one base at a time
+        if v.base == "nf4":  # as the trainer loads QLoRA: each base quantised on the device, one at a time
+            done, kept = quantize_lora_bases(model, dev)
+            if not done:
+                raise ValueError(f"base nf4: no LoRA base of {cfg.size} fits NF4 (in_features a multiple of 64): "
+                                 f"{kept}")
     else:
         model.requires_grad_(True)
+    model.to(dev)  # weights kept on the host (the QLoRA config) come over now; a no-op when they are there
     if v.precision == "fp8":  # as the trainer applies train.precision: first, on the loaded model with LoRA on it
         apply_fp8(model, v.fp8_recipe, conversions=FP8_CONVERSIONS)
     blocks = family_of_args(args).blocks(model)  # the family's parallelize plan: its repeated blocks
@@ -307,7 +339,7 @@ def build_peer(name: str, cfg: BenchConfig, args: Args, sd: dict, lora_sd: dict,
     """The peer `name` (bench/designer_peers.py) on the same weights and adapter init, as a Run. Build and run it
     inside designer_peers.peer_context(parse_peer(name), args)."""
     model, loss, params = build_hf_peer(parse_peer(name), cfg.lora, args, weights_for(sd, not cfg.lora, exact),
-                                        lora_sd, exact)
+                                        lora_sd, run_device(sd, lora_sd), exact, checkpointing=cfg.ac != "none")
     return Run(model, loss, params, fused_adamw=next(model.parameters()).device.type == "cuda")
 
 
@@ -464,12 +496,12 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
           fp8_compile_modes: tuple[bool, ...] | None = None,
           peer_micro_batches: list[int] | dict[str, list[int]] | None = None, budget: Budget | None = None,
           on_result: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
-    """One config, in this order: Atelier's bf16 micro-batch sweep (each micro-batch in each of `compile_modes`),
-    the FP8 rows (each recipe of `fp8` at `fp8_micro_batches`, default the best bf16 one, in each of
-    `fp8_compile_modes`, default the best bf16 run's), the peers (each at `peer_micro_batches`: one list for all, or
-    a list per peer name; default the sweep's),
-    the ablation around the best bf16 run, an optional profile. A run that would start once `budget` is spent is
-    recorded as skipped; `on_result(report)` gets the summarised report after every run."""
+    """One config, in this order: Atelier's bf16 micro-batch sweep (each micro-batch in each of `compile_modes`; a
+    QLoRA config's sweep is over the NF4 base, each micro-batch followed by its bf16-base twin), the FP8 rows (each
+    recipe of `fp8` at `fp8_micro_batches`, default the best bf16 one, in each of `fp8_compile_modes`, default the
+    best bf16 run's), the peers (each at `peer_micro_batches`: one list for all, or a list per peer name; default
+    the sweep's), the ablation around the best bf16 run, an optional profile. A run that would start once `budget`
+    is spent is recorded as skipped; `on_result(report)` gets the summarised report after every run."""
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
     dtype = torch.float32 if exact else torch.bfloat16
     budget = budget or Budget(None)
@@ -481,7 +513,7 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         "clocks": {"before": clocks()}, "matmul_tflops": rates["bf16"], "matmul_tflops_fp8": rates["fp8"],
         "matmul_tflops_fp8_best": rates["fp8_best"], "atelier_runs": {}, "fp8_runs": {},
         "peer_runs": {p: {} for p in peers}, "peer_config": {p: peer_notes(parse_peer(p)) for p in peers},
-        "ablation_runs": {},
+        "ablation_runs": {}, **({"bf16_base_runs": {}} if cfg.base == "nf4" else {}),
         "notes": {"peer_attention": "packed rows: transformers position_ids packing, a block-diagonal causal mask "
                                     "through SDPA (exact); -1doc rows: one document per row, right-padded, no mask "
                                     "(causal SDPA, exact)",
@@ -494,7 +526,11 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
                          "linear in FP8, LoRA bases quantised once, LM head and norms in bf16",
                   "data": "shapes-world chat documents through the Qwen3 tokenizer" if tokenizer else
                           "random-token documents (lognormal lengths)"}}
-    sd = random_state_dict(args, dtype, device, seed)
+    if cfg.base == "nf4":
+        report["notes"]["qlora"] = ("the sweep's LoRA bases in NF4, quantised on the device; bf16_base_runs: the "
+                                    "same runs over the bf16 base; the weights kept on the host, so each run's peak "
+                                    "counts what it puts on the device")
+    sd = random_state_dict(args, dtype, device, seed, store=torch.device("cpu") if cfg.base == "nf4" else None)
     lora_sd = lora_init(args, LoraArgs(rank=16, alpha=32.0), device, seed + 1) if cfg.lora else {}
     packs: dict[int, PackResult] = {}
     data: dict[tuple[int, str], tuple[list[Batch], StepFlops]] = {}
@@ -528,19 +564,24 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
         r = attempt(lambda: measure(lambda: build_atelier(cfg, args, sd, lora_sd, v, exact), batches, cfg, warmup,
                                     steps, flops, cfg.offload))
         r["variant"] = dataclasses.asdict(v)
-        label = "bf16" if v.precision == "bf16" else f"fp8-{v.fp8_recipe}"
+        label = f"fp8-{v.fp8_recipe}" if v.precision == "fp8" else "qlora" if v.base == "nf4" else "bf16"
         print(f"atelier {label} mb={mb} compile={v.compile}: " + _said(r), flush=True)
         return r
 
-    # Atelier, bf16: the micro-batch sweep
+    # Atelier, bf16 (or QLoRA): the micro-batch sweep
     modes = (False,) if exact else tuple(compile_modes)
-    base = Variant(lora_dtype="float32" if exact else cfg.lora_dtype)
+    swept = Variant(lora_dtype="float32" if exact else cfg.lora_dtype, base=cfg.base)
     for mb in micro_batches:
         for c in modes:
-            report["atelier_runs"].setdefault(str(mb), {})[str(c)] = run_atelier(dataclasses.replace(base, compile=c),
+            report["atelier_runs"].setdefault(str(mb), {})[str(c)] = run_atelier(dataclasses.replace(swept, compile=c),
                                                                                   mb)
             emit()
-    main = Variant(**report["atelier_variant"]) if "atelier_variant" in report else base
+        if cfg.base == "nf4":  # the bf16-base twin, in the compile mode the QLoRA run kept at this micro-batch
+            kept = _best(report["atelier_runs"][str(mb)])
+            twin = dataclasses.replace(swept, compile=(kept == "True") if kept else modes[0], base="bf16")
+            report["bf16_base_runs"][str(mb)] = run_atelier(twin, mb)
+            emit()
+    main = Variant(**report["atelier_variant"]) if "atelier_variant" in report else swept
     best_mb = report.get("atelier", {}).get("micro_batch")
 
     # Atelier, FP8: each recipe on the same batches
@@ -572,8 +613,9 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
             try:
                 with peer_context(spec, args):
                     r = attempt(lambda: measure(build, batches, cfg, warmup, steps, flops, False))
-            except ImportError as e:
-                report["peer_runs"][p] = {"skipped": f"import failed: {e}"}
+            except ImportError as e:  # a missing library, or a peer that cannot run here (PeerUnavailable says why)
+                report["peer_runs"][p] = {"skipped": str(e) if isinstance(e, PeerUnavailable) else
+                                          f"import failed: {e}"}
                 emit()
                 break
             r["norm_class"] = seen[0] if seen else None
@@ -637,9 +679,10 @@ def _failed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    """The report's derived fields from its raw runs (atelier_runs, fp8_runs, peer_runs, ablation_runs), in place:
-    the best run of each configuration, the strongest peer and every ratio against it, loss parity, the FP8 rows
-    against bf16. Idempotent: called after every run."""
+    """The report's derived fields from its raw runs (atelier_runs, fp8_runs, peer_runs, ablation_runs, and a QLoRA
+    config's bf16_base_runs), in place: the best run of each configuration, the strongest peer and every ratio
+    against it, loss parity, the FP8 rows against bf16, QLoRA against its bf16-base twin and the 4-bit peer.
+    Idempotent: called after every run."""
     sweep, by_compile = best_per_size(report["atelier_runs"], "tokens_per_s")
     report["sweep"] = sweep
     if by_compile:
@@ -701,41 +744,61 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     report["loss_mean_abs_diff_between_peers"] = peer_floor(report["peer_runs"])
     lora = report["config"]["lora"]
     main_dtype = report.get("atelier_variant", {}).get("lora_dtype", report["config"]["lora_dtype"])
-    wanted = PARITY_PEER.get(main_dtype, ("hf",)) if lora else ("hf", "hf-liger")
+    nf4 = report["config"].get("base") == "nf4"
+    wanted = (QLORA_PEER,) if nf4 else PARITY_PEER.get(main_dtype, ("hf",)) if lora else ("hf", "hf-liger")
     parity_peer = next((p for w in wanted for p in diffs if parse_peer(p).base == w), wanted[0])
     report["loss_parity_peer"] = parity_peer
     report["loss_mean_abs_diff"] = diffs[parity_peer]["diff"] if parity_peer in diffs else None
     report["ablation"] = {}
     if report["ablation_runs"] and mine:
         report["ablation"] = {"all_on": mine, **{k: r.get("tokens_per_s") for k, r in report["ablation_runs"].items()}}
+    if nf4:
+        report["qlora"] = qlora_summary(report)
     return report
 
 
-def qlora_summary(sweep: dict[str, Any], bf16_base: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
-    """Per micro-batch: QLoRA's tokens/s and peak against the bf16-base twin's and the 4-bit peer's, the loss
-    difference from the twin (the NF4 error, same batches), and the issue's targets (QLORA_TARGETS)."""
+def four_bit_peer(report: dict[str, Any]) -> str | None:
+    """The 4-bit peer QLoRA is compared with: the fastest hf-bnb configuration that ran, else the first one named
+    (its row says why it did not run); None when none was asked for."""
+    named = [p for p in report["peer_runs"] if parse_peer(p).four_bit]
+    ran = [p for p in named if report["peers"].get(p, {}).get("tokens_per_s")]
+    return max(ran, key=lambda p: report["peers"][p]["tokens_per_s"]) if ran else next(iter(named), None)
+
+
+def qlora_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Per micro-batch of the QLoRA sweep: its tokens/s and peak memory against the bf16-base twin's and the 4-bit
+    peer's at the same micro-batch, the mean |Δloss| against the twin (the NF4 error of the base: same batches,
+    same adapters), and whether each target of QLORA_TARGETS is met (None: nothing measured to judge it)."""
+    peer = four_bit_peer(report)
+    peer_runs = report["peer_runs"].get(peer, {}) if peer else {}
+
+    def rate(r: dict[str, Any] | None) -> float | None:
+        return r["tokens_per_s"] if _ok(r) else None
+
+    def peak(r: dict[str, Any] | None) -> float | None:
+        return r.get("peak_gb") if _ok(r) else None
+
     rows = {}
-    for mb, q in sweep.items():
-        twin, other = bf16_base.get(mb, {"oom": True}), peer.get(mb, {"oom": True})
-
-        def rate(r: dict[str, Any]) -> float | None:
-            return None if r.get("oom", True) else r["tokens_per_s"]
-
+    for mb, q in report["sweep"].items():
+        twin, other = report["bf16_base_runs"].get(mb), peer_runs.get(mb)
         tq, tb, tp = rate(q), rate(twin), rate(other)
-        rows[mb] = {"tokens_per_s": tq, "peak_gb": None if q["oom"] else q["peak_gb"],
-                    "bf16_base_tokens_per_s": tb, "bf16_base_peak_gb": None if twin["oom"] else twin["peak_gb"],
-                    "peer_tokens_per_s": tp, "peer_peak_gb": None if other.get("oom", True) else other["peak_gb"],
+        rows[mb] = {"tokens_per_s": tq, "peak_gb": peak(q), "bf16_base_tokens_per_s": tb,
+                    "bf16_base_peak_gb": peak(twin), "peer_tokens_per_s": tp, "peer_peak_gb": peak(other),
                     "vs_bf16_base": tq / tb if tq and tb else None, "vs_peer": tq / tp if tq and tp else None,
                     "loss_mean_abs_diff_vs_bf16_base": (loss_diff(q["timed_losses"], twin["timed_losses"])
                                                         if tq and tb else None)}
-    def each_at_least(key: str) -> bool | None:  # None: nothing measured to compare with
+
+    def each_at_least(key: str) -> bool | None:
         ratios = [r[key] for r in rows.values() if r[key] is not None]
         return all(x >= QLORA_TARGETS[key] for x in ratios) if ratios else None
 
-    peak = rows.get("1", {}).get("peak_gb")
-    met = {"peak_gb_at_mb1": None if peak is None else peak <= QLORA_TARGETS["peak_gb_at_mb1"],
+    at_mb1 = rows.get("1", {}).get("peak_gb")
+    met = {"peak_gb_at_mb1": None if at_mb1 is None else at_mb1 <= QLORA_TARGETS["peak_gb_at_mb1"],
            "vs_bf16_base": each_at_least("vs_bf16_base"), "vs_peer": each_at_least("vs_peer")}
-    return {"by_micro_batch": rows, "targets": QLORA_TARGETS, "met": met}
+    out = {"peer": peer, "by_micro_batch": rows, "targets": QLORA_TARGETS, "met": met}
+    if peer and "skipped" in peer_runs:
+        out["peer_skipped"] = peer_runs["skipped"]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -753,8 +816,8 @@ def _row(name: str, rows: str, r: dict[str, Any], strongest: float | None) -> st
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The result table (Atelier bf16 and FP8, each peer at its best micro-batch, ratios against the strongest
-    peer), the FP8 ablation, loss parity, the ablation, the runs skipped."""
+    """The result table (Atelier bf16 or QLoRA, and FP8, each peer at its best micro-batch, ratios against the
+    strongest peer), loss parity, the QLoRA table, the FP8 ablation, the ablation, the runs skipped."""
     c = report["config"]
     fp8_best = report.get("matmul_tflops_fp8_best")
     strongest = report.get("strongest_peer")
@@ -764,23 +827,28 @@ def markdown(report: dict[str, Any]) -> str:
              "| run | rows | micro-batch | tokens/s (min–max) | × strongest peer | MFU (989) | MFU (1,979) | "
              "MFU vs bf16 matmul | MFU vs FP8 matmul | MFU, head on every token | peak GB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines.append(_row("atelier bf16", "packed", report.get("atelier", {}), top))
+    nf4 = c.get("base") == "nf4"  # a QLoRA config: the sweep ran over the NF4 base
+    lines.append(_row("atelier qlora (nf4 base)" if nf4 else "atelier bf16", "packed", report.get("atelier", {}), top))
     for recipe, r in report.get("fp8", {}).items():
         lines.append(_row(f"atelier fp8 {recipe}", "packed", r, top))
     for p, r in report.get("peers", {}).items():
         lines.append(_row(p + (" (strongest)" if p == strongest else ""), r.get("rows", "packed"), r, top))
     lines.append("")
     if strongest:
-        lines.append(f"strongest peer: {strongest}, {top:,.0f} tok/s; Atelier bf16 "
+        lines.append(f"strongest peer: {strongest}, {top:,.0f} tok/s; Atelier {'QLoRA' if nf4 else 'bf16'} "
                      f"{fmt(report.get('speedup_vs_strongest_peer'), '.2f')}× it; " +
                      ", ".join(f"vs {p} {s:.2f}×" for p, s in report.get("speedup", {}).items()))
-    lines.append(f"loss mean abs diff vs {report.get('loss_parity_peer', 'hf')} (same batches, same adapter dtype): "
+    same = ("same batches; another NF4 quantiser: its rounding, not bit parity" if nf4 else
+            "same batches, same adapter dtype")
+    lines.append(f"loss mean abs diff vs {report.get('loss_parity_peer', 'hf')} ({same}): "
                  f"{fmt(report.get('loss_mean_abs_diff'), '.2e')}")
     for pair, d in report.get("loss_mean_abs_diff_between_peers", {}).items():
         lines.append(f"loss mean abs diff between peers, {pair} (the bf16 floor): {d['diff']:.2e}")
     if "loss_mean_abs_diff_fp32_lora_vs_hf" in report:
         lines.append(f"loss mean abs diff, fp32 adapters on both sides (Atelier vs hf): "
                      f"{report['loss_mean_abs_diff_fp32_lora_vs_hf']:.2e}")
+    if "qlora" in report:
+        lines += qlora_lines(report)
     if report.get("fp8_runs"):
         lines += ["", "| FP8 ablation | micro-batch | compile | tokens/s | × bf16, same batches | loss mean abs diff "
                       "vs bf16 |", "|---|---|---|---|---|---|"]
@@ -806,6 +874,36 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def qlora_lines(report: dict[str, Any]) -> list[str]:
+    """The QLoRA table (each micro-batch against the bf16-base twin and the 4-bit peer) and its targets."""
+    q = report["qlora"]
+    peer = q["peer"] or QLORA_PEER
+    peer_runs = report["peer_runs"].get(q["peer"], {}) if q["peer"] else {}
+
+    def cell(r: dict[str, Any] | None) -> str:
+        return _rate(r) if r else "—"
+
+    lines = ["", f"QLoRA (NF4 bases) against the same run over the bf16 base and {peer}, by micro-batch:", "",
+             f"| micro-batch | QLoRA tok/s | peak GB | bf16 base tok/s | peak GB | × bf16 base | {peer} tok/s | "
+             f"peak GB | × {peer} | mean abs Δloss vs bf16 base |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for mb, r in q["by_micro_batch"].items():
+        lines.append(f"| {mb} | {cell(report['sweep'].get(mb))} | {fmt(r['peak_gb'], '.1f')} | "
+                     f"{cell(report['bf16_base_runs'].get(mb))} | {fmt(r['bf16_base_peak_gb'], '.1f')} | "
+                     f"{fmt(r['vs_bf16_base'], '.2f')} | {cell(peer_runs.get(mb))} | {fmt(r['peer_peak_gb'], '.1f')} | "
+                     f"{fmt(r['vs_peer'], '.2f')} | {fmt(r['loss_mean_abs_diff_vs_bf16_base'], '.2e')} |")
+    if "peer_skipped" in q:
+        lines.append(f"{peer}: skipped ({q['peer_skipped']})")
+    t, met = q["targets"], q["met"]
+    lines.append(f"targets (met: yes / no / — not measured): peak <= {t['peak_gb_at_mb1']:g} GB at micro-batch 1: "
+                 f"{_yes(met['peak_gb_at_mb1'])}; >= {t['vs_bf16_base']:g}× the bf16 base: "
+                 f"{_yes(met['vs_bf16_base'])}; >= {t['vs_peer']:g}× {peer}: {_yes(met['vs_peer'])}")
+    return lines
+
+
+def _yes(met: bool | None) -> str:
+    return "—" if met is None else "yes" if met else "no"
+
+
 def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
     """Bar chart of tokens/s: bf16 with each optimisation off, each FP8 recipe, the peers as dashed lines; None when
     matplotlib is absent."""
@@ -827,10 +925,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m bench.designer", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--peers", default=",".join(PEERS),
-                   help="comma list of peer names: hf|hf-amp|hf-liger|hf-liger-bf16lora|hf-nofla, then optionally "
-                        "-compiled, then optionally -1doc (bench/designer_peers.py); NAME@4+8 runs that peer at "
-                        "micro-batches 4 and 8 only")
+    p.add_argument("--peers", default=None,
+                   help="comma list of peer names: hf|hf-amp|hf-liger|hf-liger-bf16lora|hf-nofla|hf-bnb, then "
+                        "optionally -compiled, then optionally -1doc (bench/designer_peers.py); NAME@4+8 runs that "
+                        "peer at micro-batches 4 and 8 only; default: hf-bnb for the QLoRA config, every other base "
+                        "on packed rows otherwise")
     p.add_argument("--micro-batches", type=parse_ints, default=None)
     p.add_argument("--peer-micro-batches", type=parse_ints, default=None,
                    help="the peers' micro-batches (a -1doc peer's token budget is this × T); default: --micro-batches")
@@ -864,8 +963,10 @@ COMPILE_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    cfg = CONFIGS[a.config]
     peers, own_mbs, bad = [], {}, []
-    for item in (x for x in a.peers.split(",") if x):
+    named = a.peers.split(",") if a.peers is not None else default_peers(cfg)
+    for item in (x for x in named if x):
         name, _, mbs = item.partition("@")
         try:
             parse_peer(name)
@@ -881,11 +982,12 @@ def main(argv: list[str] | None = None) -> int:
     recipes = tuple(x for x in a.fp8.split(",") if x)
     if [x for x in recipes if x not in TRAIN_RECIPES]:
         p.error(f"--fp8: unknown {[x for x in recipes if x not in TRAIN_RECIPES]}; known: {list(TRAIN_RECIPES)}")
+    if recipes and cfg.base == "nf4":  # as the trainer's config refuses lora.base_dtype nf4 with precision fp8
+        p.error(f"--fp8 with --config {a.config}: a frozen base is stored in NF4 or computed in FP8, not both")
     if a.steps < 1 or a.warmup < (0 if a.tiny else 3):
         p.error(f"--steps must be >= 1 and --warmup >= 3 (got {a.steps}, {a.warmup})")
     if a.budget_s is not None and a.budget_s <= 0:
         p.error(f"--budget-s must be > 0, got {a.budget_s}")
-    cfg = CONFIGS[a.config]
     device = torch.device("cpu") if a.tiny or not torch.cuda.is_available() else torch.device("cuda")
     if a.tiny:
         cfg = tiny_config(cfg)

@@ -2,13 +2,18 @@
 
 A peer's name is a base, then optional modifiers:
 
-    <base>[-compiled][-1doc]      base: hf | hf-amp | hf-liger | hf-liger-bf16lora | hf-nofla
+    <base>[-compiled][-1doc]      base: hf | hf-amp | hf-liger | hf-liger-bf16lora | hf-nofla | hf-bnb
 
   hf                 transformers as installed (SDPA); PEFT LoRA with fp32 adapters (PEFT's default)
   hf-amp             the same under bf16 autocast (transformers' Trainer with bf16=True)
   hf-liger           Liger's kernels patched into the family's transformers module (and undone afterwards)
   hf-liger-bf16lora  Liger, and the adapters stored in bf16 (the fastest LoRA setup measured for transformers)
   hf-nofla           transformers without fla-core (Qwen3.5's torch path for the delta rule and the conv)
+  hf-bnb             QLoRA as transformers + PEFT run it: the decoder layers' linears as bitsandbytes Linear4bit (NF4,
+                     blocks of 64, double quantisation, bf16 compute: transformers' BitsAndBytesConfig for QLoRA),
+                     then PEFT's prepare_model_for_kbit_training (the other weights in fp32, gradient checkpointing
+                     when the bench config checkpoints), fp32 adapters under bf16 autocast. CUDA and LoRA only:
+                     anywhere else it is skipped with the reason
   -compiled          torch.compile per decoder layer (pipeline/policies.compile_block_list; dynamic shapes on
                      one-document rows, whose padded length changes from micro-batch to micro-batch)
   -1doc              rows of ONE document each instead of Atelier's packed rows (below)
@@ -43,7 +48,7 @@ from atelier_studio.designer.lora import LoraArgs, lora_targets, peft_tensors
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.pipeline.policies import compile_block_list, model_blocks
 
-PEER_BASES = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
+PEER_BASES = ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla", "hf-bnb")
 PAD_MULTIPLE = 8  # one-document rows are padded to a multiple of this (transformers' pad_to_multiple_of=8)
 
 
@@ -61,8 +66,22 @@ class PeerSpec:
         return "liger" in self.base
 
     @property
+    def four_bit(self) -> bool:
+        return self.base == "hf-bnb"
+
+    @property
+    def autocast(self) -> bool:
+        """Under bf16 autocast (fp32 adapters computed in bf16), as transformers' Trainer runs with bf16=True."""
+        return self.base in ("hf-amp", "hf-bnb")
+
+    @property
     def rows(self) -> str:
         return "one document per row" if self.one_doc else "packed rows, block-diagonal mask"
+
+
+class PeerUnavailable(ImportError):
+    """A peer that cannot run here (its library's device, or a config it cannot train): the bench records it as
+    skipped with this reason, as it does a missing import."""
 
 
 def parse_peer(name: str) -> PeerSpec:
@@ -217,20 +236,29 @@ def peer_context(spec: PeerSpec, args: Args) -> contextlib.AbstractContextManage
 
 
 def build_peer(spec: PeerSpec, lora: bool, args: Args, weights: dict[str, torch.Tensor],
-               lora_sd: dict[str, torch.Tensor], exact: bool
+               lora_sd: dict[str, torch.Tensor], device: torch.device, exact: bool, checkpointing: bool = False
                ) -> tuple[nn.Module, Callable[[Batch], torch.Tensor], list[nn.Parameter]]:
-    """transformers' model (SDPA) on `weights` (HF names); + PEFT LoRA with the same A/B (`lora_sd`, Atelier
-    names) on the same linears. → (model, loss of a micro-batch, the optimizer's parameters).
+    """transformers' model (SDPA) on `weights` (HF names), on `device` (weights kept on the host come over as the
+    model is built); + PEFT LoRA with the same A/B (`lora_sd`, Atelier names) on the same linears. → (model, loss
+    of a micro-batch, the optimizer's parameters). `checkpointing`: the bench config checkpoints activations (only
+    the 4-bit peer's preparation acts on it, as PEFT's QLoRA recipe does).
 
     Build and run it inside peer_context(spec, args). Exact (tiny, CPU) runs never compile (Inductor's C++ build
     takes minutes on a CPU)."""
+    if spec.four_bit and not lora:
+        raise PeerUnavailable("a 4-bit base is frozen: it trains adapters only (a LoRA config)")
+    if spec.four_bit and device.type != "cuda":
+        raise PeerUnavailable(f"bitsandbytes' 4-bit training runs on CUDA only, not on the {device.type}")
     model = hf_model(args)
     model.load_state_dict(weights, assign=True, strict=not args.tie_embeddings)
     if args.tie_embeddings:
         model.tie_weights()
-    dev = next(iter(weights.values())).device
     # non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the device
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(dev)
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
+    if spec.four_bit:
+        model = _bitsandbytes_4bit(model, device, checkpointing)
+    else:
+        model.to(device)  # weights kept on the host (the QLoRA config) come over now; a no-op when they are there
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -243,7 +271,7 @@ def build_peer(spec: PeerSpec, lora: bool, args: Args, weights: dict[str, torch.
         # the same adapters in PEFT's own key layout; a mixture of experts' are per expert, converted by PEFT onto
         # transformers 5's stacked experts as its loader converts a saved adapter (a gate/up pair is then one
         # adapter of rank 2r)
-        state = peft_tensors({k: v.to(dev) for k, v in lora_sd.items()})
+        state = peft_tensors({k: v.to(device) for k, v in lora_sd.items()})
         if any(".experts." in k for k in state):
             from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
 
@@ -262,7 +290,7 @@ def build_peer(spec: PeerSpec, lora: bool, args: Args, weights: dict[str, torch.
     model.train()
     if spec.compiled and not exact:
         compile_block_list(model_blocks(model), dynamic=None if spec.one_doc else False)
-    autocast = not exact and (not lora or spec.base == "hf-amp")
+    autocast = not exact and (not lora or spec.autocast)
     # a mixture of experts trains as its released config says (Qwen3-30B-A3B: output_router_logits false): no
     # load-balancing loss on either side (Atelier's runs call the plain forward)
     extra = {"output_router_logits": False} if family_of_args(args).forward_with_aux is not None else {}
@@ -272,11 +300,38 @@ def build_peer(spec: PeerSpec, lora: bool, args: Args, weights: dict[str, torch.
         # One-document rows take no position ids (transformers makes 0..L-1, and sees no packing); packed rows
         # pass theirs, from which transformers builds the block-diagonal mask.
         positions = {} if spec.one_doc else {"position_ids": b.position_ids}
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=b.input_ids, labels=b.labels, shift_labels=b.labels, **positions, **extra)
         return out.loss
 
     return model, loss, [p for p in model.parameters() if p.requires_grad]
+
+
+def _bitsandbytes_4bit(model: nn.Module, device: torch.device, checkpointing: bool) -> nn.Module:
+    """The decoder layers' linears as bitsandbytes Linear4bit (NF4, blocks of 64, double quantisation, bf16
+    compute: transformers' BitsAndBytesConfig for QLoRA), each quantised as it moves to `device`, so the device
+    never holds the bf16 layers; the other weights moved there; then PEFT's prepare_model_for_kbit_training, as a
+    transformers QLoRA run does (those weights cast to fp32, gradient checkpointing when `checkpointing`)."""
+    import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+
+    for layer in model.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is not nn.Linear:
+                continue
+            new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                    compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                    device="meta")
+            new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, compress_statistics=True,
+                                           quant_type="nf4", blocksize=64)
+            if mod.bias is not None:
+                new.bias = mod.bias
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, new.to(device))
+    model.to(device)
+    model.is_loaded_in_4bit = True  # what transformers' loader sets: PEFT then prepares it as a 4-bit model
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def peer_kernels(model: nn.Module) -> str:
@@ -289,4 +344,4 @@ def peer_notes(spec: PeerSpec) -> dict[str, Any]:
     """The report's description of a peer's configuration."""
     return {"rows": spec.rows, "compiled": spec.compiled, "liger": spec.liger,
             "lora_weights": "bfloat16" if spec.base.endswith("bf16lora") else "float32",
-            "autocast": spec.base == "hf-amp"}
+            "autocast": spec.autocast, "base_weights": "nf4 (bitsandbytes)" if spec.four_bit else "model dtype"}

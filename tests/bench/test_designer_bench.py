@@ -15,9 +15,9 @@ from atelier_studio.bench.designer import (
     CONFIGS,
     Variant,
     bench,
-    markdown,
     build_atelier,
     build_peer,
+    default_peers,
     lora_init,
     main,
     make_batches,
@@ -29,7 +29,8 @@ from atelier_studio.bench.designer import (
     tiny_config,
     to_device,
 )
-from atelier_studio.bench.designer_peers import PAD_MULTIPLE, one_document_batches, parse_peer, row_documents
+from atelier_studio.bench.designer_peers import (PAD_MULTIPLE, PeerUnavailable, one_document_batches, parse_peer,
+                                                 row_documents)
 from tests.bench._budget import SpentAfter
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
@@ -381,3 +382,83 @@ def test_summarize_states_ratios_against_the_strongest_peer_and_parity_against_p
     assert set(r["loss_mean_abs_diff_by_peer"]) == {"hf-liger-bf16lora"}
     before = copy.deepcopy(r)
     assert summarize(r) == before  # idempotent: the bench calls it after every run
+
+
+def test_tiny_qlora_rows_against_the_bf16_base_twin(tmp_path):
+    """The QLoRA config through the command line, with no --peers (its default: the 4-bit peer): at each
+    micro-batch the NF4 run and its bf16-base twin on the same batches and adapters (their losses differ by the NF4
+    error of the base: above zero, far below the loss), the 4-bit peer skipped on the CPU with the reason, and the
+    summary's targets left open where nothing was measured."""
+    assert main(["--config", "qwen3-8b-qlora", "--tiny", "--out", str(tmp_path), "--micro-batches", "1,2",
+                 "--steps", "2", "--warmup", "1"]) == 0
+    (path,) = tmp_path.glob("designer-qwen3-8b-qlora-*.json")
+    r = json.loads(path.read_text())
+    assert (r["config"]["base"], r["config"]["ac"]) == ("nf4", "full")
+    assert list(r["peer_runs"]) == ["hf-bnb"] and "CUDA only" in r["peers"]["hf-bnb"]["skipped"]
+    assert {x["variant"]["base"] for x in r["sweep"].values()} == {"nf4"}
+    assert {x["variant"]["base"] for x in r["bf16_base_runs"].values()} == {"bf16"}
+    q = r["qlora"]
+    assert q["peer"] == "hf-bnb" and "CUDA only" in q["peer_skipped"]
+    assert set(q["by_micro_batch"]) == {"1", "2"} == set(r["bf16_base_runs"])
+    for row in q["by_micro_batch"].values():
+        assert row["tokens_per_s"] > 0 and row["bf16_base_tokens_per_s"] > 0 and row["vs_bf16_base"] > 0
+        assert 0 < row["loss_mean_abs_diff_vs_bf16_base"] < 0.05
+        assert row["peer_tokens_per_s"] is None and row["vs_peer"] is None
+    assert q["met"]["vs_peer"] is None and q["met"]["peak_gb_at_mb1"] is None  # no peer, no CUDA peak here
+    md = path.with_suffix(".md").read_text()
+    assert "| atelier qlora (nf4 base) |" in md and "QLoRA (NF4 bases)" in md and "hf-bnb: skipped (" in md
+
+
+def test_qlora_summary_against_the_twin_and_the_fastest_4bit_peer():
+    """Synthetic runs: per micro-batch, QLoRA against its bf16-base twin and the fastest 4-bit peer configuration
+    at the same micro-batch; a twin out of memory leaves that row's ratio and loss difference open, and each target
+    is judged on what was measured."""
+    def run(tps, losses, peak, **kw):
+        return {"oom": False, "tokens_per_s": tps, "tokens_per_s_min": tps, "tokens_per_s_max": tps, "tflops": tps,
+                "mfu_4n": tps / 989, "mfu_6n": 0.0, "mfu_4n_head_all": 0.0, "peak_gb": peak, "timed_losses": losses,
+                **kw}
+    nf4 = {"compile": False, "precision": "bf16", "lora_dtype": "mixed", "base": "nf4"}
+    report = {"gpu": {"name": "test"}, "matmul_tflops": None, "matmul_tflops_fp8_best": None,
+              "config": {"name": "qwen3-8b-qlora", "lora": True, "lora_dtype": "mixed", "base": "nf4"},
+              "atelier_runs": {"1": {"False": run(80.0, [2.0, 2.0], 12.0, variant=nf4)},
+                               "2": {"False": run(150.0, [2.1, 2.1], 15.0, variant=nf4)}},
+              "bf16_base_runs": {"1": run(100.0, [2.01, 1.99], 30.0), "2": {"oom": True}},
+              "fp8_runs": {}, "peer_config": {}, "ablation_runs": {},
+              "peer_runs": {"hf-bnb": {"1": run(30.0, [2.0, 2.2], 9.0), "2": run(50.0, [2.1, 2.3], 11.0)},
+                            "hf-bnb-1doc": {"1": run(40.0, [5.0, 5.0], 9.0), "2": run(70.0, [5.0, 5.0], 10.0)}}}
+    q = summarize(report)["qlora"]
+    assert q["peer"] == "hf-bnb-1doc"  # the fastest 4-bit configuration that ran
+    one, two = q["by_micro_batch"]["1"], q["by_micro_batch"]["2"]
+    assert one["vs_bf16_base"] == pytest.approx(0.8) and one["vs_peer"] == pytest.approx(2.0)
+    assert one["loss_mean_abs_diff_vs_bf16_base"] == pytest.approx(0.01)
+    assert (one["peak_gb"], one["bf16_base_peak_gb"], one["peer_peak_gb"]) == (12.0, 30.0, 9.0)
+    assert two["vs_bf16_base"] is None and two["loss_mean_abs_diff_vs_bf16_base"] is None
+    assert two["vs_peer"] == pytest.approx(150 / 70)
+    assert q["met"] == {"peak_gb_at_mb1": True, "vs_bf16_base": True, "vs_peer": True}
+    # loss parity: the packed 4-bit peer (the same batches), at the largest micro-batch both ran
+    assert report["loss_parity_peer"] == "hf-bnb" and report["loss_mean_abs_diff"] == pytest.approx(0.1)
+    md = markdown(report)
+    assert "| atelier qlora (nf4 base) |" in md and "| 2 | 150 | 15.0 | OOM | — | — | 70 | 10.0 | 2.14 | — |" in md
+    report["atelier_runs"]["1"]["False"]["peak_gb"] = 17.0
+    report["bf16_base_runs"]["2"] = run(200.0, [2.1, 2.1], 40.0)
+    assert summarize(report)["qlora"]["met"] == {"peak_gb_at_mb1": False, "vs_bf16_base": False, "vs_peer": True}
+
+
+def test_the_4bit_peer_parses_is_the_qlora_default_and_says_why_it_cannot_run(capsys):
+    """hf-bnb takes the modifiers like every base, is the QLoRA config's default peer and no other's, is refused
+    with its reason on the CPU and in full fine-tuning (nothing of it is built), and the QLoRA config refuses FP8
+    as the trainer's config does."""
+    spec = parse_peer("hf-bnb-1doc")
+    assert (spec.base, spec.one_doc, spec.four_bit, spec.autocast) == ("hf-bnb", True, True, True)
+    assert parse_peer("hf-bnb").four_bit and not parse_peer("hf-amp").four_bit
+    assert default_peers(CONFIGS["qwen3-8b-qlora"]) == ("hf-bnb",)
+    assert default_peers(CONFIGS["qwen3-8b-lora"]) == ("hf", "hf-amp", "hf-liger", "hf-liger-bf16lora", "hf-nofla")
+    cfg, args, sd, lsd, _ = _setup()
+    with pytest.raises(PeerUnavailable, match="CUDA only"):
+        build_peer("hf-bnb", cfg, args, sd, lsd, exact=True)
+    full = tiny_config(CONFIGS["qwen3-1.7b-full"])
+    with pytest.raises(PeerUnavailable, match="adapters only"):
+        build_peer("hf-bnb", full, args, sd, {}, exact=True)
+    with pytest.raises(SystemExit):
+        main(["--config", "qwen3-8b-qlora", "--tiny", "--fp8", "rowwise"])
+    assert "stored in NF4 or computed in FP8" in capsys.readouterr().err
