@@ -184,8 +184,8 @@ class DesignerTask:
             raise ConfigError(f'lora.base_dtype = "nf4": no LoRA target of this {self.family.name} model can be stored '
                               f'in NF4 (in_features must be a multiple of 64; lora.targets wraps {", ".join(kept)}); '
                               f'target other linears, or set lora.base_dtype = "bf16"')
-        log(f"qlora: {len(done)} LoRA bases stored in NF4" + (f"; kept in the model dtype (in_features not a multiple "
-                                                              f"of 64): {', '.join(kept)}" if kept else ""))
+        log(f"qlora: {len(done)} frozen bases (LoRA linears, expert stacks) stored in NF4"
+            + (f"; kept in the model dtype (in_features not a multiple of 64): {', '.join(kept)}" if kept else ""))
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
