@@ -296,8 +296,10 @@ def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs
     assert_same_losses(one, two / "qlora", range(1, 5))
     assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
                             two / "qlora" / "adapter" / "adapter_model.safetensors")
+    # the 88,704 NF4 bytes: 50,688 of expert stacks (8 experts × (2·32·64 + 64·32) weights at 0.516 bytes, two
+    # layers) and 38,016 of attention bases; each rank holds half (the main rank reports it)
     held = [line for line in log.splitlines() if "of the" in line and "NF4" in line]
-    assert len(held) == 2, log[-3000:]
+    assert held and all("of the 88,704 bytes" in line for line in held), log[-3000:]
     for line in held:
         words = line.split()
         mine, total = (int(words[words.index(w) + 1].replace(",", "")) for w in ("holds", "the"))
