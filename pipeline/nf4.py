@@ -1,9 +1,9 @@
-"""NF4Linear: a frozen linear layer whose weight is stored in NF4 (kernels/nf4.py), computed by kernels/nf4_linear.py.
+"""NF4Linear: a frozen linear layer whose weight is stored in NF4 (kernels/nf4.py), computed by kernels/nf4_linear.py;
+NF4ExpertStack: a mixture of experts' frozen stack of expert matrices in NF4 (kernels/nf4_moe.py), below.
 
 y = x Ŵᵀ + b, with Ŵ dequantised tile by tile inside the matmul (never a bf16 copy of W in memory), and dX = dY Ŵ
 in backward (no dW: the layer is frozen). It replaces an nn.Linear that training will never update: the frozen
-base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`), and, built one per expert or over a stack
-[E, O, I] (kernels.nf4.quantize_nf4 accepts leading dims), the frozen experts of a mixture of experts.
+base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`).
 
 Its tensors, named as torchao's NF4Tensor names them:
   quantized_data     uint8 [O, I/2]   Parameter (requires_grad False): FSDP2 shards it by rows
