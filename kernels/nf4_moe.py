@@ -104,7 +104,8 @@ class NF4Experts:
 
     def grouped_mm(self, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """a [S, I] (slots sorted by expert) → a Ŵ[g]ᵀ per expert [S, O], in a's dtype (NF4GroupedMM)."""
-        return NF4GroupedMM.apply(a, offs, self)
+        return NF4GroupedMM.apply(a, offs, self.data, self.scalers, self.factor, self.mean, self.code, self.shape,
+                                  self.kernels)
 
 
 def quantize_experts(weight: torch.Tensor, kernels: str = "auto") -> NF4Experts:
@@ -155,22 +156,26 @@ def _(data, scalers, factor, mean, code, out_dtype):
 
 # --- autograd.Function ----------------------------------------------------------------------------
 class NF4GroupedMM(torch.autograd.Function):
-    """a [S, I], offs [E], w NF4Experts of W [E, O, I] → y [S, O] = a Ŵ[g]ᵀ per expert; da only (module docstring)."""
+    """a [S, I], offs [E], the NF4Experts tensors of W [E, O, I], its shape and dequantiser → y [S, O] = a Ŵ[g]ᵀ per
+    expert; da only (module docstring). The tensors come one by one, not as the dataclass, so torch.compile sees
+    plain tensor arguments."""
 
     @staticmethod
-    def forward(ctx, a, offs, w: NF4Experts):  # noqa: D102
+    def forward(ctx, a, offs, data, scalers, factor, mean, code, shape: tuple[int, int, int], kernels: str):  # noqa: D102
+        w = NF4Experts(data, scalers, factor, mean, code, shape, kernels)
         y = grouped_mm(a, w.dequantize(a.dtype), offs)  # the transient Ŵ dies with this frame
-        ctx.save_for_backward(offs, w.data, w.scalers, w.factor, w.mean, w.code)
-        ctx.shape, ctx.kernels, ctx.a_dtype = w.shape, w.kernels, a.dtype
+        ctx.save_for_backward(offs, data, scalers, factor, mean, code)
+        ctx.shape, ctx.kernels, ctx.a_dtype = shape, kernels, a.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
+        none = (None,) * 8
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return (None, *none)
         offs, *tensors = ctx.saved_tensors
         w = NF4Experts(*tensors, ctx.shape, ctx.kernels).dequantize(ctx.a_dtype)  # [E, O, I], again
-        return grouped_mm(dy.to(ctx.a_dtype).contiguous(), w.transpose(1, 2), offs), None, None  # dy Ŵ[g]
+        return (grouped_mm(dy.to(ctx.a_dtype).contiguous(), w.transpose(1, 2), offs), *none)  # dy Ŵ[g]
 
 
 # --- reference ------------------------------------------------------------------------------------
