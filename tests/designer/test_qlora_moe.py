@@ -140,6 +140,7 @@ def _dequantised_base(q, model_dir: Path, out: Path) -> Path:
     return save_pretrained(deq, out, dtype=torch.float32)
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: one backward pass per logit of the vocabulary for the bound
 def test_merged_adapter_on_the_unquantised_base_is_the_trainers_model_up_to_the_nf4_error(moe_runs, tmp_path):
     from peft import PeftModel
 
@@ -280,6 +281,7 @@ def test_triton_path_equals_the_reference_inside_the_model(moe_runs):
 
 
 @pytest.mark.multigpu
+@pytest.mark.slow
 def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs, world, tmp_path):
     """FSDP2 over 2 gloo processes: each rank reads every whole expert stack, quantises it per expert as one process
     does and keeps its 4 of the 8 experts' NF4 bytes (and its rows of the attention bases): the same losses and
