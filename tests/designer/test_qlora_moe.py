@@ -362,3 +362,30 @@ def test_compiled_nf4_blocks_match_eager_on_the_gpu():
     for n, want in grads[0].items():
         err = ((grads[1][n] - want).norm() / want.norm()).item()
         assert err <= 2e-2, (n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantising_at_load_never_holds_the_bf16_experts_on_the_gpu():
+    """A model held on the host, quantised onto the GPU as the trainer loads QLoRA: the GPU's peak during the load is
+    the NF4 result plus one bf16 stack and the quantiser's temporaries (per expert), far below the bf16 MoE (12
+    sparse layers of 64 experts: 302 MB of bf16 stacks, 78 MB of NF4); the bound, half the bf16 MoE, would fail for
+    a load that moved the model over first."""
+    from tests.designer.test_qwen3_moe import random_moe
+
+    model = random_moe(5, dim=256, num_heads=4, head_dim=64, moe_ffn_dim=256, num_experts=64, top_k=4,
+                       num_layers=12, mlp_only_layers=())
+    apply_lora(model, LoraArgs(rank=4, alpha=8.0, targets=("q", "down")))
+    model = model.to(torch.bfloat16)
+    stacks = [getattr(e, s) for e in _experts(model) for s in STACKS]
+    bf16_moe = sum(t.numel() * t.element_size() for t in stacks)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    quantize_lora_bases(model, "cuda")
+    peak = torch.cuda.max_memory_allocated() - start
+    nf4 = sum(t.numel() * t.element_size() for e in _experts(model) for s in STACKS
+              for t in getattr(e, s).state_dict().values())
+    print(f"bf16 experts {bf16_moe / 2**20:.0f} MiB, NF4 {nf4 / 2**20:.0f} MiB, load peak {peak / 2**20:.0f} MiB")
+    assert all(e.gate_up_proj.quantized_data.is_cuda for e in _experts(model))
+    assert peak < bf16_moe / 2, (peak, bf16_moe)
