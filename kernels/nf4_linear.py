@@ -30,7 +30,11 @@ Regimes, and the two paths of nf4_matmul / nf4_matmul_t (argument `path`):
            model's. In training M is thousands: the fused kernel dequantises every W tile once per M tile (M / BM
            times) and its mainloop interleaves table lookups with the tensor-core work, while writing Ŵ once costs
            2 bytes per weight, far below M multiply-adds per weight.
-  "auto"   dense on CUDA from DENSE_MIN_M rows up (measured with bench/nf4_linear.py), fused below and on the CPU.
+  "auto"   dense on CUDA from DENSE_MIN_M rows up, fused below and on the CPU. Measured on an H200 at Qwen3-8B's
+           shapes (bench/results/nf4-linear-2026-12-04): from 64 rows the dense path is 1.3–3.6× faster than the
+           fused kernels (2–3.6× from 1024 rows, within 3–12% of the bf16 weight there) except the k/v dX product
+           at 64–512 rows (0.83–0.97×); below 64 rows both are bound by launches and the fused kernels keep the
+           transient buffer away.
 fp32 operands (exact CPU runs, parity tests) multiply with input_precision "ieee" (no TF32).
 
 Implementations (argument `impl`): "triton" (any device; the CPU through TRITON_INTERPRET=1), "ref" (dequantise with
@@ -60,7 +64,7 @@ from atelier_studio.kernels.nf4 import BLOCK, NF4Weight, dequantize_nf4, nf4_sup
 
 IMPLS = ("auto", "triton", "ref")
 PATHS = ("auto", "fused", "dense")
-DENSE_MIN_M = 256  # rows from which "auto" dequantises to a transient Ŵ and calls cuBLAS (bench/nf4_linear.py)
+DENSE_MIN_M = 64  # rows from which "auto" takes the dense path: measured faster there on an H200 (bench/nf4_linear.py)
 
 
 def _configs(kind: str) -> list[triton.Config]:
