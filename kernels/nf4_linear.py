@@ -21,11 +21,20 @@ The two Triton kernels (both read W's packed bytes, int8 block scalers, group fa
 Ŵ's values are bit for bit kernels/nf4.py's dequantize_nf4 (same roundings, q / f correctly rounded by div_rn);
 the products accumulate in fp32 in the kernels' order, so a kernel differs from dequantise-then-matmul only by
 the order of an fp32 sum of K (or N) terms, then one rounding to the output dtype.
-Regimes: in training M (tokens per micro-batch, thousands) is large and every W tile is dequantised once per M
-tile, M / BM times in all: the dequantisation's integer and table work is a few operations per weight element
-against 2·BM multiply-adds of tensor-core work, so large BM (128, 256) hides it; the candidates below are timed
-per (M bucket, N, K, dtypes) by triton.autotune on first use. In decoding (M ≤ 64) the kernels are bound by reading
-W (0.52 bytes per element instead of 2): small BM (16, 32) and long BK stream it once.
+Regimes, and the two paths of nf4_matmul / nf4_matmul_t (argument `path`):
+  "fused"  the kernels above. In decoding (M ≤ 64) they are bound by reading W (0.52 bytes per element instead of
+           2): small BM (16, 32) and long BK stream it once, and nothing beats not writing Ŵ anywhere.
+  "dense"  _nf4_dequant_kernel writes Ŵ [N, K] once into a transient buffer in W's dtype (the same _dequant_tile,
+           so the same values bit for bit), then cuBLAS multiplies; the buffer is freed when the op returns, so the
+           memory cost is one layer's Ŵ at a time (Qwen3-8B's largest, 12288 × 4096 in bf16: 100 MB), never the
+           model's. In training M is thousands: the fused kernel dequantises every W tile once per M tile (M / BM
+           times) and its mainloop interleaves table lookups with the tensor-core work, while writing Ŵ once costs
+           2 bytes per weight, far below M multiply-adds per weight.
+  "auto"   dense on CUDA from DENSE_MIN_M rows up, fused below and on the CPU. Measured on an H200 at Qwen3-8B's
+           shapes (bench/results/nf4-linear-2026-12-04): from 64 rows the dense path is 1.3–3.6× faster than the
+           fused kernels (2–3.6× from 1024 rows, within 3–12% of the bf16 weight there) except the k/v dX product
+           at 64–512 rows (0.83–0.97×); below 64 rows both are bound by launches and the fused kernels keep the
+           transient buffer away.
 fp32 operands (exact CPU runs, parity tests) multiply with input_precision "ieee" (no TF32).
 
 Implementations (argument `impl`): "triton" (any device; the CPU through TRITON_INTERPRET=1), "ref" (dequantise with
@@ -54,6 +63,8 @@ from atelier_studio.kernels.lora_linear import (
 from atelier_studio.kernels.nf4 import BLOCK, NF4Weight, dequantize_nf4, nf4_supported
 
 IMPLS = ("auto", "triton", "ref")
+PATHS = ("auto", "fused", "dense")
+DENSE_MIN_M = 64  # rows from which "auto" takes the dense path: measured faster there on an H200 (bench/nf4_linear.py)
 
 
 def _configs(kind: str) -> list[triton.Config]:
@@ -149,7 +160,38 @@ def _nf4_dyw_kernel(dy_ptr, data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_pt
              acc.to(dx_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
+@triton.jit
+def _nf4_dequant_kernel(data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_ptr, out_ptr, N, K,
+                        BR: tl.constexpr, BC: tl.constexpr):
+    """out[rows, k0 : k0 + BC] = Ŵ tile (the "dense" path's transient weight)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    k0 = tl.program_id(1) * BC
+    row_mask = rows < N
+    mean = tl.load(mean_ptr).to(tl.float32)
+    w = _dequant_tile(data_ptr, scalers_ptr, factor_ptr, mean, code_ptr, rows, row_mask, k0, K, BR, BC)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BC))[None, :], w,
+             mask=row_mask[:, None])
+
+
 # --- launchers ------------------------------------------------------------------------------------
+def nf4_dequantize(data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
+                   code: torch.Tensor) -> torch.Tensor:
+    """Ŵ [N, K] in W's dtype (code.dtype) from data [N, K/2]: kernels/nf4.py's dequantize_nf4 in one Triton pass."""
+    n, k = data.shape[0], 2 * data.shape[1]
+    out = torch.empty(n, k, dtype=code.dtype, device=data.device)
+    if n:
+        br, bc = (32, 64) if not data.is_cuda else (32, 256 if k % 256 == 0 else 64)
+        _nf4_dequant_kernel[(triton.cdiv(n, br), k // bc)](data, scalers, factor, mean, code, out, n, k, BR=br, BC=bc,
+                                                          num_warps=4)
+    return out
+
+
+def _dense(x: torch.Tensor, path: str) -> bool:
+    if path not in PATHS:
+        raise ValueError(f"nf4 matmul: path must be one of {PATHS}, got {path!r}")
+    return path == "dense" or (path == "auto" and x.is_cuda and x.shape[0] >= DENSE_MIN_M)
+
+
 def _m_bucket(m: int) -> int:
     return 1 << max(4, (m - 1).bit_length())  # the next power of two, at least 16: the tuning key
 
@@ -159,14 +201,18 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 
 def nf4_matmul(x: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
-               code: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] (the compute dtype) · Ŵᵀ (+ bias) → y [M, N] in out_dtype, Ŵ dequantised tile by tile."""
+               code: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+               path: str = "auto") -> torch.Tensor:
+    """x [M, K] (the compute dtype) · Ŵᵀ (+ bias) → y [M, N] in out_dtype; `path` as the module docstring says."""
     m, k = x.shape
     n = data.shape[0]
     if data.shape != (n, k // 2) or k % BLOCK:
         raise ValueError(f"nf4_matmul: x [M, K] with K % {BLOCK} == 0 and data [N, K/2]; got x {tuple(x.shape)}, "
                          f"data {tuple(data.shape)}")
     x = x.contiguous()
+    if _dense(x, path):
+        w = nf4_dequantize(data, scalers, factor, mean, code).to(x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype)).to(out_dtype)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
@@ -180,14 +226,16 @@ def nf4_matmul(x: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, facto
 
 
 def nf4_matmul_t(dy: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor,
-                 mean: torch.Tensor, code: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """dY [M, N] (the compute dtype) · Ŵ → dX [M, K] in out_dtype, Ŵ dequantised tile by tile."""
+                 mean: torch.Tensor, code: torch.Tensor, out_dtype: torch.dtype, path: str = "auto") -> torch.Tensor:
+    """dY [M, N] (the compute dtype) · Ŵ → dX [M, K] in out_dtype; `path` as the module docstring says."""
     m, n = dy.shape
     k = 2 * data.shape[1]
     if data.shape[0] != n or k % BLOCK:
         raise ValueError(f"nf4_matmul_t: dY [M, N] and data [N, K/2] with K % {BLOCK} == 0; got dY {tuple(dy.shape)}, "
                          f"data {tuple(data.shape)}")
     dy = dy.contiguous()
+    if _dense(dy, path):
+        return (dy @ nf4_dequantize(data, scalers, factor, mean, code).to(dy.dtype)).to(out_dtype)
     dx = torch.empty(m, k, dtype=out_dtype, device=dy.device)
     if m == 0:
         return dx
@@ -406,5 +454,5 @@ def nf4_lora_linear_ref(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None
     return lora_linear_ref(x, dequantize_nf4(w), bias, lora_a, lora_b, scale, mask, p)
 
 
-__all__ = ["IMPLS", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref", "nf4_lora_linear_ref", "nf4_matmul",
+__all__ = ["IMPLS", "PATHS", "DENSE_MIN_M", "nf4_dequantize", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref", "nf4_lora_linear_ref", "nf4_matmul",
            "nf4_matmul_t"]

@@ -8,7 +8,9 @@ references and never launch a kernel.
 
 `--portable-numerics` (tests/_portable_numerics.py): checks that torch runs its DEFAULT CPU kernels (the
 environment's ATEN_CPU_CAPABILITY=default) and sets one thread, here and for every subprocess.
-GPU tiers (tests/_gpu_tiers.py): a test marked gpu and slow runs only when the -m expression names `slow`.
+GPU tiers (tests/_gpu_tiers.py): a test marked gpu and slow runs only when the -m expression names `slow`; on a GPU,
+a run that leaves the slow tier out pins every Triton autotuner to one configuration (`--all-autotune-configs`:
+autotune in full).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--portable-numerics", action="store_true", default=False,
                      help="run on torch's DEFAULT CPU kernels with one thread (needs ATEN_CPU_CAPABILITY=default "
                           "in the environment; `make test-portable`)")
+    parser.addoption("--all-autotune-configs", action="store_true", default=False,
+                     help="autotune Triton kernels over every configuration in the GPU fast tier too (by default "
+                          "it runs the first configuration only; tests/_gpu_tiers.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,6 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
         if why:
             raise pytest.UsageError(why)
         _portable_numerics.apply()
+    if _gpu_tiers.pins_autotune(config.getoption("markexpr") or "", torch.cuda.is_available(),
+                                config.getoption("--all-autotune-configs")):
+        _gpu_tiers.pin_autotuners_to_one_config()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -23,6 +23,35 @@ def test_a_gpu_test_that_is_slow_runs_only_when_the_expression_names_slow():
         assert not _gpu_tiers.deselected(fast_gpu, expr) and not _gpu_tiers.deselected(slow_cpu, expr), expr
 
 
+def test_the_fast_tier_on_a_gpu_pins_autotuning_and_the_slow_tier_does_not():
+    assert _gpu_tiers.pins_autotune("gpu", cuda=True, all_configs=False)
+    assert not _gpu_tiers.pins_autotune("gpu and slow", cuda=True, all_configs=False)
+    assert not _gpu_tiers.pins_autotune("gpu", cuda=True, all_configs=True)  # --all-autotune-configs
+    assert not _gpu_tiers.pins_autotune("gpu", cuda=False, all_configs=False)  # the CPU's runs are untouched
+
+
+def test_a_pinned_autotuner_keeps_the_first_configuration_its_pruning_leaves(monkeypatch):
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.setattr(Autotuner, "prune_configs", Autotuner.prune_configs)  # restored after the test
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32, 64) for w in (2, 4)]
+
+    def drop_the_smallest(configs, named_args, **kwargs):
+        return [c for c in configs if c.kwargs["BLOCK"] > 16]
+
+    @triton.autotune(configs=configs, key=[], prune_configs_by={"early_config_prune": drop_the_smallest})
+    @triton.jit
+    def kernel(x_ptr, BLOCK: triton.language.constexpr):
+        pass
+
+    kernel.nargs = {}  # what Autotuner.run sets before it prunes
+    assert len(kernel.prune_configs({})) == 4  # unpinned: pruning alone leaves four candidates to time
+    _gpu_tiers.pin_autotuners_to_one_config()
+    _gpu_tiers.pin_autotuners_to_one_config()  # twice is once
+    assert kernel.prune_configs({}) == [configs[2]]  # the first that pruning leaves, not the list's first
+
+
 def test_the_portable_pass_needs_the_variable_and_torch_on_its_default_kernels():
     env = {_portable_numerics.CAPABILITY_ENV: "default"}
     assert _portable_numerics.problem(env, "DEFAULT") is None

@@ -16,6 +16,7 @@ from atelier_studio.kernels.nf4_linear import (
     nf4_lora_fwd,
     nf4_lora_linear,
     nf4_lora_linear_ref,
+    nf4_dequantize,
     nf4_matmul,
     nf4_matmul_t,
 )
@@ -42,16 +43,36 @@ def _grads(y, dy, x, a, b):
     return [y, *torch.autograd.grad(y, (x, a, b), dy)]
 
 
+@pytest.mark.parametrize("path", ["fused", "dense"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k,n", [(64, 1), (192, 53), (320, 97)])
-def test_kernels_dequantise_bit_for_bit(wdtype, k, n):
+def test_kernels_dequantise_bit_for_bit(wdtype, k, n, path):
     """x = I picks out Ŵᵀ and dY = I picks out Ŵ: each output is one product w·1 plus exact zeros, so the kernels'
-    tiles must equal dequantize_nf4 exactly (the same roundings to W's dtype, q / f correctly rounded)."""
+    tiles (the fused path) and the transient Ŵ (the dense path) must equal dequantize_nf4 exactly (the same roundings
+    to W's dtype, q / f correctly rounded)."""
     w = quantize_nf4((torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05).to(DEV, wdtype))
     ref = dequantize_nf4(w)
     parts = (w.data, w.scalers, w.factor, w.mean, w.code)
-    assert torch.equal(nf4_matmul(torch.eye(k, dtype=wdtype, device=DEV), *parts, None, wdtype), ref.t())
-    assert torch.equal(nf4_matmul_t(torch.eye(n, dtype=wdtype, device=DEV), *parts, wdtype), ref)
+    assert torch.equal(nf4_dequantize(*parts), ref)
+    assert torch.equal(nf4_matmul(torch.eye(k, dtype=wdtype, device=DEV), *parts, None, wdtype, path=path), ref.t())
+    assert torch.equal(nf4_matmul_t(torch.eye(n, dtype=wdtype, device=DEV), *parts, wdtype, path=path), ref)
+
+
+@pytest.mark.parametrize("m,k,n,bias", [(5, 192, 53, True), (40, 320, 97, False)])
+def test_dense_path_equals_the_fused_one_fp32(m, k, n, bias):
+    """The two paths multiply the same Ŵ (bit for bit, above) in fp32: y and dX agree up to the order of the fp32
+    sums over K (y) and N (dX)."""
+    g = torch.Generator().manual_seed(m + k)
+    w = quantize_nf4((torch.randn(n, k, generator=g) * k ** -0.5).to(DEV))
+    parts = (w.data, w.scalers, w.factor, w.mean, w.code)
+    x, dy = torch.randn(m, k, generator=g).to(DEV), torch.randn(m, n, generator=g).to(DEV)
+    b = torch.randn(n, generator=g).to(DEV) if bias else None
+    y = {p: nf4_matmul(x, *parts, b, torch.float32, path=p) for p in ("fused", "dense")}
+    dx = {p: nf4_matmul_t(dy, *parts, torch.float32, path=p) for p in ("fused", "dense")}
+    assert_within_rounding(y["dense"], y["fused"], f"y {m, k, n}", torch.float32, k + 1)
+    assert_within_rounding(dx["dense"], dx["fused"], f"dx {m, k, n}", torch.float32, n)
+    with pytest.raises(ValueError, match="path must be one of"):
+        nf4_matmul(x, *parts, b, torch.float32, path="tiles")
 
 
 @pytest.mark.parametrize("lead,k,n,r,bias", [((1,), 64, 1, 1, False), ((2, 7), 192, 53, 4, True),
@@ -172,7 +193,7 @@ def test_ref_is_lora_linear_over_the_dequantised_weight():
 # --- GPU: bf16 at a small shape (fast tier) and the real projection shapes (slow tier) ---------------------------
 QWEN3_8B = {"q-o": (4096, 4096), "gate-up": (4096, 12288), "down": (12288, 4096), "k-v": (4096, 1024)}
 QWEN35_9B = {"qkv": (4096, 8192), "b-a": (4096, 32), "out": (4096, 4096)}
-GPU_SHAPES = [pytest.param((3, 5), 192, 80, id="small")] + [
+GPU_SHAPES = [pytest.param((3, 5), 192, 80, id="small"), pytest.param((2, 150), 192, 80, id="small-dense")] + [
     pytest.param((2, 2048), k, n, id=f"qwen3-8b-{name}", marks=pytest.mark.slow) for name, (k, n) in QWEN3_8B.items()
 ] + [pytest.param((2, 2048), k, n, id=f"qwen3.5-9b-{name}", marks=pytest.mark.slow)
      for name, (k, n) in QWEN35_9B.items()] + [pytest.param((7,), 4096, 12288, id="qwen3-8b-decode-gate-up",
@@ -183,6 +204,7 @@ GPU_SHAPES = [pytest.param((3, 5), 192, 80, id="small")] + [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lead,k,n", GPU_SHAPES)
 def test_nf4_lora_linear_bf16(lead, k, n):
-    """bf16 on the GPU (compiled kernels, autotuned tiles): within 2× eager bf16 (dequantise to bf16, then cuBLAS)
-    of the fp64 result, for y and every gradient."""
+    """bf16 on the GPU (compiled kernels, autotuned tiles; from DENSE_MIN_M rows, as "small-dense" has, the
+    transient Ŵ and cuBLAS): within 2× eager bf16 (dequantise to bf16, then cuBLAS) of the fp64 result, for y and
+    every gradient."""
     _low_precision(torch.bfloat16, lead, k, n, "cuda", seed=k + n)
