@@ -34,10 +34,11 @@ stack at a time (gate_up of 30B-A3B: 128 × 1536 × 2048 × 2 bytes = 0.8 GB), f
 never resident (61 GB for 30B-A3B against 15.6 GB of NF4). A fused kernel (dequantise each tile in registers inside
 a grouped GEMM) would remove both the traffic and the buffer; it is the next step, not needed for correctness.
 
-Implementations (`kernels`, Qwen3MoeArgs.kernels): "triton" dequantises with _dequant_kernel (any device; the CPU
-through TRITON_INTERPRET=1), "ref" with kernels/nf4.py's dequantize_nf4, "auto" triton on CUDA. The dequantiser is a
-torch.library custom op (opaque to torch.compile, seen by FlopCounterMode as no FLOPs: it is overhead). kernels/moe.py
-runs the whole reference MoE (moe_ref) on the dequantised weights where its impl is "ref".
+Implementations (`kernels`, Qwen3MoeArgs.kernels): "triton" dequantises with kernels/nf4_linear.py's Triton
+dequantiser (the dense NF4 path's, one grid slice per expert; any device, the CPU through TRITON_INTERPRET=1),
+"ref" with kernels/nf4.py's dequantize_nf4, "auto" triton on CUDA. The dequantiser is a torch.library custom op
+(opaque to torch.compile, seen by FlopCounterMode as no FLOPs: it is overhead). kernels/moe.py runs the whole
+reference MoE (moe_ref) on the dequantised weights where its impl is "ref".
 """
 from __future__ import annotations
 
@@ -45,16 +46,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from atelier_studio.kernels.fp8_linear import call_op, custom_op
 from atelier_studio.kernels.moe import grouped_mm
 from atelier_studio.kernels.nf4 import BLOCK, GROUP, NF4Weight, dequantize_nf4, quantize_nf4
-from atelier_studio.kernels.nf4_linear import _dequant_tile
+from atelier_studio.kernels.nf4_linear import nf4_dequantize
 
 IMPLS = ("auto", "triton", "ref")
-BLOCKS_PER_PROGRAM = 64  # NF4 blocks (of 64 weights) one dequantiser program writes: 4096 weights, 8 KB of bf16
 
 
 def nf4_experts_supported(shape: tuple[int, ...]) -> bool:
@@ -99,7 +97,7 @@ class NF4Experts:
         out = dtype or self.dtype
         if self.kernels == "triton" or (self.kernels == "auto" and self.data.is_cuda):
             return call_op(nf4_dequantize_experts, self.data, self.scalers, self.factor, self.mean, self.code,
-                           out).view(self.shape)
+                           list(self.shape), out)
         return dequantize_experts_ref(self).to(out)
 
     def grouped_mm(self, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -120,38 +118,22 @@ def quantize_experts(weight: torch.Tensor, kernels: str = "auto") -> NF4Experts:
                       (e, o, i), kernels)
 
 
-# --- Triton kernel ----------------------------------------------------------------------------------
-@triton.jit
-def _dequant_kernel(data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_ptr, out_ptr, NB, G, BR: tl.constexpr):
-    """Program (e, j): blocks j·BR … j·BR + BR − 1 of expert e, each a row of 64 weights (kernels/nf4_linear.py's
-    _dequant_tile over expert e's [n_b, 64] view, whose rows are exactly its blocks)."""
-    e = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BR + tl.arange(0, BR)
-    mask = rows < NB
-    mean = tl.load(mean_ptr + e).to(tl.float32)
-    w = _dequant_tile(data_ptr + e * NB * 32, scalers_ptr + e * NB, factor_ptr + e * G, mean, code_ptr, rows, mask,
-                      0, 64, BR, 64)  # [BR, 64] in W's dtype
-    cols = tl.arange(0, 64)
-    tl.store(out_ptr + e * NB * 64 + rows.to(tl.int64)[:, None] * 64 + cols[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask[:, None])
-
-
+# --- the dequantiser (kernels/nf4_linear.py's Triton kernel, one grid slice per expert) ---------------
 @custom_op("atelier::nf4_dequantize_experts")
 def nf4_dequantize_experts(data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
-                           code: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The NF4Experts tensors → Ŵ [E, n_b·64] in out_dtype (W's dtype's roundings first, then one cast)."""
-    e, n_b = scalers.shape
-    out = torch.empty(e, n_b * BLOCK, dtype=out_dtype, device=data.device)
-    if e and n_b:
-        grid = (e, triton.cdiv(n_b, BLOCKS_PER_PROGRAM))
-        _dequant_kernel[grid](data, scalers, factor, mean, code, out, n_b, factor.shape[1], BR=BLOCKS_PER_PROGRAM,
-                              num_warps=4)
-    return out
+                           code: torch.Tensor, shape: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """The NF4Experts tensors of a stack of `shape` (E, O, I) → Ŵ [E, O, I] in out_dtype (W's dtype's roundings
+    first, then one cast). Each expert is dequantised as a matrix of rows of I weights where I is a multiple of 64
+    (the row layout: wide tiles), else of its blocks, one per row of 64."""
+    e, o, i = shape
+    rows, width = (o, i) if i % BLOCK == 0 else (o * i // BLOCK, BLOCK)
+    w = nf4_dequantize(data.view(e, rows, width // 2), scalers.view(e, rows, width // BLOCK), factor, mean, code)
+    return w.view(e, o, i).to(out_dtype)
 
 
 @nf4_dequantize_experts.register_fake
-def _(data, scalers, factor, mean, code, out_dtype):
-    return data.new_empty(scalers.shape[0], scalers.shape[1] * BLOCK, dtype=out_dtype)
+def _(data, scalers, factor, mean, code, shape, out_dtype):
+    return data.new_empty(*shape, dtype=out_dtype)
 
 
 # --- autograd.Function ----------------------------------------------------------------------------
