@@ -22,10 +22,12 @@ The grouped GEMM on NF4 weights (NF4GroupedMM, y[offs[g−1]:offs[g]] = a[...] �
 The adapters (per-expert LoRA, kernels/moe.py ExpertLoRA) run outside it through plain autograd, as over a bf16
 base, so their gradients and dx's adapter part are the bf16 path's on the same Ŵ.
 
-Why dequantise-then-grouped-GEMM, and not a fused NF4 grouped GEMM (kernels/nf4_linear.py's approach for a dense
-layer): the grouped GEMM stays torch._grouped_mm (CUTLASS on an H100/H200), the same kernel as the bf16 base, with
-its variable-size groups and no host sync; a Triton grouped GEMM of our own would have to match it first. The
-price is memory traffic, not memory: per weight the dequantiser reads 0.52 bytes and writes 2, and the GEMM reads
+Why dequantise-then-grouped-GEMM, and not a fused NF4 grouped GEMM (kernels/nf4_linear.py's fused kernels, which
+dequantise each tile in registers): the grouped GEMM stays torch._grouped_mm (CUTLASS on an H100/H200), the same
+kernel as the bf16 base, with its variable-size groups and no host sync; a Triton grouped GEMM of our own would
+have to match it first. The dense NF4 linear measured the same trade on an H200 (kernels/nf4_linear.py's "dense"
+path, bench/results/nf4-linear-2026-12-04): from 64 rows, a transient Ŵ then cuBLAS beat its fused kernels 1.3–3.6×.
+The price is memory traffic, not memory: per weight the dequantiser reads 0.52 bytes and writes 2, and the GEMM reads
 the 2 again, against 2 for a bf16 base. At Qwen3-30B-A3B's shapes a micro-batch of 2048 tokens routes 16,384 slots,
 ~128 rows per expert, so each Ŵ element takes 256 FLOPs: the expert GEMMs are then near the H200's bandwidth bound
 (~200 FLOPs per byte) and the extra 2.5 bytes can cost up to ~2× their time; at micro-batch 4 (512 rows per
