@@ -2,7 +2,7 @@
 weights and documents.
 
     python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
-        |qwen3-30b-a3b-lora[-1doc]|qwen3-8b-qlora --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
+        |qwen3-30b-a3b-lora[-1doc]|qwen3-8b-qlora|qwen3-30b-a3b-qlora --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
         [--micro-batches 2,4,8]
         [--peer-micro-batches 4,8] [--fp8 rowwise,tensorwise] [--fp8-micro-batches 8] [--fp8-compile on|off|both]
         [--steps 10 --warmup 3] [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed]
@@ -28,8 +28,9 @@ in FP8, LoRA bases quantised once, the LM head in bf16) for each recipe, at --fp
 bf16 one) in each --fp8-compile mode: the FP8 ablation is bf16 (FP8 off) against each recipe on the same batches,
 with the mean |Δloss| against the bf16 run over the timed steps.
 
-QLoRA (`qwen3-8b-qlora`, lora.base_dtype = "nf4" in the trainer): the LoRA bases quantised to NF4 on the device one
-at a time (designer/lora_nf4.quantize_lora_bases, as the trainer loads them), and at every micro-batch the same run
+QLoRA (`qwen3-8b-qlora`, `qwen3-30b-a3b-qlora`; lora.base_dtype = "nf4" in the trainer): the LoRA bases (and a
+mixture of experts' expert stacks) quantised to NF4 on the device one at a time (designer/lora_nf4.quantize_lora_bases,
+as the trainer loads them), and at every micro-batch the same run
 over the bf16 base (the "bf16-base twin": same adapters, batches, activation checkpointing, compile mode), so
 tokens/s, peak memory and loss compare at equal micro-batch. The random weights are drawn on the device but kept on
 the host, and each run moves over what it uses, so its peak memory counts only what it puts on the device (the
@@ -104,6 +105,7 @@ PARITY_PEER = {"bfloat16": ("hf-liger-bf16lora",), "float32": ("hf",), "mixed": 
 QLORA_PEER = "hf-bnb"
 # The issue's targets for QLoRA on one H200: peak at micro-batch 1, tokens/s against the bf16 base and the peer
 QLORA_TARGETS = {"peak_gb_at_mb1": 16.0, "vs_bf16_base": 0.8, "vs_peer": 2.0}
+QLORA_TARGETED = ("qwen3-8b-qlora",)  # the configs the issue states those targets for (Qwen3-8B rows of 2048)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,11 @@ CONFIGS = {
     "qwen3-30b-a3b-lora-1doc": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2), one_doc=True),
     # QLoRA on a 16 GB budget: full AC (a no-AC micro-batch of 2048 tokens keeps ~11 GB of activations on its own)
     "qwen3-8b-qlora": BenchConfig("8b", True, 2048, (1, 2, 4), ac="full", base="nf4"),
+    # QLoRA on the mixture of experts: attention's LoRA bases and every sparse layer's expert stacks in NF4 (15.6 GB
+    # instead of 58 GB of experts; kernels/nf4_moe.py), at qwen3-30b-a3b-lora's micro-batches and activation
+    # checkpointing, so its bf16-base twin rows are that config's Atelier rows. hf-bnb (the default 4-bit peer)
+    # quantises nn.Linear layers only: transformers' stacked experts stay bf16 there, so it is no QLoRA of the experts.
+    "qwen3-30b-a3b-qlora": BenchConfig("qwen3-30b-a3b", True, 2048, (1, 2, 4), base="nf4"),
 }
 
 
@@ -795,7 +802,10 @@ def qlora_summary(report: dict[str, Any]) -> dict[str, Any]:
     at_mb1 = rows.get("1", {}).get("peak_gb")
     met = {"peak_gb_at_mb1": None if at_mb1 is None else at_mb1 <= QLORA_TARGETS["peak_gb_at_mb1"],
            "vs_bf16_base": each_at_least("vs_bf16_base"), "vs_peer": each_at_least("vs_peer")}
-    out = {"peer": peer, "by_micro_batch": rows, "targets": QLORA_TARGETS, "met": met}
+    targeted = report["config"]["name"] in QLORA_TARGETED
+    if not targeted:  # no stated targets (the MoE config): the rows speak for themselves
+        met = {k: None for k in met}
+    out = {"peer": peer, "by_micro_batch": rows, "targets": QLORA_TARGETS if targeted else None, "met": met}
     if peer and "skipped" in peer_runs:
         out["peer_skipped"] = peer_runs["skipped"]
     return out
@@ -894,6 +904,8 @@ def qlora_lines(report: dict[str, Any]) -> list[str]:
     if "peer_skipped" in q:
         lines.append(f"{peer}: skipped ({q['peer_skipped']})")
     t, met = q["targets"], q["met"]
+    if t is None:
+        return lines
     lines.append(f"targets (met: yes / no / — not measured): peak <= {t['peak_gb_at_mb1']:g} GB at micro-batch 1: "
                  f"{_yes(met['peak_gb_at_mb1'])}; >= {t['vs_bf16_base']:g}× the bf16 base: "
                  f"{_yes(met['vs_bf16_base'])}; >= {t['vs_peer']:g}× {peer}: {_yes(met['vs_peer'])}")

@@ -209,6 +209,21 @@ def parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
+def kernel_bench_args(p: argparse.ArgumentParser, argv: list[str] | None,
+                      tiny_help: str) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """A kernel benchmark's command line: `p` with --repeats, --out and --tiny added, parsed and checked, and where it
+    runs: CUDA in bf16, or with --tiny the CPU in fp32 (Triton's interpreter computes bf16 wrongly)."""
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
+    a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
+    if not a.tiny and not torch.cuda.is_available():
+        p.error("needs a CUDA device (or --tiny for the CPU)")
+    return a, torch.device("cpu" if a.tiny else "cuda"), torch.float32 if a.tiny else torch.bfloat16
+
+
 def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str, path: Path,
               marks: dict[str, float] | None = None) -> Path | None:
     """Horizontal bars (the ablation), optional dashed vertical `marks` (a peer's rate); None without matplotlib."""

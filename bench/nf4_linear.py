@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier_studio.bench.env import clocks, environment
-from atelier_studio.bench.harness import parse_ints, write_report
+from atelier_studio.bench.harness import kernel_bench_args, parse_ints, write_report
 from atelier_studio.kernels.nf4 import dequantize_nf4, quantize_nf4
 from atelier_studio.kernels.nf4_linear import DENSE_MIN_M, nf4_matmul, nf4_matmul_t
 
@@ -108,16 +108,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.nf4_linear", description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=parse_ints, default=None, help="row counts M (default 16 … 8192)")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (tests)")
-    a = p.parse_args(argv)
-    if a.repeats < 1:
-        p.error(f"--repeats must be at least 1, got {a.repeats}")
-    if not a.tiny and not torch.cuda.is_available():
-        p.error("needs a CUDA device (or --tiny for the CPU)")
-    device = torch.device("cpu" if a.tiny else "cuda")
-    dtype = torch.float32 if a.tiny else torch.bfloat16  # the interpreter computes bf16 wrongly
+    a, device, dtype = kernel_bench_args(p, argv, "small shapes on the CPU (tests)")
     shapes = TINY_SHAPES if a.tiny else SHAPES
     rows = a.rows or ([3, 40] if a.tiny else [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     report: dict[str, Any] = {**environment(), "clocks": {"before": clocks()}, "dense_min_m": DENSE_MIN_M,

@@ -10,6 +10,9 @@ adapter trained here loads onto the unquantised base with PEFT (`PeftModel.from_
 the adapter into the dequantised weight. The base_layer's state-dict entries are NF4Linear's quantised tensors,
 never part of an adapter or a checkpoint (the trainer saves trainable parameters only).
 
+The experts of a mixture of experts (Qwen3-MoE) are stored in NF4 too, as whole stacks [E, O, I] (pipeline/nf4.py
+NF4ExpertStack, kernels/nf4_moe.py): their per-expert adapters stay GroupedLoRA's, computed by kernels/moe.py.
+
 Layers run alone, never in a shared-input group: the group's gain is one x·[A_0; …]ᵀ instead of three thin
 matmuls, small beside the base matmuls. What stays in the model's dtype: the LM head, the embeddings, the norms, and
 a target linear whose in_features is not a multiple of 64 (NF4 blocks of 64 stay inside a row); `quantize_lora_bases`
@@ -78,11 +81,16 @@ class NF4LoRALinear(LoRALinear):
 
 
 def quantize_lora_bases(model: nn.Module, device: torch.device | str | None = None) -> tuple[list[str], list[str]]:
-    """Swap every LoRALinear of `model` whose base can be stored in NF4 for an NF4LoRALinear, in place, quantising
-    each base on `device` (default: where it is) one layer at a time. Returns (quantised names, names kept in the
-    model's dtype because their in_features is not a multiple of 64), in module order."""
+    """Swap every LoRALinear of `model` whose base can be stored in NF4 for an NF4LoRALinear, and store the frozen
+    expert stacks of every mixture-of-experts layer in NF4 (a host module's `quantize_nf4`: designer/qwen3_moe.py's
+    Experts, whether or not its experts carry adapters: they are frozen in any LoRA run, and most of the weights),
+    in place, quantising each base or stack on `device` (default: where it is) one at a time. Returns (quantised
+    names, names kept in the model's dtype because their in_features is not a multiple of 64), in module order."""
     done, kept = [], []
     for name, module in list(model.named_modules()):
+        if hasattr(module, "quantize_nf4"):
+            done += [f"{name}.{stack}" for stack in module.quantize_nf4(device)]
+            continue
         if type(module) is not LoRALinear:
             continue
         if not nf4_supported(module.in_features):

@@ -51,6 +51,7 @@ from atelier_studio.designer.model import (KERNEL_IMPLS, MLP, Attend, Attention,
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.moe import ExpertLoRA, moe
 from atelier_studio.kernels.rope import rope_cos_sin
+from atelier_studio.pipeline.nf4 import NF4ExpertStack
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -174,26 +175,52 @@ class Experts(nn.Module):
         e, d, f = args.num_experts, args.dim, args.moe_ffn_dim
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.kernels = args.kernels
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the stacks are stored in NF4 (quantize_nf4)."""
+        return isinstance(self.gate_up_proj, NF4ExpertStack)
 
     def grouped_lora_weight(self, leaf: str) -> torch.Tensor | None:
         """The [E, O, I] matrices of `leaf` (views of the stacked parameters), None for another name."""
+        if self.quantized:  # merge_lora would write into a view of them: merge onto the bf16 base instead (PEFT)
+            raise TypeError(f"Experts.grouped_lora_weight({leaf!r}): the experts are stored in NF4; load the adapter "
+                            f"onto the unquantised base to merge it")
         f = self.down_proj.shape[2]
         return {"gate_proj": self.gate_up_proj[:, :f], "up_proj": self.gate_up_proj[:, f:],
                 "down_proj": self.down_proj}.get(leaf)
 
-    def local(self) -> tuple[torch.Tensor, torch.Tensor, ExpertLoRA | None]:
+    def quantize_nf4(self, device: torch.device | str | None = None) -> list[str]:
+        """QLoRA: store both frozen stacks in NF4 (pipeline/nf4.py NF4ExpertStack), each quantised on `device` (default:
+        where it is) on its own, in place; their adapters are untouched. Returns the names of the stacks."""
+        if self.gate_up_proj.requires_grad or self.down_proj.requires_grad:
+            raise ValueError("Experts.quantize_nf4: the expert weights train (full fine-tuning); only a frozen base is "
+                             "stored in NF4")
+        for name in ("gate_up_proj", "down_proj"):
+            stack = NF4ExpertStack.from_weight(getattr(self, name), device, self.kernels)
+            delattr(self, name)  # the bf16 Parameter goes; the module of the same name takes its place
+            setattr(self, name, stack)
+        return ["gate_up_proj", "down_proj"]
+
+    def local(self) -> tuple[Any, Any, ExpertLoRA | None]:
         """(gate_up, down, adapters) as this process computes with them: all of them, or under expert parallelism
-        (pipeline/expert_parallel.py: DTensors sharded by expert) this rank's experts."""
+        (pipeline/expert_parallel.py: DTensors sharded by expert) this rank's experts. NF4 stacks come as
+        kernels/nf4_moe.py's NF4Experts."""
         adapters = self._modules.get("lora_adapters")
         lora = None
         if adapters:
             pair = lambda leaf: ((_local(adapters[leaf].lora_A), _local(adapters[leaf].lora_B))  # noqa: E731
                                  if leaf in adapters else None)
             lora = ExpertLoRA(next(iter(adapters.values())).scale, pair("gate_proj"), pair("up_proj"), pair("down_proj"))
+        if self.quantized:
+            return self.gate_up_proj.experts(), self.down_proj.experts(), lora
         return _local(self.gate_up_proj), _local(self.down_proj), lora
 
     def shard(self, shard: Callable[[torch.Tensor], nn.Parameter]) -> None:
         """Replace the stacked weights and their adapters by `shard(...)` of each (expert parallelism)."""
+        if self.quantized:  # refused earlier with the config keys (designer/config.py); a direct call lands here
+            raise ValueError("Experts.shard: expert parallelism over NF4 experts is not supported")
         self.gate_up_proj, self.down_proj = shard(self.gate_up_proj), shard(self.down_proj)
         for adapter in (self._modules.get("lora_adapters") or {}).values():
             adapter.lora_A, adapter.lora_B = shard(adapter.lora_A), shard(adapter.lora_B)
@@ -203,7 +230,8 @@ class Experts(nn.Module):
         weight-gradient when they train; the adapters' own."""
         _, two_f, d = self.gate_up_proj.shape
         per = 2 * slots * (two_f * d + d * self.down_proj.shape[2])
-        total = per * (3 if self.gate_up_proj.requires_grad else 2)
+        trains = not self.quantized and self.gate_up_proj.requires_grad
+        total = per * (3 if trains else 2)
         adapters = self._modules.get("lora_adapters") or {}  # designer.lora.GroupedLoRA, by leaf
         return total + sum(a.train_flops(slots) for a in adapters.values())
 

@@ -23,6 +23,8 @@ trainable linears, LoRA's frozen bases (quantised once; the adapters stay in lor
 load: one process reads the model onto the host and moves one base weight at a time to the device to quantise it;
 under torchrun each rank quantises each whole weight the same way and keeps its rows (FSDP2 shards the 4-bit
 tensors). The LM head, embeddings and norms stay in model.dtype, and the adapters train as in a bf16-base run.
+A Qwen3-MoE's expert stacks are quantised the same way, one stack at a time (per expert: kernels/nf4_moe.py), and
+FSDP2 shards their bytes by whole experts; expert parallelism over NF4 experts is refused (designer/config.py).
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
+from atelier_studio.kernels.nf4_moe import NF4Experts, quantize_experts
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
-from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4Linear
+from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -123,7 +126,8 @@ class DesignerTask:
         self.autocast = (not exact)
         n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         n_all = sum(p.numel() for n, p in self.model.named_parameters() if not NF4Linear.owns_parameter(n))
-        n_all += sum(m.in_features * m.out_features for m in self.model.modules() if isinstance(m, NF4Linear))
+        n_all += sum(m.in_features * m.out_features if isinstance(m, NF4Linear) else m.numel
+                     for m in self.model.modules() if isinstance(m, (NF4Linear, NF4ExpertStack)))
         log(f"designer: {n_all / 1e6:.3f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({'full fine-tuning' if full else f'LoRA r{cfg.lora.rank}'}), {cfg.model.dtype} on {device}")
 
@@ -180,8 +184,8 @@ class DesignerTask:
             raise ConfigError(f'lora.base_dtype = "nf4": no LoRA target of this {self.family.name} model can be stored '
                               f'in NF4 (in_features must be a multiple of 64; lora.targets wraps {", ".join(kept)}); '
                               f'target other linears, or set lora.base_dtype = "bf16"')
-        log(f"qlora: {len(done)} LoRA bases stored in NF4" + (f"; kept in the model dtype (in_features not a multiple "
-                                                              f"of 64): {', '.join(kept)}" if kept else ""))
+        log(f"qlora: {len(done)} frozen bases (LoRA linears, expert stacks) stored in NF4"
+            + (f"; kept in the model dtype (in_features not a multiple of 64): {', '.join(kept)}" if kept else ""))
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
@@ -379,7 +383,8 @@ def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -
 
 
 class _NF4Reader:
-    """materialize_'s reader for the NF4 tensors of a meta model's LoRA bases (pipeline/nf4.py's names).
+    """materialize_'s reader for the NF4 tensors of a meta model's LoRA bases and expert stacks (pipeline/nf4.py's
+    names; an expert stack's rows are its experts).
 
     A weight's NF4 form depends on the whole weight (its mean and group factors), so a rank reads the whole HF
     weight, quantises it on the device exactly as one process does, and keeps its rows of the row-sharded data and
@@ -388,18 +393,21 @@ class _NF4Reader:
 
     def __init__(self, load: Callable[[str], torch.Tensor]) -> None:
         self.load = load
-        self.current: tuple[str, NF4Weight] | None = None
+        self.current: tuple[str, NF4Weight | NF4Experts] | None = None
         self.small: dict[str, dict[str, torch.Tensor]] = {}
 
     @staticmethod
     def owns(name: str) -> bool:
-        return name.rpartition(".")[2] in NF4_TENSORS and ".base_layer." in name
+        return name.rpartition(".")[2] in NF4_TENSORS and (".base_layer." in name or ".mlp.experts." in name)
 
     def read(self, name: str, rows: slice) -> torch.Tensor:
-        stem, _, part = name.rpartition(".")  # stem: <linear>.base_layer
+        stem, _, part = name.rpartition(".")  # stem: <linear>.base_layer, or an expert stack's state-dict name
         if part in ("quantized_data", "quantized_scalers"):
             if self.current is None or self.current[0] != stem:
-                w = quantize_nf4(self.load(stem.replace(".base_layer", "") + ".weight"))
+                if stem.endswith(".base_layer"):
+                    w = quantize_nf4(self.load(stem.removesuffix(".base_layer") + ".weight"))
+                else:  # a stack [E, O, I], read whole and quantised per expert (kernels/nf4_moe.py)
+                    w = quantize_experts(self.load(stem))
                 self.current = (stem, w)
                 self.small[stem] = {"quantization_factor": w.factor, "scaler_mean": w.mean, "nf4": w.code}
             w = self.current[1]

@@ -30,6 +30,10 @@ Expert parallelism (pipeline/expert_parallel.py): with an `exchange`, this rank 
 (weights [E/P, ...]); the sorted slots go to the ranks owning their experts and come back by all-to-all around the
 local grouped GEMMs. Routing, dispatch and combine stay local.
 
+Frozen experts in NF4 (QLoRA, kernels/nf4_moe.py): gate_up and down may be FrozenExperts instead of tensors; the
+experts then run their grouped GEMMs over a transient dequantised stack that is never saved for the backward, and
+the adapters as above.
+
 Implementations (argument `impl`): "triton" (the Triton dispatch / combine around grouped GEMMs: torch._grouped_mm
 where the inputs allow it, the per-expert loop otherwise), "ref" (moe_ref: plain PyTorch in fp32, differentiated by
 autograd; under expert parallelism, plain-PyTorch gathers around the local experts), "auto" (triton on CUDA, ref
@@ -38,7 +42,7 @@ elsewhere).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -219,18 +223,20 @@ class ExpertLoRA:
 
 
 def _groupable(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes a [S, I] @ w[g]ᵀ (w [E, O, I]): present in this torch, bf16 on CUDA (its CUDA
-    kernel's only dtype), unit inner strides, and every row stride, the output width and both start offsets on a
-    16-byte boundary (its rule on every device). Static facts only, so a compiled block decides it at trace time;
-    the base address is checked outside compile (PyTorch's own allocations are aligned; a buffer from elsewhere may
-    not be)."""
+    """Whether torch._grouped_mm takes a [S, I] @ w[g]ᵀ (w [E, O, I], row-major, or column-major as the transpose of
+    a row-major [E, I, O]: the input gradient's layout): present in this torch, bf16 on CUDA (its CUDA kernel's only
+    dtype), a unit stride in a's rows and in one of w's last two dims, and every other stride, the output width and
+    both start offsets on a 16-byte boundary (its rule on every device). Static facts only, so a compiled block
+    decides it at trace time; the base address is checked outside compile (PyTorch's own allocations are aligned; a
+    buffer from elsewhere may not be)."""
     if not hasattr(torch, "_grouped_mm") or a.dtype != w.dtype or a.dim() != 2 or w.dim() != 3:
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
         return False
     size = a.element_size()
-    steps = (a.stride(0), w.stride(0), w.stride(1), w.shape[1], a.storage_offset(), w.storage_offset())
-    if a.stride(1) != 1 or w.stride(2) != 1 or any(x * size % 16 for x in steps):
+    lead = w.stride(1) if w.stride(2) == 1 else w.stride(2)  # the stride between w's rows (or columns)
+    steps = (a.stride(0), w.stride(0), lead, w.shape[1], a.storage_offset(), w.storage_offset())
+    if a.stride(1) != 1 or 1 not in (w.stride(1), w.stride(2)) or any(x * size % 16 for x in steps):
         return False
     return torch.compiler.is_compiling() or (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
@@ -247,10 +253,33 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch.cat(parts) if parts else a.new_empty(0, w.shape[1])
 
 
-def _adapted(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+class FrozenExperts(Protocol):
+    """A frozen stack [E, O, I] stored otherwise than as a tensor (kernels/nf4_moe.py's NF4Experts): it runs its own
+    grouped GEMM and gives its values for the reference."""
+
+    shape: tuple[int, int, int]
+
+    def grouped_mm(self, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """a [S, I] → a Ŵ[g]ᵀ per expert [S, O] in a's dtype (differentiable in a)."""
+        ...
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Ŵ [E, O, I]."""
+        ...
+
+
+Weights = Union[torch.Tensor, FrozenExperts]
+
+
+def _base_mm(a: torch.Tensor, w: Weights, offs: torch.Tensor) -> torch.Tensor:
+    """The frozen (or trained) base's grouped GEMM: a tensor's through grouped_mm, a FrozenExperts' its own."""
+    return grouped_mm(a, w, offs) if isinstance(w, torch.Tensor) else w.grouped_mm(a, offs)
+
+
+def _adapted(a: torch.Tensor, w: Weights, offs: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
              scale: float, adapter_dtype: torch.dtype) -> torch.Tensor:
-    """grouped_mm(a, w) plus s · (a Aᵀ) Bᵀ per expert; the adapter computes in adapter_dtype, cast to a's dtype."""
-    y = grouped_mm(a, w, offs)
+    """The base's a Wᵀ plus s · (a Aᵀ) Bᵀ per expert; the adapter computes in adapter_dtype, cast to a's dtype."""
+    y = _base_mm(a, w, offs)
     if lora is None:
         return y
     lora_a, lora_b = (t.to(adapter_dtype) for t in lora)
@@ -258,18 +287,19 @@ def _adapted(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, lora: tuple[t
     return y + (delta * scale).to(y.dtype)
 
 
-def experts_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
+def experts_ffn(xs: torch.Tensor, gate_up: Weights, down: Weights, offs: torch.Tensor,
                 lora: ExpertLoRA | None = None, kernels: str = "auto") -> torch.Tensor:
     """The experts on their slots: xs [S, D] (sorted by expert), gate_up [E, 2F, D], down [E, D, F] → ys [S, D].
 
     gate and up run as one grouped GEMM [S, 2F]; their adapters read xs once too (x [A_gate; A_up]ᵀ [S, 2r]), and
     adding each adapter's term makes the gate and up halves contiguous for SwiGLU, which the plain halves would need
-    copying for anyway.
+    copying for anyway. A FrozenExperts base (NF4) runs its own grouped GEMM in the compute dtype.
     """
     cd, ad = _compute_dtypes(xs, lora)
-    xs, gate_up, down = xs.to(cd), gate_up.to(cd), down.to(cd)
+    xs = xs.to(cd)
+    gate_up, down = (w.to(cd) if isinstance(w, torch.Tensor) else w for w in (gate_up, down))
     f = down.shape[2]
-    h = grouped_mm(xs, gate_up, offs)  # [S, 2F]
+    h = _base_mm(xs, gate_up, offs)  # [S, 2F]
     halves = [h[:, :f], h[:, f:]]  # gate, up
     pairs = [] if lora is None else [(i, p) for i, p in enumerate((lora.gate, lora.up)) if p is not None]
     if pairs:
@@ -298,8 +328,8 @@ def _check(x, router_weight, gate_up, down, top_k, impl, local: bool) -> None:
     if impl not in IMPLS:
         raise ValueError(f"moe: impl must be one of {IMPLS}, got {impl!r}")
     n_experts, d = router_weight.shape
-    held = gate_up.shape[0] if local and gate_up.dim() == 3 else n_experts
-    if (x.dim() != 2 or x.shape[1] != d or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != held
+    held = gate_up.shape[0] if local and len(gate_up.shape) == 3 else n_experts
+    if (x.dim() != 2 or x.shape[1] != d or len(gate_up.shape) != 3 or len(down.shape) != 3 or gate_up.shape[0] != held
             or n_experts % held or down.shape[:2] != (held, d) or gate_up.shape[1:] != (2 * down.shape[2], d)):
         raise ValueError(f"moe: expected x [N, D], router_weight [E, D], gate_up [E, 2F, D], down [E, D, F]; got "
                          f"x {tuple(x.shape)}, router_weight {tuple(router_weight.shape)}, gate_up "
@@ -321,16 +351,19 @@ class Exchange(Protocol):
         ...
 
 
-def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: Weights, down: Weights, top_k: int,
         norm_topk_prob: bool, lora: ExpertLoRA | None = None, impl: str = "auto",
         kernels: str = "auto", exchange: Exchange | None = None) -> tuple[torch.Tensor, Routing]:
     """The sparse MoE block on N tokens: x [N, D] → (out [N, D] in the compute dtype, its Routing).
 
     `kernels` is the SwiGLU kernel choice (kernels/swiglu.py) of the Triton path. With `exchange` (expert
-    parallelism), gate_up, down and lora hold this rank's experts only.
+    parallelism), gate_up, down and lora hold this rank's experts only. Frozen experts stored otherwise
+    (FrozenExperts: NF4) run their own grouped GEMMs on the Triton path, and are dequantised for the reference.
     """
     ref = impl == "ref" or (impl == "auto" and not x.is_cuda)
     _check(x, router_weight, gate_up, down, top_k, impl, local=exchange is not None)
+    if ref:  # the reference computes on the values (autograd keeps them for the backward: an oracle, not the step)
+        gate_up, down = (w if isinstance(w, torch.Tensor) else w.dequantize() for w in (gate_up, down))
     if exchange is None:
         if ref:
             return moe_ref(x, router_weight, gate_up, down, top_k, norm_topk_prob, lora)

@@ -44,6 +44,8 @@ them opaque, and FlopCounterMode and selective activation checkpointing see them
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -161,28 +163,33 @@ def _nf4_dyw_kernel(dy_ptr, data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_pt
 
 
 @triton.jit
-def _nf4_dequant_kernel(data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_ptr, out_ptr, N, K,
+def _nf4_dequant_kernel(data_ptr, scalers_ptr, factor_ptr, mean_ptr, code_ptr, out_ptr, N, K, G,
                         BR: tl.constexpr, BC: tl.constexpr):
-    """out[rows, k0 : k0 + BC] = Ŵ tile (the "dense" path's transient weight)."""
+    """out[e, rows, k0 : k0 + BC] = Ŵ tile of matrix e (the "dense" path's transient weight; e > 0 only for a
+    stack of matrices quantised each on its own, kernels/nf4_moe.py's experts: its own mean and G group factors)."""
+    e = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BC
     row_mask = rows < N
-    mean = tl.load(mean_ptr).to(tl.float32)
-    w = _dequant_tile(data_ptr, scalers_ptr, factor_ptr, mean, code_ptr, rows, row_mask, k0, K, BR, BC)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BC))[None, :], w,
+    mean = tl.load(mean_ptr + e).to(tl.float32)
+    w = _dequant_tile(data_ptr + e * N * (K // 2), scalers_ptr + e * N * (K // 64), factor_ptr + e * G, mean, code_ptr,
+                      rows, row_mask, k0, K, BR, BC)
+    tl.store(out_ptr + e * N * K + rows[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BC))[None, :], w,
              mask=row_mask[:, None])
 
 
 # --- launchers ------------------------------------------------------------------------------------
 def nf4_dequantize(data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor,
                    code: torch.Tensor) -> torch.Tensor:
-    """Ŵ [N, K] in W's dtype (code.dtype) from data [N, K/2]: kernels/nf4.py's dequantize_nf4 in one Triton pass."""
-    n, k = data.shape[0], 2 * data.shape[1]
-    out = torch.empty(n, k, dtype=code.dtype, device=data.device)
-    if n:
+    """Ŵ [E…, N, K] in W's dtype (code.dtype) from data [E…, N, K/2]: kernels/nf4.py's dequantize_nf4 in one Triton
+    pass; a leading dim E is a stack of matrices quantised each on its own (factor [E, G], mean [E])."""
+    *lead, n, half = data.shape
+    k, e = 2 * half, math.prod(lead)
+    out = torch.empty(*lead, n, k, dtype=code.dtype, device=data.device)
+    if n and e:
         br, bc = (32, 64) if not data.is_cuda else (32, 256 if k % 256 == 0 else 64)
-        _nf4_dequant_kernel[(triton.cdiv(n, br), k // bc)](data, scalers, factor, mean, code, out, n, k, BR=br, BC=bc,
-                                                          num_warps=4)
+        _nf4_dequant_kernel[(triton.cdiv(n, br), k // bc, e)](data, scalers, factor, mean, code, out, n, k,
+                                                             factor.shape[-1], BR=br, BC=bc, num_warps=4)
     return out
 
 

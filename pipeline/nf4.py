@@ -1,9 +1,9 @@
-"""NF4Linear: a frozen linear layer whose weight is stored in NF4 (kernels/nf4.py), computed by kernels/nf4_linear.py.
+"""NF4Linear: a frozen linear layer whose weight is stored in NF4 (kernels/nf4.py), computed by kernels/nf4_linear.py;
+NF4ExpertStack: a mixture of experts' frozen stack of expert matrices in NF4 (kernels/nf4_moe.py), below.
 
 y = x Ŵᵀ + b, with Ŵ dequantised tile by tile inside the matmul (never a bf16 copy of W in memory), and dX = dY Ŵ
 in backward (no dW: the layer is frozen). It replaces an nn.Linear that training will never update: the frozen
-base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`), and, built one per expert or over a stack
-[E, O, I] (kernels.nf4.quantize_nf4 accepts leading dims), the frozen experts of a mixture of experts.
+base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`).
 
 Its tensors, named as torchao's NF4Tensor names them:
   quantized_data     uint8 [O, I/2]   Parameter (requires_grad False): FSDP2 shards it by rows
@@ -15,6 +15,12 @@ meta-device model materialises them by rows like any parameter (pipeline/distrib
 outside this file needs to know a weight is quantised. FSDP2's mixed precision casts only floating-point
 parameters, so the uint8 / int8 ones keep their bytes under any `param_dtype`.
 `in_features` and `out_features` are an nn.Linear's; FLOP counters treat the layer as a frozen linear.
+
+NF4ExpertStack: the same for a frozen stack of expert matrices [E, O, I] (a mixture of experts' gate_up or down),
+in kernels/nf4_moe.py's format: each expert flattened and quantised on its own, the same five names, with
+quantized_data uint8 [E, O·I/2] and quantized_scalers int8 [E, O·I/64] Parameters (FSDP2 shards them by whole
+experts), quantization_factor [E, G] and scaler_mean [E] buffers (whole on every rank), nf4 [16]. The host module
+(designer/qwen3_moe.py's Experts) hands `experts()` to kernels/moe.py, which runs the grouped GEMMs over it.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from torch import nn
 
 from atelier_studio.kernels.nf4 import NF4Weight, dequantize_nf4, nf4_code, nf4_shapes, nf4_supported, quantize_nf4
 from atelier_studio.kernels.nf4_linear import IMPLS, nf4_linear
+from atelier_studio.kernels.nf4_moe import NF4Experts, nf4_experts_shapes, quantize_experts
 
 # The state-dict names of NF4Linear's quantised tensors, in materialisation order (parameters, then buffers)
 NF4_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
@@ -104,3 +111,59 @@ class NF4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"nf4 of {str(self.weight_dtype).removeprefix('torch.')}, impl={self.impl}")
+
+
+class NF4ExpertStack(nn.Module):
+    """A frozen stack W [E, O, I] in NF4 (module docstring); made from the bf16 stack by `from_weight`."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str | None = None,
+                 kernels: str = "auto") -> None:
+        super().__init__()
+        shapes = nf4_experts_shapes(tuple(shape))  # raises for a stack whose experts are not whole blocks
+        if kernels not in IMPLS:
+            raise ValueError(f"NF4ExpertStack: kernels must be one of {IMPLS}, got {kernels!r}")
+        self.shape, self.kernels = tuple(shape), kernels
+        frozen = dict(requires_grad=False)
+        self.quantized_data = nn.Parameter(torch.empty(shapes["data"], dtype=torch.uint8, device=device), **frozen)
+        self.quantized_scalers = nn.Parameter(torch.empty(shapes["scalers"], dtype=torch.int8, device=device),
+                                              **frozen)
+        self.register_buffer("quantization_factor", torch.empty(shapes["factor"], dtype=dtype, device=device))
+        self.register_buffer("scaler_mean", torch.empty(shapes["mean"], dtype=dtype, device=device))
+        self.register_buffer("nf4", torch.empty(shapes["code"], dtype=dtype, device=device))
+        if self.nf4.device.type != "meta":
+            with torch.no_grad():
+                self.nf4.copy_(nf4_code(dtype))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, device: torch.device | str | None = None,
+                    kernels: str = "auto") -> "NF4ExpertStack":
+        """The stack `weight` [E, O, I] quantised on `device` (default: its own): moved there alone, so a model held
+        on the host never has more than this one bf16 stack on the device. A meta weight gives empty tensors."""
+        device = torch.device(device) if device is not None else weight.device
+        new = cls(tuple(weight.shape), weight.dtype, "meta" if weight.is_meta else device, kernels)
+        if not weight.is_meta:
+            new.load_experts(quantize_experts(weight.detach().to(device)))
+        return new
+
+    @torch.no_grad()
+    def load_experts(self, w: NF4Experts) -> None:
+        """Copy a quantised stack of this module's shape and dtype into its tensors."""
+        if tuple(w.shape) != self.shape or w.dtype != self.nf4.dtype:
+            raise ValueError(f"NF4ExpertStack.load_experts: expected NF4 experts {self.shape} in {self.nf4.dtype}, got "
+                             f"{tuple(w.shape)} in {w.dtype}")
+        for name, t in zip(NF4_TENSORS, (w.data, w.scalers, w.factor, w.mean, w.code)):
+            getattr(self, name).copy_(t)
+
+    def experts(self) -> NF4Experts:
+        """The stack as kernels/moe.py computes with it (this module's tensors, no copy)."""
+        return NF4Experts(self.quantized_data, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
+                          self.nf4, self.shape, self.kernels)
+
+    @property
+    def numel(self) -> int:
+        """The weights the stack stands for (E·O·I)."""
+        e, o, i = self.shape
+        return e * o * i
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, nf4 of {str(self.nf4.dtype).removeprefix('torch.')}, kernels={self.kernels}"
