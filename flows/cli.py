@@ -217,7 +217,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from atelier_studio.flows.evaluate import evaluate_brief_to_image
 
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
-                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed)
+                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
+                                     steps=args.steps, guidance=args.guidance)
     print(result)
     return 0
 
@@ -338,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--briefs", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--steps", type=int, default=20, help="Euler steps per image (default 20)")
+    sp.add_argument("--guidance", type=float, default=4.0,
+                    help="classifier-free guidance scale (default 4.0; the shapes-world demo uses its config's "
+                         "sample.guidance)")
     return p
 
 

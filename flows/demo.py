@@ -99,16 +99,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from atelier_studio.imagegen.config import ImagegenConfig
 
     d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
-    i_dir = Path(load_config(ImagegenConfig, IMAGEGEN_CONFIG, []).output.dir)
+    i_cfg = load_config(ImagegenConfig, IMAGEGEN_CONFIG, [])
+    i_dir = Path(i_cfg.output.dir)
     if step(f"train-designer -> {d_dir}", finished(d_dir)):
         deployment_run("train-designer/default", {"config": DESIGNER_CONFIG}, env)
     if step(f"train-imagegen -> {i_dir}", finished(i_dir)):
         deployment_run("train-imagegen/default", {"config": IMAGEGEN_CONFIG}, env)
     if not args.skip_eval:
         if step(f"brief-to-image-eval -> {EVAL_OUT}", (EVAL_OUT / "scores.json").is_file()):
+            # the images are sampled as the imagegen config's [sample] says (its grids use the same settings)
             deployment_run("brief-to-image-eval/default",
                            {"designer": str(d_dir), "imagegen": str(i_dir), "briefs": str(WORLD / "briefs_eval.txt"),
-                            "out_dir": str(EVAL_OUT)}, env)
+                            "out_dir": str(EVAL_OUT), "steps": i_cfg.sample.steps,
+                            "guidance": i_cfg.sample.guidance}, env)
         scores = json.loads((EVAL_OUT / "scores.json").read_text())
         agg = scores["aggregate"]
         print("\n[demo] judged scores (image against brief):")

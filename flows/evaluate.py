@@ -264,16 +264,18 @@ def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: 
                             seed: int = 0, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                             steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
     """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, caption stats, file paths."""
-    _check_inputs(designer, imagegen)
+    _check_inputs(designer, imagegen, steps)
     brief_list = read_briefs(briefs)
     captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
     images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
     return judge(captions, images, out_dir)
 
 
-def _check_inputs(designer: str | Path, imagegen: str | Path) -> None:
+def _check_inputs(designer: str | Path, imagegen: str | Path, steps: int) -> None:
     resolve_designer(designer)  # fail before the designer runs, not after
     resolve_imagegen(imagegen)
+    if steps < 1:
+        raise FlowInputError(f"steps: the sampler needs at least 1 Euler step per image, got {steps}")
 
 
 @task(name="generate-captions")
@@ -299,7 +301,7 @@ def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str 
                         max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, steps: int = 20,
                         guidance: float = 4.0) -> dict[str, Any]:
     """briefs → captions → images → scores; every step's output is a path under out_dir."""
-    _check_inputs(designer, imagegen)
+    _check_inputs(designer, imagegen, steps)
     brief_list = read_briefs(briefs)
     captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
@@ -313,11 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--briefs", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
     from atelier_studio.flows.serve import require_server
 
     require_server("python -m flows.evaluate")
-    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed)
+    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
+                                 guidance=args.guidance)
     print(json.dumps(result["aggregate"], indent=1))
     return 0
 
