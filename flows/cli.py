@@ -12,6 +12,7 @@
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
+    atelier eval --captions FILE [--imagegen DIR] --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
@@ -214,8 +215,18 @@ def data_validate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from atelier_studio.flows.evaluate import evaluate_brief_to_image
+    from atelier_studio.flows.evaluate import evaluate_brief_to_image, evaluate_captions
+    from atelier_studio.pipeline.errors import UsageError
 
+    if args.captions:
+        if args.designer or args.briefs:
+            raise UsageError("--captions replaces the designer: pass either --captions or --designer with --briefs")
+        result = evaluate_captions(Path(args.captions), Path(args.out), Path(args.imagegen) if args.imagegen else None,
+                                   seed=args.seed, steps=args.steps, guidance=args.guidance)
+        print(result)
+        return 0
+    if not (args.designer and args.briefs and args.imagegen):
+        raise UsageError("eval needs --designer, --briefs and --imagegen (or --captions, to judge given captions)")
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
                                      steps=args.steps, guidance=args.guidance)
@@ -334,9 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dir")
 
     sp = command(groups, "eval", run_eval, "brief → designer → imagegen → judge")
-    sp.add_argument("--designer", required=True)
-    sp.add_argument("--imagegen", required=True)
-    sp.add_argument("--briefs", required=True)
+    sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")
+    sp.add_argument("--imagegen", default="", help="the MMDiT (a run's ema/ or transformer/ directory, or the run)")
+    sp.add_argument("--briefs", default="", help="briefs, one per line (.txt) or {\"brief\"} rows (.jsonl)")
+    sp.add_argument("--captions", default="",
+                    help="instead of --designer and --briefs: {\"brief\", \"caption\"} JSONL rows to judge (e.g. the "
+                         "world's eval.jsonl); without --imagegen the images the rows name are judged")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--steps", type=int, default=20, help="Euler steps per image (default 20)")
