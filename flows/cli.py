@@ -1,7 +1,7 @@
 """`atelier` — one command line for everything; the Prefect flows call the same entry points.
 
     atelier data tokenizer --corpus FILE... --vocab-size N --out DIR
-    atelier data synth --out DIR --n N --seed S
+    atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR  (registered sizes)
@@ -188,7 +188,7 @@ def data_tokenizer(args: argparse.Namespace) -> int:
 def data_synth(args: argparse.Namespace) -> int:
     from atelier_studio.data.synthetic import generate_world
 
-    stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size)
+    stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size, n_text=args.n_text)
     print(f"wrote the shapes world to {args.out}: {stats}")
     return 0
 
@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n", type=int, default=2000)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--image-size", type=int, default=32)
+    sp.add_argument("--n-text", type=int, default=0,
+                    help="text-only train samples (brief + caption, no image) added to designer_train.jsonl")
     sp = command(dd, "shards", data_shards, "write WebDataset image shards")
     sp.add_argument("--images", required=True)
     sp.add_argument("--captions", required=True)

@@ -91,7 +91,8 @@ def read_caption_rows(path: str | Path) -> list[dict[str, str]]:
         try:
             brief_constraints(obj["brief"])
         except ValueError as e:
-            raise FlowInputError(f"{where}: brief {obj['brief']!r} cannot be judged in the shapes world ({e})") from None
+            raise FlowInputError(f"{where}: brief {obj['brief']!r} cannot be judged in the shapes world ({e})"
+                                 ) from None
         row = {"brief": obj["brief"], "caption": obj["caption"]}
         if isinstance(obj.get("image"), str):
             row["image"] = obj["image"]
