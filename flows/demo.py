@@ -3,7 +3,7 @@
     python -m flows.demo [--skip-eval]
 
 Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
-    1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32`)
+    1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32 --n-text 8000`)
     2. runs/tokenizer        a byte-level BPE tokenizer trained on the world's corpus
     3. models/designer-tiny  a random tiny Qwen3 (fp32);  models/imagegen-demo  a random demo-size MMDiT
     4. runs/world-shards(-eval)  image shards; the latents are cached by train-imagegen's cache step
@@ -50,8 +50,10 @@ def atelier(*argv: str) -> None:
 
 
 def prepare() -> None:
-    if step("shapes world", (WORLD / "world.json").is_file()):
-        atelier("data", "synth", "--out", str(WORLD), "--n", "2000", "--image-size", "32")
+    # designer_train.jsonl: a world written before text-only briefs existed is rewritten (its images stay the same)
+    if step("shapes world", (WORLD / "world.json").is_file() and (WORLD / "designer_train.jsonl").is_file()):
+        # 2000 images (1800 train, 200 eval); the designer also learns from 8000 text-only briefs (data/synthetic.py)
+        atelier("data", "synth", "--out", str(WORLD), "--n", "2000", "--image-size", "32", "--n-text", "8000")
     if step("tokenizer", (TOKENIZER / "tokenizer.json").is_file()):
         atelier("data", "tokenizer", "--corpus", str(WORLD / "corpus.txt"), "--vocab-size", "1024",
                 "--out", str(TOKENIZER))
