@@ -26,7 +26,7 @@ test: $(STAMP)
 # a tolerance tuned to one CPU's vector path fails here, not on a user's machine (docs/testing.md). ATen reads
 # ATEN_CPU_CAPABILITY once, at import, so it is set here, before Python starts; --portable-numerics checks it.
 PORTABLE_TESTS := tests/kernels tests/designer tests/imagegen/test_model.py tests/imagegen/test_autoencoder.py \
-	tests/imagegen/test_distributed.py tests/pipeline/test_distributed.py tests/pipeline/test_policies.py \
+	tests/imagegen/test_lora.py tests/imagegen/test_distributed.py tests/pipeline/test_distributed.py tests/pipeline/test_policies.py \
 	tests/pipeline/test_trainer.py tests/data/test_packing.py
 test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \

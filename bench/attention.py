@@ -218,7 +218,7 @@ def judge_paths(name: str, paths: list[str], make: Callable[[str], Callable], ju
                 repeats: int) -> dict[str, Any]:
     """Every path: its errors on `judged` (q, k, v, do) against `truth`, its time on `timed_on`; "exact" when each
     error is at most 2× eager's (`base`) + 1e-5, None without a baseline. A path that cannot run here (missing
-    kernel, out of memory) is recorded as skipped with the reason. → {"paths", "fastest_exact"}."""
+    kernel, out of memory, any other failure) is recorded as skipped with the reason. → {"paths", "fastest_exact"}."""
     out: dict[str, Any] = {}
     cuda = truth[0].is_cuda
     for p in paths:
@@ -227,8 +227,10 @@ def judge_paths(name: str, paths: list[str], make: Callable[[str], Callable], ju
             got = grads(fn, *judged)
             errs = {w: (x.float() - t).abs().max().item() for w, x, t in zip(("o", "dq", "dk", "dv"), got, truth)}
             ts = timed(fn, *timed_on, repeats)
-        except (RuntimeError, ImportError, torch.OutOfMemoryError) as e:
-            out[p] = {"skipped": str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}
+        except Exception as e:  # a path that cannot run here (missing package, kernel, memory) is a result
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            known = isinstance(e, (RuntimeError, ImportError, torch.OutOfMemoryError)) and first
+            out[p] = {"skipped": first if known else f"{type(e).__name__}: {first}"}
             if cuda:
                 torch.cuda.empty_cache()
             continue

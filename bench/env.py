@@ -1,7 +1,8 @@
 """What every benchmark report records about the machine it ran on.
 
 GPU name and driver, library versions, SM clock and power (read with nvidia-smi, never changed), and
-the bf16 matmul rate measured on this card in this run — the practical ceiling on a power-capped H200.
+the bf16 and FP8 matmul rates measured on this card in this run — the practical ceilings on a power-capped H200
+(a report quotes MFU against them beside the datasheet peaks: bench/harness.py mfu_fields).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 LIBRARIES = ("torch", "triton", "transformers", "peft", "diffusers", "liger-kernel", "fla-core", "flash-attn",
-             "accelerate", "safetensors")
+             "flash-attn-4", "nvidia-cutlass-dsl", "tilelang", "accelerate", "safetensors", "bitsandbytes", "torchao")
 
 
 def versions() -> dict[str, str | None]:
@@ -57,22 +58,52 @@ def _smi(field: str) -> str | None:
         return None
 
 
+def _events_tflops(fn, flops_per_call: float, iters: int) -> float:
+    """TFLOP/s of `fn()` over `iters` calls after 3 warm-up calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return flops_per_call * iters / (start.elapsed_time(end) / 1e3) / 1e12
+
+
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float | None:
     """bf16 n³ matmul rate on random data (CUDA events, after warm-up)."""
     if not torch.cuda.is_available():
         return None
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    return 2 * n**3 * iters / seconds / 1e12
+    return _events_tflops(lambda: a @ b, 2 * n**3, iters)
+
+
+def fp8_matmul_tflops(n: int = 8192, iters: int = 20) -> dict[str, float] | None:
+    """torch._scaled_mm on n³ E4M3 operands (bf16 out): tensorwise with and without fast accumulation, rowwise with
+    it. None without a GPU with FP8 tensor cores (compute capability >= 8.9)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return None
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(n, n, device="cuda").to(e4m3)
+    b = torch.randn(n, n, device="cuda").to(e4m3)
+    one = torch.ones((), device="cuda")
+    cases = {"tensorwise": (one, one, False), "tensorwise_fast_accum": (one, one, True),
+             "rowwise_fast_accum": (torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda"), True)}
+    out = {}
+    for name, (sa, sb, fast) in cases.items():
+        def mm(sa=sa, sb=sb, fast=fast):
+            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        out[name] = _events_tflops(mm, 2 * n**3, iters)
+    return out
+
+
+def matmul_rates() -> dict[str, Any]:
+    """The card's measured matmul ceilings in this run: {"bf16": TFLOP/s, "fp8": {case: TFLOP/s}, "fp8_best": the
+    fastest FP8 case} (None each where the machine has no such tensor cores)."""
+    fp8 = fp8_matmul_tflops()
+    return {"bf16": matmul_tflops(), "fp8": fp8, "fp8_best": max(fp8.values()) if fp8 else None}
 
 
 PACKAGES = ("bench", "data", "designer", "imagegen", "kernels", "pipeline")

@@ -15,35 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from atelier_studio.bench.env import clocks, environment, matmul_tflops
+from atelier_studio.bench.harness import atelier, read_run
 from atelier_studio.pipeline.atomic import atomic_write_text
 
 ROOT = Path(__file__).parents[1]
-
-
-def atelier(*args: str, log: Path) -> tuple[int, float]:
-    start = time.time()
-    with open(log, "a") as fh:
-        fh.write(f"$ atelier {' '.join(args)}\n")
-        fh.flush()
-        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=ROOT, stdout=fh,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc.returncode, time.time() - start
-
-
-def read_run(out: Path) -> dict:
-    result: dict = {}
-    if (out / "summary.json").is_file():
-        result["summary"] = json.loads((out / "summary.json").read_text())
-    if (out / "metrics.jsonl").is_file():
-        result["metrics"] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return result
 
 
 def designer_run(work: Path, tokenizer: Path, log: Path) -> dict:

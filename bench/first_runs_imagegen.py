@@ -37,7 +37,7 @@ from typing import Iterator
 
 import torch
 
-from atelier_studio.bench.first_runs import atelier, read_run
+from atelier_studio.bench.harness import atelier, read_run
 
 # SD3's VAE latent normalisation: the stand-in VAE carries the same constants.
 SD3_SCALING, SD3_SHIFT = 1.5305, 0.0609

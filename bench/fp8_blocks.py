@@ -10,7 +10,7 @@ GPU fed. Variants:
                                                                                 on every linear, as PEFT)
   sd3-medium (x [8, 4096, 1536] image, ctx [8, 333, 1536] text tokens, c [8, 1536]):
     bf16, fp8-{rowwise,tensorwise}, fp8-rowwise-ungrouped                     (the per-image modulation linears
-                                                                                stay bf16, as imagegen's FP8_SKIP)
+                                                                                stay bf16: the family's fp8_skip)
 "-ungrouped": the same FP8 layers with shared-input grouping off (each projection quantises x itself): the
 difference is what grouping buys. Weights and activations bf16; the FP8 layers quantise from them.
 Per variant: median fwd+bwd ms (CUDA events), the host's issue ms, peak memory, and on a GPU the profiler's device
@@ -35,7 +35,7 @@ QWEN_SHAPES = {"real": ("8b", 8, 2048), "tiny": ("tiny", 2, 24)}
 SD3_SHAPES = {"real": (dict(num_heads=24, head_dim=64, joint_attention_dim=4096, caption_projection_dim=1536,
                             pooled_projection_dim=2048), 8, 4096, 333),
               "tiny": (dict(), 2, 16, 5)}
-MMDIT_FP8_SKIP = ("norm1.linear", "norm1_context.linear")  # imagegen.task.FP8_SKIP, relative to one block
+MMDIT_FP8_SKIP = ("norm1.linear", "norm1_context.linear")  # the MMDiT family's fp8_skip, relative to one block
 
 
 def _init_(module: nn.Module, seed: int) -> None:
@@ -58,10 +58,11 @@ def _ungroup(module: nn.Module) -> None:
 
 
 def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
-    from atelier_studio.pipeline.policies import apply_fp8
+    from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+    from atelier_studio.pipeline.float8 import apply_fp8
 
     if variant.startswith("fp8-"):
-        apply_fp8(module, variant.split("-")[1], skip)
+        apply_fp8(module, variant.split("-")[1], skip, conversions=FP8_CONVERSIONS)
         if variant.endswith("-ungrouped"):
             _ungroup(module)
 

@@ -65,7 +65,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from atelier_studio.bench.env import clocks, environment, matmul_tflops
+from atelier_studio.bench.env import clocks, environment, fp8_matmul_tflops, matmul_tflops
 from atelier_studio.bench.fp8_blocks import bench_blocks
 from atelier_studio.bench.fp8_parts import QUANT_SHAPES, TINY_QUANT_SHAPES, components, device_ms, median, quant_sweep, sync
 from atelier_studio.kernels.fp8_group import fp8_linear_group, fp8_lora_linear_group
@@ -79,7 +79,7 @@ from atelier_studio.kernels.fp8_linear import (
     fp8_lora_linear,
     quantize_frozen_weight,
 )
-from atelier_studio.kernels.fp8_quant import E4M3, launch_configs, quantize
+from atelier_studio.kernels.fp8_quant import launch_configs, quantize
 from atelier_studio.kernels.lora_linear import lora_linear_group
 from atelier_studio.pipeline.atomic import atomic_write_text
 
@@ -203,31 +203,6 @@ def rel_rms(got: torch.Tensor | None, ref: torch.Tensor) -> float | None:
     if got is None:
         return None
     return ((got.float() - ref).norm() / ref.norm()).item()
-
-
-def fp8_matmul_tflops(n: int = 8192, iters: int = 20) -> dict[str, float] | None:
-    """torch._scaled_mm on n³ E4M3 operands: tensorwise with and without fast accumulation, rowwise with it."""
-    if not torch.cuda.is_available():
-        return None
-    a = torch.randn(n, n, device="cuda").to(E4M3)
-    b = torch.randn(n, n, device="cuda").to(E4M3)
-    one = torch.ones((), device="cuda")
-    cases = {"tensorwise": (one, one, False), "tensorwise_fast_accum": (one, one, True),
-             "rowwise_fast_accum": (torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda"), True)}
-    out = {}
-    for name, (sa, sb, fast) in cases.items():
-        def mm():
-            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
-        for _ in range(3):
-            mm()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            mm()
-        e.record()
-        torch.cuda.synchronize()
-        out[name] = 2 * n**3 * iters / (s.elapsed_time(e) / 1e3) / 1e12
-    return out
 
 
 def _quant_bytes(r: int, c: int, itemsize: int, rows: bool, cols: bool, rowwise: bool) -> int:

@@ -9,7 +9,11 @@ import argparse
 import contextlib
 import gc
 import json
+import os
+import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -17,6 +21,38 @@ import torch
 import torch._dynamo
 
 PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM (docs/mfu.md)
+PEAK_FP8_TFLOPS = 1979.0  # dense FP8, H100/H200 SXM: what FP8 runs are also quoted against
+
+
+class Budget:
+    """A benchmark's time budget (--budget-s): runs that would start after it is spent are recorded as skipped
+    with `reason()` instead of run, so a bench under a hard time limit ends with a report of what it finished.
+    None seconds: no limit."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def reason(self) -> str:
+        return f"time budget (--budget-s {self.seconds:g}) spent"
+
+    def skipped(self) -> dict[str, Any]:
+        """A run's result when the budget was spent before it started."""
+        return {"oom": False, "skipped": self.reason()}
+
+
+def mfu_fields(tflops: float, matmul_bf16: float | None, matmul_fp8: float | None) -> dict[str, float | None]:
+    """MFU against the ceilings beside the dense bf16 peak (which each bench reports under its own key): the dense
+    FP8 peak, and the bf16 and FP8 matmul rates measured on the card in the same run (bench/env.py matmul_rates)."""
+    return {"mfu_fp8_peak": tflops / PEAK_FP8_TFLOPS,
+            "mfu_matmul": tflops / matmul_bf16 if matmul_bf16 else None,
+            "mfu_matmul_fp8": tflops / matmul_fp8 if matmul_fp8 else None}
 
 
 def timed_steps(step: Callable[[int], torch.Tensor], count: int, cuda: bool,
@@ -100,6 +136,62 @@ def guarded(build: Callable[[], Any], use: Callable[[Any], dict[str, Any]], cuda
     return result
 
 
+def attempt(run: Callable[[], dict[str, Any]], passthrough: tuple[type[BaseException], ...] = (ImportError,)
+            ) -> dict[str, Any]:
+    """run() (a measurement), with any failure other than `passthrough` (a compile error, a kernel that cannot run
+    these shapes) recorded as its result instead of ending the bench: {"oom": False, "failed": True, "error": the
+    exception's type and first line}; the traceback goes to stderr."""
+    try:
+        return run()
+    except passthrough:
+        raise
+    except Exception as e:  # an unattended run records every failure and goes on to the next measurement
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {first}"}
+
+
+def best_run(runs: dict[str, dict[str, Any]], rate: str) -> str | None:
+    """The key of the fastest of `runs` by their `rate` field (tokens_per_s, images_per_s); None when no run has
+    one (out of memory, failed, skipped)."""
+    ok = [k for k, r in runs.items() if r and rate in r]
+    return max(ok, key=lambda k: runs[k][rate]) if ok else None
+
+
+def best_per_size(runs: dict[str, dict[str, dict[str, Any]]], rate: str
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float | None]]]:
+    """runs[size][compile mode] → (the best run of each size, or its first when none has a rate; the rate of each
+    mode per size where a size ran in several)."""
+    best, by_mode = {}, {}
+    for size, modes in runs.items():
+        k = best_run(modes, rate)
+        best[size] = modes[k] if k else next(iter(modes.values()))
+        if len(modes) > 1:
+            by_mode[size] = {c: r.get(rate) for c, r in modes.items()}
+    return best, by_mode
+
+
+def no_rate(runs: dict[str, dict[str, Any]], sizes: str) -> dict[str, Any]:
+    """The report row of a configuration none of whose runs has a rate: out of memory at every size (listed under
+    `sizes`), else the first failure's error, else why it was skipped."""
+    rs = list(runs.values())
+    if rs and all(r.get("oom") for r in rs):
+        return {"oom": True, sizes: [int(k) for k in runs]}
+    failed = next((r["error"] for r in rs if r.get("failed")), None)
+    if failed:
+        return {"failed": True, "error": failed}
+    return {"skipped": next((r["skipped"] for r in rs if r.get("skipped")), "no run")}
+
+
+def run_status(r: dict[str, Any], rate_text: Callable[[dict[str, Any]], str]) -> str:
+    """A run as its log line reads: skipped (why), failed (the error), OOM, or rate_text(r) and its peak memory."""
+    if r.get("skipped"):
+        return f"skipped ({r['skipped']})"
+    if r.get("failed"):
+        return f"failed ({r['error']})"
+    return "OOM" if r["oom"] else f"{rate_text(r)}, {fmt(r.get('peak_gb'), '.1f')} GB"
+
+
 def adamw(params: list[torch.nn.Parameter], lr: float, fused: bool) -> torch.optim.AdamW:
     """The benches' optimizer: fused AdamW (CUDA) or the foreach one, no weight decay."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused, foreach=None if fused else True)
@@ -157,3 +249,26 @@ def write_report(report: dict[str, Any], out: Path, stem: str, markdown: str,
     atomic_write_text(out / f"{stem}.md", markdown, what="benchmark report")
     chart(out / f"{stem}-ablation.png")
     return path
+
+
+# --- runs through the user-facing CLI (the first-runs benchmarks) -----------------------------------------------
+
+def atelier(*args: str, log: Path) -> tuple[int, float]:
+    """`atelier ARGS` from the repository root, its output appended to `log`: (exit status, seconds)."""
+    start = time.time()
+    with open(log, "a") as fh:
+        fh.write(f"$ atelier {' '.join(args)}\n")
+        fh.flush()
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=Path(__file__).parents[1], stdout=fh,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc.returncode, time.time() - start
+
+
+def read_run(out: Path) -> dict:
+    """A finished run's summary.json and metrics.jsonl, whichever exist."""
+    result: dict = {}
+    if (out / "summary.json").is_file():
+        result["summary"] = json.loads((out / "summary.json").read_text())
+    if (out / "metrics.jsonl").is_file():
+        result["metrics"] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return result

@@ -1,12 +1,16 @@
 """Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
 
-    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512 --out DIR [--peers diffusers,diffusers-compiled]
-        [--batches 8,16] [--steps 10 --warmup 3] [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4]
-        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--tiny] [--loader-only]
+    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
+        [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
+        [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
+        [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
+        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--budget-s 200] [--tiny]
+        [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
 L = 333 text tokens (SD3's 77 CLIP + 256 T5, padded: real work, SD3 uses no text mask), E = 4096 text
-width, P = 2048 pooled width, D = 1536 model dim.
+width, P = 2048 pooled width, D = 1536 model dim. sd3.5-medium-1024 is SD3.5-medium's MMDiT-X: dual attention
+(a second, image-only attention) in blocks 0-12 and QK RMSNorm.
 
 Per config the random weights are drawn ONCE on the device (bf16, every tensor random: AdaLN-Zero's zeros would
 make the blocks identities and the timing meaningless); every run (Atelier, each peer, each ablation) copies them
@@ -23,13 +27,26 @@ Atelier: imagegen.model.MMDiT with its fused kernels (MMDiTArgs.kernels), per-bl
 does (imagegen/task.py). Peers: diffusers' SD3Transformer2DModel eager (its training scripts' default) and, as
 "diffusers-compiled", the same with per-block compile. The ablation switches one optimisation off at a time;
 `attention` times each SDPA backend (flash, cuDNN, memory-efficient) with everything else on, so the attention
-choice is made by measurement.
+choice is made by measurement. With --fp8, the same model with `train.precision = "fp8"` as the trainer applies it
+(pipeline/float8.apply_fp8 with the family's fp8_skip: the joint blocks' projections and MLPs and the caption
+projection in FP8, the per-image modulation linears, embedders and final projection in bf16) for each recipe, on the
+bf16 run's batches: the FP8 ablation (FP8 off, rowwise, tensorwise) with the mean |Δloss| against bf16.
 
 FLOPs: MMDiT.train_flops (docs/mfu.md: each token through its own stream's weights, modulation linears once per
-image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MFU against 989 TFLOP/s and against the
-bf16 matmul rate measured in this run. Loader: images/s of the trainer's own streaming loader
+image, 3× forward, + 12·L·S²·D attention), the same count for the peers; MFU against 989 TFLOP/s (dense bf16) and
+1,979 (dense FP8), and against the bf16 and FP8 matmul rates measured in this run (bench/env.py matmul_rates).
+--budget-s: runs that would start after it are recorded as skipped; the report is rewritten after every run.
+Loader: images/s of the trainer's own streaming loader
 (data/latent_stream.LatentStream with `--loader-workers` loader threads), batched and moved to the device,
 against the training rate (target ≥ 10×).
+
+LoRA (`--lora RANK`): the frozen base stays in bf16 (the weights drawn once, shared by every run: nothing updates
+them), adapters of rank RANK and alpha RANK on every attention projection (imagegen/lora.py's default targets),
+fp32 and computed in bf16 under autocast; A and B are drawn once (B random too, so the runs' losses compare
+something) and copied into every run. Atelier: imagegen/lora.py's layers (kernels/lora_linear.py's fused
+Function). Peers: the same diffusers models with PEFT adapters on the same modules (`add_adapter`), cast to fp32 as
+diffusers' scripts do (cast_training_params). FLOPs: 4·N + 6·N_lora (MMDiT.train_flops: the frozen base gets no
+weight gradient); `mfu_6n` is the full fine-tune's count over the same time, what most peers quote.
 """
 
 from __future__ import annotations
@@ -49,13 +66,18 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from atelier_studio.bench.env import clocks, environment, matmul_tflops
-from atelier_studio.bench.harness import (PEAK_TFLOPS, adamw, bar_chart, fmt, guarded, parse_ints, profile_table, timed_steps,
-                           train_step, write_report)
+from atelier_studio.bench.env import clocks, environment, matmul_rates
+from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt as attempt_run, bar_chart, best_per_size,
+                                          best_run, fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table,
+                                          run_status, timed_steps, train_step, write_report)
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
+from atelier_studio.imagegen.lora import apply_lora, target_modules
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
-from atelier_studio.imagegen.registry import family_of_size
+from atelier_studio.imagegen.registry import family_of_args, family_of_size
+from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
+from atelier_studio.pipeline.lora import LoraArgs, lora_layers
+from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")
@@ -75,6 +97,7 @@ class BenchConfig:
     lr: float = 1e-5
     shard_samples: int = 256      # samples written for the loader measurement (~3.3 MB each at 333 x 4096 bf16)
     shard_size: int = 16          # samples per shard
+    model: MMDiTArgs | None = None  # explicit args instead of the size's (the tiny runs: tiny_config)
 
     @property
     def latent_side(self) -> int:
@@ -84,6 +107,7 @@ class BenchConfig:
 CONFIGS = {
     "sd3-medium-1024": BenchConfig("sd3-medium", 1024, 333, (8, 16, 24)),
     "sd3-medium-512": BenchConfig("sd3-medium", 512, 333, (16, 32, 64)),
+    "sd3.5-medium-1024": BenchConfig("sd3.5-medium", 1024, 333, (8, 16, 24)),
 }
 
 
@@ -95,16 +119,22 @@ class Variant:
     kernels: str = "auto"         # MMDiTArgs.kernels; "ref": the plain-PyTorch paths
     fused_adamw: bool = True
     attention: str = "auto"       # MMDiTArgs.attention: "auto" (PyTorch's SDPA choice) or one of SDPA_BACKENDS
+    precision: str = "bf16"       # train.precision: "bf16" or "fp8"
+    fp8_recipe: str = "rowwise"   # train.fp8_recipe, with precision "fp8"
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
-    """The same code path at CPU size: the tiny MMDiT, an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
-    return dataclasses.replace(cfg, size="tiny", resolution=64, text_tokens=7, batches=(1, 2), shard_samples=8,
-                               shard_size=2)
+    """The same code path at CPU size: the tiny MMDiT with the real size's architecture (SD3.5's QK RMSNorm and dual
+    attention in its first block), an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
+    real, family = model_args(cfg), family_of_size(cfg.size)
+    tiny = family.args_of_size(family.tiny_size, qk_norm=real.qk_norm,
+                               dual_attention_layers=(0,) if real.dual_attention_layers else ())
+    return dataclasses.replace(cfg, size=family.tiny_size, resolution=64, text_tokens=7, batches=(1, 2),
+                               shard_samples=8, shard_size=2, model=tiny)
 
 
 def model_args(cfg: BenchConfig) -> MMDiTArgs:
-    return family_of_size(cfg.size).args_of_size(cfg.size)
+    return cfg.model if cfg.model is not None else family_of_size(cfg.size).args_of_size(cfg.size)
 
 
 def image_tokens(cfg: BenchConfig, args: MMDiTArgs) -> int:
@@ -162,6 +192,30 @@ def make_batches(cfg: BenchConfig, args: MMDiTArgs, batch: int, count: int, devi
     return out
 
 
+@dataclass(frozen=True)
+class Lora:
+    """The LoRA runs' adapters: the layer settings, the wrapped modules and their A, B (drawn once, fp32)."""
+
+    args: LoraArgs
+    modules: tuple[str, ...]
+    weights: dict[str, torch.Tensor]  # "<module>.lora_A.weight" / ".lora_B.weight"
+
+
+def make_lora(args: MMDiTArgs, rank: int, device: torch.device, seed: int) -> Lora:
+    """Rank-`rank` adapters (alpha = rank) on the family's default targets; A ~ N(0, 1/I), B ~ N(0, 0.01²)."""
+    with torch.device("meta"):
+        meta = MMDiT(args)
+    modules = target_modules(meta, family_of_args(args).default_lora_targets)
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name in modules:
+        lin = meta.get_submodule(name)
+        weights[f"{name}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g, device=device) \
+            / lin.in_features**0.5
+        weights[f"{name}.lora_B.weight"] = 0.01 * torch.randn(lin.out_features, rank, generator=g, device=device)
+    return Lora(LoraArgs(rank=rank, alpha=float(rank)), tuple(modules), weights)
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 @dataclass
@@ -186,11 +240,21 @@ def _fp32_copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float().clone() for k, v in sd.items()}
 
 
-def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
+def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora | None = None) -> Run:
+    """Full fine-tuning: fp32 master copies of the weights. LoRA: the shared frozen base as it is (bf16, or fp32 for
+    exact runs) with imagegen/lora.py's layers holding fp32 copies of the drawn adapters."""
     with torch.device("meta"):
         model = MMDiT(dataclasses.replace(args, kernels=v.kernels, attention=v.attention))
-    model.load_state_dict(_fp32_copy(sd), assign=True)
+    model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True)
     model.train().requires_grad_(True)
+    if lora is not None:
+        apply_lora(model, lora.args, list(lora.modules))  # freezes the base
+        with torch.no_grad():
+            for name, m in lora_layers(model).items():
+                m.lora_A.weight.copy_(lora.weights[f"{name}.lora_A.weight"])
+                m.lora_B.weight.copy_(lora.weights[f"{name}.lora_B.weight"])
+    if v.precision == "fp8":  # first, as the trainer applies train.precision (imagegen/task.py _wrap)
+        apply_fp8(model, v.fp8_recipe, family_of_args(args).fp8_skip)
     last = model.transformer_blocks[-1].attn  # no text queries in the last block (imagegen/task.py _wrap)
     for m in (last.add_q_proj, last.norm_added_q):
         if m is not None:
@@ -201,15 +265,26 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool) -> Run:
     return Run(model, model, params, v.fused_adamw, autocast=not exact)
 
 
-def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool) -> Run:
-    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights."""
+def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None) -> Run:
+    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights; with `lora`,
+    PEFT adapters on the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B."""
     from diffusers import SD3Transformer2DModel  # ImportError → the peer is reported as skipped
 
     kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):
         model = SD3Transformer2DModel(**kwargs)
-    model.load_state_dict(_fp32_copy(sd), assign=True, strict=True)
+    model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True, strict=True)
     model.train().requires_grad_(True)
+    if lora is not None:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=lora.args.rank, lora_alpha=lora.args.alpha, target_modules=list(lora.modules),
+                                     init_lora_weights=True))
+        named = dict(model.named_parameters())
+        for key, value in lora.weights.items():  # fp32 adapters (diffusers' cast_training_params), the same values
+            module, ab = key.rsplit(".lora_", 1)
+            named[f"{module}.lora_{ab.split('.')[0]}.default.weight"].data = value.float().clone()
     if name == "diffusers-compiled" and not exact:
         compile_blocks(model)
     dev = next(model.parameters()).device
@@ -253,12 +328,11 @@ def profile_run(build: Callable[[], Run], batches: list[ImageBatch], lr: float, 
     return profile_table(train_step(run.loss, batches, opt), 3, path)
 
 
-def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, repeats: int = 5) -> dict[str, float]:
-    """Milliseconds of one EMA update over all trainable weights: imagegen.ema's one foreach lerp vs the
-    per-tensor reference loop (the trainer runs it after every optimizer step)."""
-    with torch.device("meta"):
-        model = MMDiT(args)
-    model.load_state_dict(_fp32_copy(sd), assign=True)
+def ema_timing(args: MMDiTArgs, sd: dict, device: torch.device, lora: Lora | None = None,
+               repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of one EMA update over all trainable weights (the adapters, with `lora`): imagegen.ema's one
+    foreach lerp vs the per-tensor reference loop (the trainer runs it after every optimizer step)."""
+    model = build_atelier(args, sd, Variant(compile=False), exact=True, lora=lora).model
     ema = EMA(model, decay=0.9999)
     shadow = dict(zip(ema.names, ema.shadow))
     params = dict(model.named_parameters())
@@ -332,20 +406,21 @@ def _sample_bytes(cfg: BenchConfig, args: MMDiTArgs) -> int:
 
 # ------------------------------------------------------------------------------------------------ the bench
 
-def _summary(r: dict[str, Any], batch: int, mt: float | None) -> dict[str, Any]:
-    return {"images_per_s": r["images_per_s"], "images_per_s_min": r["images_per_s_min"],
-            "images_per_s_max": r["images_per_s_max"], "mfu": r["mfu"],
-            "mfu_matmul": r["tflops"] / mt if mt else None, "peak_gb": r["peak_gb"], "batch": batch}
+def _summary(r: dict[str, Any], batch: int, report: dict[str, Any]) -> dict[str, Any]:
+    out = {"images_per_s": r["images_per_s"], "images_per_s_min": r["images_per_s_min"],
+           "images_per_s_max": r["images_per_s_max"], "mfu": r["mfu"],
+           **mfu_fields(r["tflops"], report["matmul_tflops"], report.get("matmul_tflops_fp8_best")),
+           "peak_gb": r["peak_gb"], "batch": batch}
+    if "mfu_6n" in r:
+        out["mfu_6n"] = r["mfu_6n"]
+    return out
 
 
 def attempt(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
             flops: int) -> dict[str, Any]:
     """measure(), with any other failure (a compile error, an SDPA backend that cannot run these shapes) recorded
     as this run's result instead of ending the whole bench: {"oom": False, "failed": True, "error": ...}."""
-    try:
-        return measure(build, batches, warmup, steps, lr, flops)
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        return {"oom": False, "failed": True, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return attempt_run(lambda: measure(build, batches, warmup, steps, lr, flops), passthrough=(ImportError,))
 
 
 def _ok(r: dict[str, Any]) -> bool:
@@ -353,73 +428,114 @@ def _ok(r: dict[str, Any]) -> bool:
 
 
 def _best(runs: dict[str, dict[str, Any]]) -> str | None:
-    ok = {k: v for k, v in runs.items() if _ok(v)}
-    return max(ok, key=lambda k: ok[k]["images_per_s"]) if ok else None
+    return best_run(runs, "images_per_s")
 
 
 def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], steps: int, warmup: int,
           ablation: list[str], loader_workers: int, device: torch.device, exact: bool, kernels: str = "auto",
-          seed: int = 0, profile_path: Path | None = None, attention: str = "auto") -> dict[str, Any]:
+          seed: int = 0, profile_path: Path | None = None, attention: str = "auto", fp8: tuple[str, ...] = (),
+          fp8_batches: list[int] | None = None, fp8_compile_modes: tuple[bool, ...] | None = None,
+          peer_batches: list[int] | None = None, loader: bool = True, budget: Budget | None = None,
+          on_result: Callable[[dict[str, Any]], Any] | None = None,
+          compile_modes: tuple[bool, ...] = (True,), lora_rank: int = 0) -> dict[str, Any]:
+    """One config, in this order: Atelier's bf16 batch sweep (each batch in each of `compile_modes`), the FP8 rows
+    (each recipe of `fp8` at `fp8_batches`, default the best bf16 batch, compiled as `fp8_compile_modes`, default as
+    the best bf16 run), the peers (at `peer_batches`,
+    default the sweep's), the ablation and attention backends, a profile, the EMA and loader timings. A run that
+    would start once `budget` is spent is recorded as skipped; `on_result(report)` gets the summarised report after
+    every run. `lora_rank` > 0: LoRA of that rank on the frozen base instead of full fine-tuning (module docstring);
+    the FP8 rows are full fine-tuning's only (the trainer refuses FP8 with an MMDiT LoRA)."""
+    if lora_rank and fp8:
+        raise ValueError("bench: --fp8 measures full fine-tuning; drop --lora or --fp8")
     args = model_args(cfg)
     dtype = torch.float32 if exact else torch.bfloat16
+    budget = budget or Budget(None)
     N, L = image_tokens(cfg, args), cfg.text_tokens
+    rates = matmul_rates()
     report: dict[str, Any] = {**environment(), "config": {"name": name, **dataclasses.asdict(cfg), "image_tokens": N,
                                                           "model": dataclasses.asdict(args)},
-                              "clocks": {"before": clocks()}, "matmul_tflops": matmul_tflops()}
-    mt = report["matmul_tflops"]
+                              "run": {"warmup": warmup, "steps": steps, "seed": seed, "budget_s": budget.seconds},
+                              "clocks": {"before": clocks()}, "matmul_tflops": rates["bf16"],
+                              "matmul_tflops_fp8": rates["fp8"], "matmul_tflops_fp8_best": rates["fp8_best"],
+                              "atelier_runs": {}, "fp8_runs": {}, "peer_runs": {p: {} for p in peers},
+                              "ablation_runs": {},
+                              "notes": {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master "
+                                                   "copies per run, bf16 autocast",
+                                        "loss": "mean over images of imagegen.flow.flow_loss (no weighting), same "
+                                                "batches, timesteps and noise",
+                                        "peer_attention": "diffusers JointAttnProcessor2_0 "
+                                                          "(F.scaled_dot_product_attention)",
+                                        "fp8": "train.precision = fp8 as the trainer applies it (apply_fp8 with the "
+                                               "family's fp8_skip)"}}
     sd = random_state_dict(args, dtype, device, seed)
+    lora = make_lora(args, lora_rank, device, seed + 1) if lora_rank else None
     with torch.device("meta"):
-        meta_model = MMDiT(args)
+        meta_model, meta_full = MMDiT(args), MMDiT(args)
+        if lora is not None:  # the FLOP count sees the adapters and the frozen base (4·N + 6·N_lora)
+            apply_lora(meta_model, lora.args, list(lora.modules))
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
-    main_variant = Variant(compile=not exact, kernels=kernels, attention=attention)
-    sweep: dict[str, Any] = {}
-    peer_runs: dict[str, dict[str, Any]] = {p: {} for p in peers}
-    notes = {"weights": "random, every tensor (no AdaLN-Zero), drawn once; fp32 master copies per run, bf16 autocast",
-             "loss": "mean over images of imagegen.flow.flow_loss (no weighting), same batches, timesteps and noise",
-             "peer_attention": "diffusers JointAttnProcessor2_0 (F.scaled_dot_product_attention)"}
+    modes = (False,) if exact else tuple(compile_modes)
+    base = Variant(kernels=kernels, attention=attention)
     data: dict[int, tuple[list[ImageBatch], int]] = {}
-    for bs in batches:
-        host = make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs)
-        flops = meta_model.train_flops(bs, N, L)
-        data[bs] = (host, flops)
-        sweep[str(bs)] = attempt(lambda: build_atelier(args, sd, main_variant, exact), host, warmup, steps, cfg.lr,
-                                 flops)
-        for p in peers:
-            if "skipped" in peer_runs[p]:
-                continue
-            try:
-                peer_runs[p][str(bs)] = attempt(lambda: build_peer(p, args, sd, exact), host, warmup, steps, cfg.lr,
-                                                flops)
-            except ImportError as e:
-                peer_runs[p] = {"skipped": f"import failed: {e}"}
-    report["sweep"], report["peer_runs"] = sweep, peer_runs
-    best = _best(sweep)
-    report["atelier"] = _summary(sweep[best], int(best), mt) if best else {"oom": all(r["oom"] for r in
-                                                                                      sweep.values())}
-    report["peers"], report["loss_mean_abs_diff_by_peer"] = {}, {}
-    for p, runs in peer_runs.items():
-        if "skipped" in runs:
-            report["peers"][p] = {"skipped": runs["skipped"]}
-            continue
-        k = _best(runs)
-        report["peers"][p] = _summary(runs[k], int(k), mt) if k else {"oom": all(r["oom"] for r in runs.values()),
-                                                                       "batches": list(runs)}
-        same = [m for m in runs if _ok(runs[m]) and _ok(sweep[m])]
-        if same:  # the same batches through both: the largest micro-batch both ran
-            m = max(same, key=int)
-            a, q = sweep[m]["timed_losses"], runs[m]["timed_losses"]
-            report["loss_mean_abs_diff_by_peer"][p] = {"batch": int(m), "diff": sum(abs(x - y) for x, y in zip(a, q))
-                                                       / len(a)}
-    first = report["loss_mean_abs_diff_by_peer"].get("diffusers")
-    report["loss_mean_abs_diff"] = first["diff"] if first else None
-    report["speedup"] = {p: report["atelier"]["images_per_s"] / r["images_per_s"]
-                         for p, r in report["peers"].items() if "images_per_s" in r and "images_per_s" in
-                         report["atelier"]}
+    if lora is not None:
+        report["notes"]["weights"] = ("random, every tensor, drawn once; the frozen base shared by every run in its "
+                                      "dtype (bf16), the adapters' A and B drawn once and copied in fp32 into each "
+                                      "run, bf16 autocast")
+        report["notes"]["peers"] = "diffusers + PEFT (add_adapter on the same modules, adapters cast to fp32)"
+        report["lora"] = {"rank": lora.args.rank, "alpha": lora.args.alpha, "modules": len(lora.modules),
+                          "targets": list(family_of_args(args).default_lora_targets),
+                          "trainable_params": sum(v.numel() for v in lora.weights.values())}
 
-    report["ablation"], report["attention"] = {}, {}
+    def data_for(bs: int) -> tuple[list[ImageBatch], int]:
+        if bs not in data:
+            data[bs] = (make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs),
+                        meta_model.train_flops(bs, N, L))
+        return data[bs]
+
+    def measured(build: Callable[[], Run], bs: int, label: str, compiled: bool | None = None) -> dict[str, Any]:
+        if budget.spent():
+            return budget.skipped()
+        host, flops = data_for(bs)
+        r = attempt(build, host, warmup, steps, cfg.lr, flops)
+        if compiled is not None:
+            r["compile"] = compiled
+        if lora is not None and "step_s_median" in r:  # the full fine-tune's 6·N count over the same step time
+            r["mfu_6n"] = meta_full.train_flops(bs, N, L) / r["step_s_median"] / 1e12 / PEAK_TFLOPS
+        print(f"{label} batch={bs}: " + _said(r), flush=True)
+        return r
+
+    def emit() -> None:
+        summarize(report)
+        if on_result is not None:
+            on_result(report)
+
+    for bs in batches:
+        for c in modes:
+            v = dataclasses.replace(base, compile=c)
+            report["atelier_runs"].setdefault(str(bs), {})[str(c)] = measured(
+                lambda: build_atelier(args, sd, v, exact, lora), bs, f"atelier bf16 compile={c}", c)
+            emit()
+    best = _best(report["sweep"])
+    main_variant = dataclasses.replace(base, compile=report["sweep"][best]["compile"] if best else modes[0])
+    f_modes = (False,) if exact else tuple(fp8_compile_modes or (main_variant.compile,))
+    for recipe in fp8:
+        for bs in fp8_batches or ([int(best)] if best else []):
+            for c in f_modes:
+                v = dataclasses.replace(main_variant, compile=c, precision="fp8", fp8_recipe=recipe)
+                r = measured(lambda: build_atelier(args, sd, v, exact), bs, f"atelier fp8-{recipe} compile={c}", c)
+                report["fp8_runs"].setdefault(recipe, {}).setdefault(str(bs), {})[str(c)] = r
+                emit()
+    for p in peers:
+        for bs in peer_batches or batches:
+            try:
+                report["peer_runs"][p][str(bs)] = measured(lambda: build_peer(p, args, sd, exact, lora), bs, p)
+            except ImportError as e:
+                report["peer_runs"][p] = {"skipped": f"import failed: {e}"}
+                emit()
+                break
+            emit()
+
     if ablation and best is not None:
-        host, flops = data[int(best)]
-        report["ablation"]["all_on"] = sweep[best]["images_per_s"]
         switches = {"no_compile": dataclasses.replace(main_variant, compile=False),
                     "reference_kernels": dataclasses.replace(main_variant, kernels="ref"),
                     "foreach_adamw": dataclasses.replace(main_variant, fused_adamw=False),
@@ -427,71 +543,187 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         chosen = [a for a in ablation if device.type == "cuda" or not a.startswith("sdpa_")]  # SDPA choice: GPU
         for abl in chosen:
             v = switches[abl]
-            r = attempt(lambda: build_atelier(args, sd, v, exact), host, warmup, steps, cfg.lr, flops)
-            value = r.get("images_per_s")
-            (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = value
-            report.setdefault("ablation_runs", {})[abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom",
-                                                                                 "failed", "error")}
-    if profile_path is not None and best is not None and device.type == "cuda":
+            r = measured(lambda: build_atelier(args, sd, v, exact, lora), int(best), f"ablation {abl}")
+            report["ablation_runs"][abl] = {k: r.get(k) for k in ("images_per_s", "peak_gb", "oom", "failed", "error",
+                                                                  "skipped")}
+            emit()
+    if profile_path is not None and best is not None and device.type == "cuda" and not budget.spent():
         profile_path.parent.mkdir(parents=True, exist_ok=True)
-        report["profile"] = str(profile_run(lambda: build_atelier(args, sd, main_variant, exact), data[int(best)][0],
-                                            cfg.lr, profile_path))
+        report["profile"] = str(profile_run(lambda: build_atelier(args, sd, main_variant, exact, lora),
+                                            data_for(int(best))[0], cfg.lr, profile_path))
         gc.collect()
         torch.cuda.empty_cache()
-    report["ema_update"] = ema_timing(args, sd, device)
+    report["ema_update"] = ema_timing(args, sd, device, lora)
     bs = int(best) if best else batches[0]
-    try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
-        with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
-            report["loader"] = loader_throughput(cfg, args, bs, loader_workers, device, Path(tmp))
-    except (ImportError, OSError, RuntimeError, ValueError) as e:
-        report["loader"] = {"images_per_s": None, "workers": loader_workers, "error": f"{type(e).__name__}: {e}"}
+    if loader and not budget.spent():
+        try:  # a loader failure (e.g. webdataset missing) must not lose the measurements above
+            with tempfile.TemporaryDirectory(prefix="atelier-bench-loader-") as tmp:
+                report["loader"] = loader_throughput(cfg, args, bs, loader_workers, device, Path(tmp))
+        except (ImportError, OSError, RuntimeError, ValueError) as e:
+            report["loader"] = {"images_per_s": None, "workers": loader_workers, "error": f"{type(e).__name__}: {e}"}
+    else:
+        report["loader"] = {"images_per_s": None, "workers": loader_workers,
+                            "error": "not measured (--no-loader)" if not loader else budget.reason()}
     report["loader_images_per_s"] = report["loader"]["images_per_s"]
     train = report["atelier"].get("images_per_s")
     report["loader"]["ratio_to_training"] = report["loader_images_per_s"] / train if train and \
         report["loader_images_per_s"] else None
-    report["notes"] = notes
     report["clocks"]["after"] = clocks()
+    emit()
+    return report
+
+
+def _said(r: dict[str, Any]) -> str:
+    return run_status(r, lambda x: f"{x['images_per_s']:.2f} images/s")
+
+
+def _rate(r: dict[str, Any]) -> str:
+    return f"{r['images_per_s']:.2f}" if _ok(r) else _said(r)
+
+
+def _failed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return no_rate(runs, "batches")
+
+
+def _loss_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's derived fields from its raw runs (sweep, fp8_runs, peer_runs, ablation_runs), in place: each
+    configuration's best run, the strongest peer and the ratios against it, loss parity with diffusers, the FP8 rows
+    against bf16 on the same batches. Idempotent: called after every run."""
+    sweep, by_compile = best_per_size(report["atelier_runs"], "images_per_s")
+    report["sweep"] = sweep
+    if by_compile:
+        report["sweep_by_compile"] = by_compile
+    best = _best(sweep)
+    report["atelier"] = {**_summary(sweep[best], int(best), report), "compile": sweep[best].get("compile")} \
+        if best else _failed(sweep)
+    report["peers"], report["loss_mean_abs_diff_by_peer"] = {}, {}
+    for p, runs in report["peer_runs"].items():
+        if "skipped" in runs:
+            report["peers"][p] = {"skipped": runs["skipped"]}
+            continue
+        k = _best(runs)
+        report["peers"][p] = _summary(runs[k], int(k), report) if k else _failed(runs)
+        same = [m for m in runs if _ok(runs[m]) and _ok(sweep.get(m, {}))]
+        if same:  # the same batches through both: the largest micro-batch both ran
+            m = max(same, key=int)
+            report["loss_mean_abs_diff_by_peer"][p] = {"batch": int(m), "diff": _loss_diff(
+                sweep[m]["timed_losses"], runs[m]["timed_losses"])}
+    first = report["loss_mean_abs_diff_by_peer"].get("diffusers")
+    report["loss_mean_abs_diff"] = first["diff"] if first else None
+    mine = report["atelier"].get("images_per_s")
+    ran = {p: r["images_per_s"] for p, r in report["peers"].items() if r.get("images_per_s")}
+    report["speedup"] = {p: mine / v for p, v in ran.items()} if mine else {}
+    report["strongest_peer"] = max(ran, key=ran.get) if ran else None
+    report["speedup_vs_strongest_peer"] = report["speedup"].get(report["strongest_peer"])
+    report["fp8"] = {}
+    for recipe, by_bs in report["fp8_runs"].items():
+        flat = {(bs, c): r for bs, modes in by_bs.items() for c, r in modes.items()}
+        ok = [key for key, r in flat.items() if _ok(r)]
+        if not ok:
+            report["fp8"][recipe] = _failed({str(i): r for i, r in enumerate(flat.values())})
+            continue
+        bs, c = max(ok, key=lambda key: flat[key]["images_per_s"])
+        r = flat[(bs, c)]
+        row = {**_summary(r, int(bs), report), "compile": c == "True"}
+        same = report["atelier_runs"].get(bs, {})
+        bf16 = same.get(c) if _ok(same.get(c, {})) else sweep.get(bs, {})
+        if _ok(bf16):
+            row["speedup_vs_bf16_same_batches"] = r["images_per_s"] / bf16["images_per_s"]
+            row["loss_mean_abs_diff_vs_bf16"] = _loss_diff(r["timed_losses"], bf16["timed_losses"])
+        if ran:
+            row["speedup_vs_strongest_peer"] = r["images_per_s"] / max(ran.values())
+        report["fp8"][recipe] = row
+    report["ablation"], report["attention"] = {}, {}
+    if report["ablation_runs"] and mine:
+        report["ablation"]["all_on"] = mine
+        for abl, r in report["ablation_runs"].items():
+            (report["attention"] if abl.startswith("sdpa_") else report["ablation"])[abl] = r.get("images_per_s")
     return report
 
 
 # ------------------------------------------------------------------------------------------------ report
 
 def markdown(report: dict[str, Any]) -> str:
-    """The result table: Atelier and each peer at its best micro-batch, the ablation, attention, loader, EMA."""
-    c = report["config"]
-    lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens) — "
-             f"{report['gpu'].get('name') or 'cpu'}, matmul {fmt(report['matmul_tflops'], '.0f')} TFLOP/s", "",
-             "| run | batch | images/s (min–max) | MFU (989) | MFU vs matmul | peak GB |", "|---|---|---|---|---|---|"]
-    for name, r in [("atelier", report["atelier"])] + list(report["peers"].items()):
+    """The result table: Atelier (bf16, each FP8 recipe) and each peer at its best micro-batch, the FP8 ablation, the
+    ablation, attention, loader, EMA."""
+    c, lora = report["config"], report.get("lora")
+    what = f", LoRA r{lora['rank']} on {lora['modules']} linears (MFU: 4·N + 6·N_lora)" if lora else ""
+    top = report["peers"].get(report.get("strongest_peer") or "", {}).get("images_per_s")
+    lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens{what}) — "
+             f"{report['gpu'].get('name') or 'cpu'}, measured matmul bf16 {fmt(report['matmul_tflops'], '.0f')} / "
+             f"FP8 {fmt(report.get('matmul_tflops_fp8_best'), '.0f')} TFLOP/s", "",
+             "| run | batch | images/s (min–max) | × strongest peer | MFU (989) | MFU (1,979) | "
+             "MFU vs bf16 matmul | MFU vs FP8 matmul | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [("atelier bf16", report["atelier"])] + [(f"atelier fp8 {k}", r) for k, r in report["fp8"].items()] \
+        + list(report["peers"].items())
+    for name, r in rows:
         if "images_per_s" not in r:
-            lines.append(f"| {name} | — | {'OOM' if r.get('oom') else r.get('skipped', 'failed (see JSON)')} | | | |")
+            what = "OOM" if r.get("oom") else r.get("skipped") or r.get("error") or "failed (see JSON)"
+            lines.append(f"| {name} | — | {what} | | | | | | |")
             continue
+        ratio = f"{r['images_per_s'] / top:.2f}×" if top else "—"
         lines.append(f"| {name} | {r['batch']} | {r['images_per_s']:.2f} ({r['images_per_s_min']:.2f}–"
-                     f"{r['images_per_s_max']:.2f}) | {r['mfu']:.1%} | {fmt(r.get('mfu_matmul'), '.1%')} | "
+                     f"{r['images_per_s_max']:.2f}) | {ratio} | {r['mfu']:.1%} | {fmt(r.get('mfu_fp8_peak'), '.1%')} | "
+                     f"{fmt(r.get('mfu_matmul'), '.1%')} | {fmt(r.get('mfu_matmul_fp8'), '.1%')} | "
                      f"{fmt(r['peak_gb'], '.1f')} |")
-    lines += ["", f"loss mean abs diff vs diffusers: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
+    peer = "diffusers + PEFT" if lora else "diffusers"
+    lines += ["", f"loss mean abs diff vs {peer}: {fmt(report['loss_mean_abs_diff'], '.2e')}; speedup: "
               + ", ".join(f"{p} {s:.2f}x" for p, s in report["speedup"].items())]
-    for title, table in (("ablation (one switched off)", report["ablation"]), ("attention backend", report["attention"])):
+    if lora:
+        lines += ["", "MFU with the full fine-tune's 6·N count over the same times (what most peers quote): "
+                  + ", ".join(f"{name} {fmt(r.get('mfu_6n'), '.1%')}"
+                              for name, r in [("atelier", report["atelier"]), *report["peers"].items()])]
+    if report["fp8_runs"]:
+        lines += ["", "| FP8 ablation | batch | compile | images/s | × bf16, same batches | loss mean abs diff "
+                      "vs bf16 |", "|---|---|---|---|---|---|"]
+        lines += [f"| bf16 (FP8 off) | {bs} | {c} | {_rate(r)} | 1.00× | — |"
+                  for bs, modes in report["atelier_runs"].items() for c, r in modes.items()]
+        for recipe, by_bs in report["fp8_runs"].items():
+            for bs, modes in by_bs.items():
+                for comp, r in modes.items():
+                    bf16 = report["atelier_runs"].get(bs, {}).get(comp, {})
+                    both = _ok(r) and _ok(bf16)
+                    ratio = f"{r['images_per_s'] / bf16['images_per_s']:.2f}×" if both else "—"
+                    dl = f"{_loss_diff(r['timed_losses'], bf16['timed_losses']):.2e}" if both else "—"
+                    lines.append(f"| fp8 {recipe} | {bs} | {comp} | {_rate(r)} | {ratio} | {dl} |")
+    for title, table in (("ablation (one switched off)", report["ablation"]),
+                         ("attention backend", report["attention"])):
         if table:
             lines += ["", f"| {title} | images/s |", "|---|---|"]
-            lines += [f"| {k} | {fmt(v, '.2f') if v is not None else 'failed/OOM'} |" for k, v in table.items()]
-    ld, ema = report["loader"], report["ema_update"]
-    lines += ["", f"loader: {fmt(ld['images_per_s'], '.1f')} images/s with {ld['workers']} workers "
-              f"({fmt(ld['ratio_to_training'], '.1f')}x the training rate); EMA update: "
-              f"{ema['foreach_ms']:.2f} ms foreach vs {ema['reference_ms']:.2f} ms per-tensor"]
+            lines += [f"| {k} | {fmt(v, '.2f') if v is not None else 'failed/OOM/skipped'} |" for k, v in table.items()]
+    ld, ema = report.get("loader"), report.get("ema_update")
+    if ld is not None:
+        why = f" ({ld['error']})" if ld.get("error") else ""
+        lines += ["", f"loader: {fmt(ld['images_per_s'], '.1f')} images/s with {ld['workers']} workers "
+                  f"({fmt(ld.get('ratio_to_training'), '.1f')}x the training rate){why}"]
+    if ema is not None:
+        lines.append(f"EMA update: {ema['foreach_ms']:.2f} ms foreach vs {ema['reference_ms']:.2f} ms per-tensor")
     return "\n".join(lines) + "\n"
 
 
 def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
-    """Images/s with each optimisation off and with each attention backend; the peers as dashed lines."""
+    """Images/s with each optimisation off, with each attention backend, with each FP8 recipe; the peers as dashed
+    lines."""
     marks = {p: r["images_per_s"] for p, r in report["peers"].items() if "images_per_s" in r}
-    return bar_chart({**report["ablation"], **report["attention"]}.items(), "images/s",
-                     f"imagegen {report['config']['name']}: each optimisation switched off", path, marks)
+    bars = dict(report["ablation"] or ({"all_on": report["atelier"]["images_per_s"]}
+                                       if "images_per_s" in report["atelier"] else {}))
+    bars.update(report["attention"])
+    bars.update({f"fp8 {k}": r.get("images_per_s") for k, r in report["fp8"].items()})
+    return bar_chart(bars.items(), "images/s", f"imagegen {report['config']['name']}: ablation, attention, FP8", path,
+                     marks)
+
+
+def report_name(report: dict[str, Any]) -> str:
+    lora = report.get("lora")
+    return f"imagegen-{report['config']['name']}" + (f"-lora{lora['rank']}" if lora else "")
 
 
 def write(report: dict[str, Any], out: Path) -> Path:
-    return write_report(report, out, f"imagegen-{report['config']['name']}", markdown(report),
-                        lambda path: ablation_chart(report, path))
+    return write_report(report, out, report_name(report), markdown(report), lambda path: ablation_chart(report, path))
 
 
 def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
@@ -506,25 +738,45 @@ def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
     p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default="diffusers")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA of this rank on a frozen bf16 base instead of full fine-tuning; the peers get PEFT")
     p.add_argument("--batches", type=parse_ints, default=None)
+    p.add_argument("--peer-batches", type=parse_ints, default=None, help="the peers' batches; default: --batches")
+    p.add_argument("--fp8", default="",
+                   help=f"FP8 recipes to measure beside bf16 (comma list of {list(TRAIN_RECIPES)})")
+    p.add_argument("--fp8-batches", type=parse_ints, default=None, help="the FP8 runs' batches; default: the best bf16")
+    p.add_argument("--fp8-compile", choices=("on", "off", "both"), default=None,
+                   help="per-block compile of the FP8 runs; default: as bf16")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ablation", nargs="?", const=",".join(ABLATIONS), default="",
                    help=f"switch these off one at a time (comma list; alone: all of {','.join(ABLATIONS)})")
     p.add_argument("--loader-workers", type=int, default=4)
+    p.add_argument("--no-loader", action="store_true", help="skip the loader measurement (it writes ~0.8 GB of shards)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds: runs that would start later are recorded as skipped (the report is rewritten "
+                        "after every run)")
     p.add_argument("--kernels", choices=("auto", "triton", "ref"), default="auto",
                    help="Atelier's MMDiTArgs.kernels (auto: Triton on CUDA; triton on a CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--attention", choices=("auto", *SDPA_BACKENDS), default="auto",
                    help="Atelier's SDPA backend (MMDiTArgs.attention); the sdpa_* ablation rows measure each")
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
+    p.add_argument("--compile", choices=("on", "off", "both"), default="on",
+                   help="per-block torch.compile for Atelier; both: each batch both ways, the faster kept")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     p.add_argument("--loader-only", action="store_true",
                    help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     peers = [x for x in a.peers.split(",") if x]
     bad = [x for x in peers if x not in PEERS]
@@ -537,6 +789,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ablation: unknown {[x for x in ablation if x not in ABLATIONS]}; known: {list(ABLATIONS)}")
     if a.loader_workers < 0:
         p.error(f"--loader-workers must be >= 0, got {a.loader_workers}")
+    if a.lora < 0:
+        p.error(f"--lora must be a rank >= 1 (or 0 for full fine-tuning), got {a.lora}")
+    recipes = tuple(x for x in a.fp8.split(",") if x)
+    if [x for x in recipes if x not in TRAIN_RECIPES]:
+        p.error(f"--fp8: unknown {[x for x in recipes if x not in TRAIN_RECIPES]}; known: {list(TRAIN_RECIPES)}")
+    if a.lora and recipes:
+        p.error("--fp8 measures full fine-tuning (the trainer refuses FP8 with an MMDiT LoRA); drop --lora or --fp8")
+    if a.budget_s is not None and a.budget_s <= 0:
+        p.error(f"--budget-s must be > 0, got {a.budget_s}")
     cfg = CONFIGS[a.config]
     if a.loader_only:
         return loader_only(cfg, a.batches or list(cfg.batches), a.loader_workers)
@@ -545,11 +806,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tiny_config(cfg)
     elif device.type != "cuda":
         p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
+    out = Path(a.out)
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}
     report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
                    a.loader_workers, device, exact=a.tiny, kernels=a.kernels,
-                   profile_path=Path(a.out) / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
-                   if a.profile else None, attention=a.attention)
-    path = write(report, Path(a.out))
+                   profile_path=out / f"imagegen-{a.config}-{time.strftime('%Y-%m-%d')}-profile.txt"
+                   if a.profile else None, attention=a.attention, fp8=recipes, fp8_batches=a.fp8_batches,
+                   fp8_compile_modes=modes[a.fp8_compile] if a.fp8_compile else None, peer_batches=a.peer_batches,
+                   loader=not a.no_loader, budget=Budget(a.budget_s), on_result=lambda r: write(r, out),
+                   compile_modes=modes[a.compile], lora_rank=a.lora)
+    path = write(report, out)
     print(markdown(report))
     print(f"wrote {path}")
     return 0

@@ -1,6 +1,6 @@
 """Imagegen's joint attention (non-causal, head dim 64) on one GPU: which kernel, by measurement.
 
-    python3 -m bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--repeats 10] [--tiny]
+    python3 -m bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--paths ...] [--repeats 10] [--tiny]
 
 Shapes: B images, H heads, T = image + text tokens (one joint sequence per image, every token sees every
 other), Dh head dim. SD3-medium: H 24, Dh 64, 333 text tokens.
@@ -11,7 +11,10 @@ Every image of a micro-batch has the same bucket (data/buckets.py), so rows need
 Paths (each skipped, with the reason, where this machine lacks it):
   sdpa_cudnn, sdpa_flash, sdpa_efficient, sdpa_math   SDPA pinned to one backend (imagegen's
                                                      `[model] attention`, MMDiTArgs.attention);
-  flex                                               FlexAttention (compiled), no block mask.
+  flex                                               FlexAttention (compiled), no block mask;
+  fa4                                                FlashAttention-4 (`flash-attn-4`, CuTe DSL: flash_attn.cute
+                                                     flash_attn_func; its Hopper forward and backward), on the
+                                                     same q, k, v seen as [B, T, H, Dh] (a transpose, no copy).
 Exactness on the first image of the batch: output and dq/dk/dv against fp32 attention (the ground truth) as
 the max abs error; "exact" when at most 2× the error of eager attention in the same dtype (bf16 matmuls, fp32
 softmax) + 1e-5, FlashAttention's rule, as bench/attention.py. Timing: forward + backward, CUDA events,
@@ -34,7 +37,7 @@ SHAPES = {"sd3-1024": dict(batch=8, tokens=4096 + 333, heads=24, head_dim=64),
 TINY = {"sd3-1024": dict(batch=2, tokens=48, heads=2, head_dim=16),
         "sd3-512": dict(batch=3, tokens=20, heads=2, head_dim=16)}
 SDPA = ("cudnn", "flash", "efficient", "math")
-PATHS = (*(f"sdpa_{b}" for b in SDPA), "flex")
+PATHS = (*(f"sdpa_{b}" for b in SDPA), "flex", "fa4")
 
 
 def path_fn(name: str, compile_flex: bool) -> Callable:
@@ -54,6 +57,14 @@ def path_fn(name: str, compile_flex: bool) -> Callable:
         from torch.nn.attention.flex_attention import flex_attention
 
         return torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func  # ImportError → recorded as skipped, with the reason
+
+        def fa4(q, k, v):
+            o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, T, H, Dh]
+            return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)  # (out, lse) in some versions
+
+        return fa4
     raise ValueError(f"unknown path {name!r}; known: {PATHS}")
 
 

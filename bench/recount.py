@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from atelier_studio.bench.designer import BenchConfig, make_batches, markdown, mfu_of, parser, step_flops
+from atelier_studio.bench.designer_peers import parse_peer
 from atelier_studio.designer.hf import args_from_size
 from atelier_studio.pipeline.atomic import atomic_write_text
 
@@ -46,8 +47,8 @@ def recount(report: dict[str, Any], tokenizer: str | None = None, warmup: int | 
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items() if k in fields})
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)
-    runs = {mb: [report["sweep"].get(mb)] + [r.get(mb) for r in report["peer_runs"].values()]
-            for mb in report["sweep"]}
+    packed_peers = [r for name, r in report["peer_runs"].items() if not parse_peer(name).one_doc]  # Atelier's rows
+    runs = {mb: [report["sweep"].get(mb)] + [r.get(mb) for r in packed_peers] for mb in report["sweep"]}
     for mb, rs in runs.items():
         batches = make_batches(cfg, int(mb), warmup + steps, tokenizer, run["seed"] + int(mb))  # as bench() does
         useful, _, head_all = step_flops(cfg, args, batches)
@@ -64,7 +65,7 @@ def recount(report: dict[str, Any], tokenizer: str | None = None, warmup: int | 
     if "atelier" in report:
         report["atelier"]["mfu_4n_head_all"] = report["sweep"][str(report["atelier"]["micro_batch"])]["mfu_4n_head_all"]
     for name, p in report["peers"].items():
-        if "micro_batch" in p:
+        if "micro_batch" in p and not parse_peer(name).one_doc:
             p["mfu_4n_head_all"] = report["peer_runs"][name][str(p["micro_batch"])]["mfu_4n_head_all"]
     report.setdefault("notes", {})["mfu_4n_head_all"] = ("added by bench/recount.py from the stored step times "
                                                          "(LM head counted on every token, docs/mfu.md)")

@@ -7,7 +7,7 @@ C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect
   <= resolution² (never more memory than the square bucket), both orientations, W/H within
   [min_ratio, max_ratio]. `nearest_bucket` picks by |log(w/h) - log(W/H)| (a 2:1 and a 1:2 image are
   equally far from square), ties to the lower index. `resize_and_crop` resizes to cover, then
-  centre-crops.
+  centre-crops (torchvision, on uint8 tensors); `bucket_pixels` takes a decoded image to the autoencoder's input.
 - `rank_rows` splits a global batch into each rank's rows (the eval loop's split).
 - `LatentDataset` holds a small latent shard set in memory (the eval split). Training sets are larger than
   memory and stream instead: data/latent_stream.py (per-bucket buffers, shard shuffling, the rank split and
@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from PIL import Image
+from torchvision.transforms.v2 import functional as TF
 
 from atelier_studio.data.shards import read_latent_shards
 
@@ -68,24 +69,37 @@ def assign_buckets(sizes: Sequence[tuple[int, int]], buckets: Sequence[tuple[int
     return dist.argmin(axis=1)  # argmin takes the first minimum: same tie rule as nearest_bucket
 
 
-def resize_and_crop(image: Image.Image, bucket: tuple[int, int]) -> Image.Image:
-    """Resize (bicubic) so the image covers H×W, then centre-crop to exactly H×W."""
+def image_to_uint8(image: Image.Image) -> torch.Tensor:
+    """8-bit RGB image -> uint8 [3, H, W] (no copy beyond the one numpy makes)."""
+    if image.mode != "RGB":
+        raise ValueError(f"expected an RGB image, got mode {image.mode!r} (decode with data.shards.to_rgb)")
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)  # [H, W, 3] -> [3, H, W]
+
+
+def resize_and_crop(pixels: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+    """uint8 [3, h, w] -> uint8 [3, H, W]: resize (bicubic, antialiased) so the image covers H×W, then centre-crop.
+
+    torchvision's resize on uint8 tensors, not Pillow's: on the cache path's 1024-px images it took 14-15 ms per
+    image against Pillow's 33-41 ms (one thread, 2-core x86 CPU), with pixels within one level of Pillow's.
+    """
     H, W = bucket
-    w, h = image.size
+    h, w = pixels.shape[-2:]
     scale = max(W / w, H / h)
     nw, nh = max(W, round(w * scale)), max(H, round(h * scale))
     if (nw, nh) != (w, h):
-        image = image.resize((nw, nh), Image.Resampling.BICUBIC)
+        pixels = TF.resize(pixels, [nh, nw], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
     left, top = (nw - W) // 2, (nh - H) // 2
-    return image.crop((left, top, left + W, top + H))
+    return pixels[..., top:top + H, left:left + W]
 
 
-def image_to_tensor(image: Image.Image) -> torch.Tensor:
-    """8-bit RGB image -> float32 [3, H, W] in [-1, 1] (the autoencoders' input range)."""
-    if image.mode != "RGB":
-        raise ValueError(f"expected an RGB image, got mode {image.mode!r} (decode with data.shards.to_rgb)")
-    arr = torch.from_numpy(np.array(image, dtype=np.uint8))  # [H, W, 3]
-    return arr.permute(2, 0, 1).float() / 127.5 - 1.0
+def image_to_tensor(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [3, H, W] -> float32 [3, H, W] in [-1, 1] (the autoencoders' input range)."""
+    return pixels.float() / 127.5 - 1.0
+
+
+def bucket_pixels(image: Image.Image, bucket: tuple[int, int]) -> torch.Tensor:
+    """An 8-bit RGB image as the autoencoder's input for `bucket` (H, W): float32 [3, H, W] in [-1, 1]."""
+    return image_to_tensor(resize_and_crop(image_to_uint8(image), bucket))
 
 
 def rank_rows(size: int, rank: int, world_size: int) -> tuple[int, int]:

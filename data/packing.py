@@ -82,11 +82,19 @@ class Batch:
     doc_lens: list[int]          # real documents only (FLOPs: sum of len^2)
     num_tokens: int              # non-padding tokens
     num_loss_tokens: int         # labels != -100
+    row_tokens: list[int] | None = None  # non-padding tokens of each row (its padding is its tail); None: no padding
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
-                     self.max_seqlen, self.doc_lens, self.num_tokens, self.num_loss_tokens)
+                     self.max_seqlen, self.doc_lens, self.num_tokens, self.num_loss_tokens, self.row_tokens)
+
+    def real_tokens(self) -> torch.Tensor:
+        """[B, T] bool on the host: True on the documents' tokens, False on each row's padding tail."""
+        b, t = self.input_ids.shape
+        if self.row_tokens is None:
+            return torch.ones(b, t, dtype=torch.bool)
+        return torch.arange(t)[None, :] < torch.tensor(self.row_tokens)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -255,7 +263,8 @@ def make_batch(packed: PackResult, rows: Sequence[int]) -> Batch:
             bounds.append((i + 1) * T)
     segs = [b - a for a, b in zip(bounds, bounds[1:])]
     return Batch(input_ids, labels, position_ids, torch.tensor(bounds, dtype=torch.int32), max_seqlen=max(segs),
-                 doc_lens=doc_lens, num_tokens=sum(doc_lens), num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real))
+                 doc_lens=doc_lens, num_tokens=sum(doc_lens), num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real),
+                 row_tokens=[sum(packed.doc_lens[r]) if r >= 0 else 0 for r in rows])
 
 
 def fixed_shape(batch: Batch, segments: int) -> Batch:

@@ -23,6 +23,9 @@ class ModelConfig:
     # Qwen3.5's gated delta rule (kernels/gated_delta_rule.py): "auto" = fla-core on CUDA (an error if it is
     # not installed), the fp32 reference on CPU; "ref" accepts the slow reference anywhere
     delta_rule: Literal["auto", "fla", "ref"] = "auto"
+    # Qwen3-MoE's load-balancing loss (router_aux_loss_coef · aux, over the real tokens): "auto" = config.json's
+    # output_router_logits decides, as in transformers; "on" / "off" force it. Families without one: auto or off
+    router_aux_loss: Literal["auto", "on", "off"] = "auto"
 
     def validate(self) -> None:
         if not self.path:
@@ -58,6 +61,10 @@ class LoraConfig:
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     dtype: Literal["float32", "bfloat16"] = "float32"  # adapter weights' dtype
     init_adapter: str = ""  # a PEFT adapter directory to continue training from
+    # the frozen base's target linears: "bf16" keeps them in model.dtype; "nf4" stores them in 4 bits (QLoRA:
+    # NF4 with double-quantised block scales, dequantised inside the matmul; designer/lora_nf4.py). The LM head,
+    # embeddings and norms stay in model.dtype either way.
+    base_dtype: Literal["bf16", "nf4"] = "bf16"
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -67,6 +74,10 @@ class LoraConfig:
             raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.base_dtype == "nf4" and self.rank == 0:
+            raise ConfigError('base_dtype: "nf4" stores the frozen base of a LoRA run in 4 bits, but rank = 0 is full '
+                              'fine-tuning, whose weights all train; set lora.rank > 0 for QLoRA, or lora.base_dtype = '
+                              '"bf16"')
 
 
 @dataclass(frozen=True)
@@ -76,3 +87,12 @@ class DesignerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        if self.lora.base_dtype == "nf4" and self.train.precision == "fp8":
+            raise ConfigError('lora.base_dtype = "nf4" with train.precision = "fp8": a frozen base is stored in NF4 or '
+                              'computed in FP8, not both; set one of them back ("bf16")')
+        if self.lora.base_dtype == "nf4" and self.train.distributed.param_dtype != "auto":
+            raise ConfigError(f'train.distributed.param_dtype = "{self.train.distributed.param_dtype}" with '
+                              f'lora.base_dtype = "nf4": a QLoRA run keeps every parameter in its own dtype under '
+                              f'FSDP2 (the NF4 tensors are bytes); leave train.distributed.param_dtype = "auto"')

@@ -9,8 +9,10 @@ the CLI) asks the registry instead of testing types. What a family supplies:
                   the special token ids), `from_hf_config(cfg, source=...)` and `to_hf_config(dtype)`
   model_cls       a designer.model.CausalLM subclass built from the args (HF state-dict names)
   sizes           named sizes: args fields, the vocabulary coming from the tokenizer (`designer init --size`)
-  HF key layout   hf_param_shapes(args) (every key and shape, nothing allocated) and init_param(name, shape,
-                  gen) (one parameter's fp32 init, in state-dict order), read by designer/hf.py
+  HF key layout   hf_param_shapes(args) (every state-dict key and shape, nothing allocated) and init_param(name,
+                  shape, gen) (one stored tensor's fp32 init, in state-dict order), read by designer/hf.py;
+                  hf_layout when some state-dict tensors are stored as several tensors on disk (Qwen3-MoE's
+                  stacked experts, one tensor per expert in the released checkpoints)
   LoRA            lora_targets: short target name → module path inside a block (PEFT's target_modules are
                   the leaf names); default_lora_targets, () for all of them
   train_flops     the model's own FLOP counter: train_flops(model, doc_lens, head_tokens)
@@ -18,6 +20,9 @@ the CLI) asks the registry instead of testing types. What a family supplies:
   blocks          the parallelize plan: the repeated blocks of a built model, each its own activation
                   checkpointing / compile / FSDP2 unit; the rest (embeddings, final norm, head) is the root unit
   preflight       an optional check before anything is loaded (Qwen3.5: fla-core on CUDA)
+  forward_with_aux  the forward of a family with an auxiliary training loss (Qwen3-MoE's load balancing): the
+                  hidden states and the loss term to add, or None
+  expert_counts   an MoE family's tokens per expert and layer on a batch (the bench reports their spread)
   hf_reference    the transformers class it is compared with in tests and bench/designer.py
 
 Adding a family is its own file declaring a Family plus one line in designer/registry.py (or a
@@ -72,6 +77,34 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
+class KeyLayout(Protocol):
+    """How a family stores some of its state-dict tensors on disk as several tensors (designer/hf.py reads both
+    the joined and the split form, and writes the split one). Keys it does not split are stored as they are."""
+
+    def parts(self, key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+        """The stored keys and shapes of state-dict tensor `key`, in init-draw order; None: stored as itself."""
+        ...
+
+    def part(self, key: str, tensor: torch.Tensor, part_key: str) -> torch.Tensor:
+        """Stored tensor `part_key` of state-dict tensor `key` (a view of `tensor`)."""
+        ...
+
+    def join(self, key: str, shape: tuple[int, ...], rows: slice,
+             read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Rows `rows` (dim 0) of state-dict tensor `key` from its stored parts, each read by `read(part_key)`
+        (called in parts order, so init draws stream in the order designer/hf.py writes them)."""
+        ...
+
+
+# (model, input_ids, position_ids, cu_seqlens, max_seqlen, real tokens [B, T] bool, the model.router_aux_loss
+# setting) → (hidden [B, T, D], the auxiliary loss term to add to the mean loss, or None when it is off)
+ForwardWithAux = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, str],
+                          tuple[torch.Tensor, "torch.Tensor | None"]]
+# (model, input_ids, position_ids, cu_seqlens, max_seqlen, real tokens [B, T] bool) → real tokens routed to each
+# expert, [sparse layers, E]
+ExpertCounts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class HFReference:
     """The transformers implementation of a family: what tests and the bench compare against."""
@@ -106,6 +139,9 @@ class Family:
     # config.json dict → args (None: args_cls.from_hf_config(cfg, source=source)); raises ValueError naming source
     read_hf_config: Callable[[dict, str], Any] | None = None
     preflight: Callable[[Any, ModelConfig, torch.device], None] | None = None
+    hf_layout: KeyLayout | None = None  # None: every state-dict tensor is stored under its own key
+    forward_with_aux: ForwardWithAux | None = None  # None: no auxiliary loss (model.router_aux_loss must not be on)
+    expert_counts: ExpertCounts | None = None  # None: not a mixture of experts
 
     def __post_init__(self) -> None:
         problems = []

@@ -8,6 +8,8 @@ Directory layout written and read (the one transformers uses for every family):
   model-0000i-of-0000n.safetensors + model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"})
   tokenizer files (init_random, or save_pretrained(tokenizer_dir=...))
 
+A family may store some state-dict tensors as several tensors (its Family.hf_layout: Qwen3-MoE's stacked experts
+are one tensor per expert in the released checkpoints): both forms are read, the split one is written.
 Weights load from safetensors only (nothing is unpickled). Every file's header is checked against its
 size before any tensor is read, so a truncated or mismatched file fails with its path and key.
 Directories are written by pipeline/atomic.py (a temporary sibling, then renamed into place). A file that
@@ -15,11 +17,13 @@ cannot be loaded is a ModelLoadError (or FileNotFoundError) naming it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -159,30 +163,48 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if not d.is_dir():
         raise FileNotFoundError(f"load_pretrained: model directory {d} does not exist")
     args = read_args(d, attention_impl, delta_rule_impl, kernels)
-    where = check_weight_files(d, args)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(set(where.values())):
-        keys = [k for k, f in where.items() if f == file]
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            for k in keys:
-                state[k] = f.get_tensor(file_key(k, names)).to(device=device, dtype=dtype)
+    with StoredWeights(d, args) as stored:
+        state = {k: stored.read(k).to(device=device, dtype=dtype) for k in stored.shapes}
     with torch.device("meta"):
         model = build_model(args)
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
 
+def stored_shapes(args: Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes on disk of the state-dict tensors `shapes`: each key, or its family's split parts."""
+    layout = family_of_args(args).hf_layout
+    out: dict[str, tuple[int, ...]] = {}
+    for k, shape in shapes.items():
+        parts = layout.parts(k, shape) if layout is not None else None
+        out.update(parts if parts is not None else {k: shape})
+    return out
+
+
 def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
-    """HF key → safetensors file, after checking every key and shape against config.json (nothing is read yet)."""
+    """Stored key → safetensors file, after checking every key and shape against config.json (nothing is read yet).
+
+    A state-dict tensor the family splits (Family.hf_layout) may be stored joined, under its own key, or as its
+    parts; the error for a missing one names the parts.
+    """
     expected = hf_param_shapes(args)
+    layout = family_of_args(args).hf_layout
     where = weight_files(d)
     if args.tie_embeddings:
         where.pop("lm_head.weight", None)  # some exporters store the tied head too; it is the embedding
-    missing = [k for k in expected if k not in where]
+    want: dict[str, tuple[int, ...]] = {}  # the stored keys this directory uses, with their shapes
+    missing = []
+    for k, shape in expected.items():
+        parts = layout.parts(k, shape) if layout is not None else None
+        if k in where or parts is None:
+            want[k] = shape
+            missing += [] if k in where else [k]
+        else:
+            want.update(parts)
+            missing += [p for p in parts if p not in where]
     if missing:
         raise ModelLoadError(f"{d}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = [f"{k} (in {where[k].name})" for k in where if k not in expected]
+    unexpected = [f"{k} (in {where[k].name})" for k in where if k not in want]
     if unexpected:
         raise ModelLoadError(f"{d}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     for file in sorted(set(where.values())):
@@ -191,10 +213,50 @@ def check_weight_files(d: Path, args: Args) -> dict[str, Path]:
             name = file_key(k, header)
             if name not in header:
                 raise ModelLoadError(f"{file}: key {name!r} listed in {INDEX} is not in the file")
-            if tuple(header[name]["shape"]) != expected[k]:
+            if tuple(header[name]["shape"]) != want[k]:
                 raise ModelLoadError(f"{file}: {name} has shape {tuple(header[name]['shape'])}, config.json implies "
-                                 f"{expected[k]}")
+                                 f"{want[k]}")
     return where
+
+
+class StoredWeights(contextlib.AbstractContextManager):
+    """The state-dict tensors of a checked HF directory, read from whichever form its files store them in.
+
+        with StoredWeights(d, args) as stored:
+            t = stored.read("model.layers.0.mlp.experts.gate_up_proj", rows=slice(0, 4))
+
+    Rows are dim 0, the dim FSDP2 shards (pipeline/distributed.py materialize_): only those rows are read.
+    """
+
+    def __init__(self, d: Path, args: Args) -> None:
+        self.shapes = hf_param_shapes(args)  # state-dict key → shape
+        self.where = check_weight_files(d, args)
+        self.layout = family_of_args(args).hf_layout
+        self._stack = contextlib.ExitStack()
+        self._files: dict[Path, Any] = {}
+        self._names: dict[Path, set[str]] = {}
+
+    def __enter__(self) -> StoredWeights:
+        for f in sorted(set(self.where.values())):
+            self._files[f] = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            self._names[f] = set(self._files[f].keys())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _stored(self, key: str, rows: slice | None) -> torch.Tensor:
+        file = self.where[key]
+        name = file_key(key, self._names[file])
+        return self._files[file].get_tensor(name) if rows is None else self._files[file].get_slice(name)[rows]
+
+    def read(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """State-dict tensor `key` (rows `rows` of it, when given)."""
+        if key in self.where:
+            return self._stored(key, rows)
+        shape = self.shapes[key]
+        return self.layout.join(key, shape, rows if rows is not None else slice(0, shape[0]),
+                                lambda part: self._stored(part, None))
 
 
 def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
@@ -255,8 +317,18 @@ def save_pretrained(model: Model, out_dir: str | os.PathLike, dtype: torch.dtype
     if lora:
         raise ValueError(f"save_pretrained: model has LoRA weights ({lora[0]} ...); merge_lora(model) first, "
                          f"or save the adapter with save_peft_adapter")
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return write_hf_dir(out_dir, model.args, shapes, state.__getitem__, dtype, max_shard_bytes, tokenizer_dir)
+    layout = family_of_args(model.args).hf_layout
+    owner = {}  # stored key → its state-dict key
+    for k, v in state.items():
+        parts = layout.parts(k, tuple(v.shape)) if layout is not None else None
+        owner.update(dict.fromkeys(parts, k) if parts is not None else {k: k})
+    shapes = stored_shapes(model.args, {k: tuple(v.shape) for k, v in state.items()})
+
+    def make(key: str) -> torch.Tensor:
+        k = owner[key]
+        return state[k] if k == key else layout.part(k, state[k], key)
+
+    return write_hf_dir(out_dir, model.args, shapes, make, dtype, max_shard_bytes, tokenizer_dir)
 
 
 def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0,
@@ -273,8 +345,9 @@ def init_random(size: str, tokenizer_dir: str | os.PathLike, out_dir: str | os.P
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     args = family.args_of_size(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
-    shapes = hf_param_shapes(args)
+    shapes = stored_shapes(args, hf_param_shapes(args))
     gen = torch.Generator().manual_seed(seed)
-    # make() is called in state-dict order, which is named_parameters() order: same draws as init_weights.
+    # make() is called in state-dict order (a split tensor's parts in parts order), which is named_parameters()
+    # order: the same draws as init_weights.
     return write_hf_dir(out_dir, args, shapes, lambda k: init_param(args, k, shapes[k], gen), dtype, max_shard_bytes,
                         tokenizer_dir)

@@ -1,11 +1,8 @@
 """LoRA for the designer (Hu et al. 2021, arXiv:2106.09685), in PEFT's layout and key names.
 
-Shapes: T tokens (any leading dims), I in-features, O out-features, r rank.
-  LoRALinear(x [..., I]) = base(x) + B(A(dropout(x))) · s,  A [r, I], B [O, r],
-  s = alpha / r, or alpha / √r with rslora (Kalajdzievski 2023, arXiv:2312.03732).
-A is kaiming-uniform(a=√5) and B zeros, as PEFT's default, so a fresh adapter is the identity.
-The base is frozen (no weight gradient); the adapter runs in its own
-dtype (fp32 by default, as PEFT) and its output is cast back to x's dtype.
+The layer, LoRALinear, is the one both trainers share (pipeline/lora.py: y = base(x) + B A dropout(x) · s over a
+frozen base, A kaiming-uniform and B zeros as PEFT's default); this module puts it on a designer family's linears
+and reads and writes PEFT adapters.
 
 Adapters are saved as PEFT does (adapter_config.json + adapter_model.safetensors, keys
 `base_model.model.<module>.lora_{A,B}.weight`), with exactly the target modules and no
@@ -16,6 +13,14 @@ Targets are short names for the linears of a family, from its Family record (des
 projections qkv z b a out). A block gets the targets it has: Qwen3.5's full-attention blocks have self_attn,
 its Gated DeltaNet blocks linear_attn, every block mlp. No targets (the default) means the family's default,
 every linear ("all linear"); a target set that wraps nothing raises.
+
+Grouped weights (Qwen3-MoE's experts: W [G, O, I], one [O, I] matrix per expert, stacked) take one adapter per
+group, GroupedLoRA: A [G, r, I], B [G, O, r]. The module holding such a weight names it by a leaf through
+`grouped_lora_weight(leaf)` (a [G, O, I] view; None for a leaf it does not hold), and keeps its adapters in a
+ModuleDict `lora_adapters` by leaf. They are saved as PEFT saves a per-expert Linear's adapter, one pair per group:
+`base_model.model.<module>.<g>.<leaf>.lora_{A,B}.weight` (the released checkpoints' per-expert key layout), which
+PEFT loads both on transformers 4's per-expert modules and, converted on load, on transformers 5's stacked
+experts. Dropout is not supported there (PEFT's own adapter on a stacked weight refuses it too).
 """
 from __future__ import annotations
 
@@ -24,7 +29,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,110 +38,82 @@ from atelier_studio.designer.family import Family
 from atelier_studio.designer.hf import read_safetensors_header
 from atelier_studio.designer.model import CausalLM
 from atelier_studio.designer.registry import family_of_args, lora_target_names
-from atelier_studio.kernels.lora_linear import lora_linear
+from atelier_studio.pipeline import lora as layers
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from atelier_studio.kernels.fp8_linear import Fp8FrozenWeight
+from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands, lora_init_like  # noqa: F401 (re-exported)
 
 Model = CausalLM
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class LoraArgs:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ()  # short names of the family's linears; () = its default (every linear)
-    rslora: bool = False
-    dtype: str = "float32"  # adapter weights and adapter compute
+class LoraArgs(layers.LoraArgs):
+    """pipeline.lora.LoraArgs whose targets are checked against the designer's families: a name no family has is a
+    typo (each family checks its own at apply time)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoraArgs.rank must be a positive int, got {self.rank!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraArgs.dropout must be in [0, 1), got {self.dropout}")
-        known = lora_target_names()  # a name no family has is a typo; each family checks its own at apply time
+        super().__post_init__()
+        known = lora_target_names()
         bad = [t for t in self.targets if t not in known]
         if bad:
             raise ValueError(f"LoraArgs.targets {bad} are no registered family's linears; known: {', '.join(known)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"LoraArgs.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-@dataclass(frozen=True)
-class SharedInputOperands:
-    """What kernels.lora_linear.lora_linear_group needs of one LoRA layer."""
+class GroupedLoRA(nn.Module):
+    """One adapter per group of a grouped weight W [G, O, I]: group g adds s · (x A[g]ᵀ) B[g]ᵀ.
 
-    weight: torch.Tensor  # [O, I], frozen
-    lora_a: torch.Tensor  # [r, I]
-    lora_b: torch.Tensor  # [O, r]
-    scale: float
-    impl: str  # the group op's kernel choice: lora_linear's names, or fp8_linear's when fp8 is set
-    fp8: Fp8FrozenWeight | None = None  # an FP8 base's fp8 copies (designer/lora_fp8.py); None: a bf16 base
+    lora_A [G, r, I] is kaiming-uniform(a=√5) per group (bound 1/√I, PEFT's init of each expert's A) and lora_B
+    [G, O, r] zeros, in the adapter dtype. The computation is the host's (kernels/moe.py experts_ffn).
+    """
 
-
-class LoRALinear(nn.Module):
-    """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
-
-    def __init__(self, base: nn.Linear, args: LoraArgs, impl: str = "auto") -> None:
+    def __init__(self, groups: int, out_features: int, in_features: int, leaf: str, args: LoraArgs,
+                 device: torch.device) -> None:
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"LoRALinear wraps nn.Linear, got {type(base).__name__}")
-        self.base_layer = base.requires_grad_(False)
-        dtype, device = _DTYPES[args.dtype], base.weight.device
-        self.lora_A = nn.Linear(base.in_features, args.rank, bias=False, device=device, dtype=dtype)  # weight [r, I]
-        self.lora_B = nn.Linear(args.rank, base.out_features, bias=False, device=device, dtype=dtype)  # weight [O, r]
-        self.dropout = nn.Dropout(args.dropout) if args.dropout > 0 else nn.Identity()
-        self.scale = args.scale
-        self.rank = args.rank
-        self.impl = impl  # kernels.lora_linear impl: auto | fused | ref
-        self.reset_parameters()
+        if args.dropout > 0:
+            raise ValueError(f"LoRA dropout {args.dropout} is not supported on grouped weights ({leaf}: one adapter per "
+                             f"expert); set lora.dropout = 0")
+        dtype = layers.DTYPES[args.dtype]
+        self.leaf, self.scale, self.rank = leaf, args.scale, args.rank
+        self.lora_A = nn.Parameter(torch.empty(groups, args.rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(groups, out_features, args.rank, device=device, dtype=dtype))
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform(a=√5) on each [r, I]: gain·√(3/fan_in) = 1/√fan_in
+        with torch.no_grad():
+            self.lora_A.uniform_(-bound, bound)
 
-    @property
-    def in_features(self) -> int:
-        return self.base_layer.in_features
+    @classmethod
+    def of(cls, weight: torch.Tensor, leaf: str, args: LoraArgs) -> GroupedLoRA:
+        """The adapters of grouped weight `weight` [G, O, I], on its device."""
+        g, o, i = weight.shape
+        return cls(g, o, i, leaf, args, weight.device)
 
-    @property
-    def out_features(self) -> int:
-        return self.base_layer.out_features
+    def delta(self) -> torch.Tensor:
+        """s · B[g] A[g] for every group, [G, O, I] in fp32."""
+        return torch.bmm(self.lora_B.float(), self.lora_A.float()) * self.scale
 
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
-        nn.init.zeros_(self.lora_B.weight)
+    def train_flops(self, slots: int) -> int:
+        """Training FLOPs of the adapters on `slots` routed rows: x Aᵀ and (x Aᵀ) Bᵀ, forward, input- and weight-grad
+        (the weight gradient only when the adapter trains)."""
+        _, r, i = self.lora_A.shape
+        per = 2 * slots * (i * r + r * self.lora_B.shape[1])
+        return per * (3 if self.lora_A.requires_grad else 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # kernels.lora_linear: no dW for the frozen base, x·Aᵀ saved for dB (fused on CUDA, fp32 reference elsewhere).
-        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
-        return lora_linear(x, self.base_layer.weight, self.base_layer.bias, self.lora_A.weight, self.lora_B.weight,
-                           self.scale, p, self.impl)
 
-    def shared_input_operands(self) -> SharedInputOperands | None:
-        """This layer's part in a shared-input group (designer.model.shared_input_linears), or None when it must
-        run alone: a bias, or dropout in effect (each layer draws its own mask)."""
-        p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
-        if self.base_layer.bias is not None or p > 0:
-            return None
-        return SharedInputOperands(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scale,
-                                   self.impl)
+def grouped_weight(parent: nn.Module, leaf: str) -> torch.Tensor | None:
+    """The grouped weight [G, O, I] that module `parent` names `leaf`, or None (not a grouped-weight host)."""
+    lookup = getattr(parent, "grouped_lora_weight", None)
+    return lookup(leaf) if lookup is not None else None
 
-    def merged_weight(self) -> torch.Tensor:
-        """W + s·B·A in fp32, cast to the base weight's dtype."""
-        w = self.base_layer.weight
-        return (w.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).to(w.dtype)
+
+def grouped_lora_names(target: str) -> tuple[str, str]:
+    """State-dict names of the (A, B) adapters of grouped target `<module>.<leaf>`."""
+    module, leaf = target.rsplit(".", 1)
+    return f"{module}.lora_adapters.{leaf}.lora_A", f"{module}.lora_adapters.{leaf}.lora_B"
 
 
 def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
-    """(full module name, parent, attribute) of every target linear the model's blocks have."""
+    """(full module name, parent, attribute) of every target linear or grouped weight the model's blocks have."""
     family = family_of_args(model.args)
     targets = family.resolve_lora_targets(args.targets)
     names = {m: n for n, m in model.named_modules()}
@@ -147,8 +123,8 @@ def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str
             parent_path, leaf = family.lora_targets[t].rsplit(".", 1)
             try:
                 parent = block.get_submodule(parent_path)
-            except AttributeError:  # a block without this mixer (a Qwen3.5 block has self_attn or linear_attn)
-                continue
+            except AttributeError:  # a block without this mixer (a Qwen3.5 block has self_attn or linear_attn; a
+                continue  # Qwen3-MoE dense layer has no experts)
             out.append((f"{names[block]}.{family.lora_targets[t]}", parent, leaf))
     if not out:
         raise ValueError(f"LoRA targets {list(targets)} name no linear of this {type(model).__name__}")
@@ -157,7 +133,8 @@ def lora_targets(model: Model, args: LoraArgs) -> list[tuple[str, nn.Module, str
 
 def peft_target_modules(model: nn.Module) -> list[str]:
     """PEFT's target_modules of a model with LoRA applied: the leaf names actually wrapped, in module order."""
-    leaves = [name.rsplit(".", 1)[1] for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    leaves = [name.rsplit(".", 1)[1] if isinstance(m, LoRALinear) else m.leaf for name, m in model.named_modules()
+              if isinstance(m, (LoRALinear, GroupedLoRA))]
     return list(dict.fromkeys(leaves))
 
 
@@ -168,22 +145,65 @@ def apply_lora(model: Model, args: LoraArgs) -> Model:
     model.requires_grad_(False)
     impl = {"triton": "fused"}.get(model.args.kernels, model.args.kernels)  # ModelArgs.kernels → lora_linear's name
     for _, parent, leaf in lora_targets(model, args):
-        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args, impl))
+        grouped = grouped_weight(parent, leaf)
+        if grouped is None:
+            setattr(parent, leaf, LoRALinear(getattr(parent, leaf), args, impl))
+            continue
+        if "lora_adapters" not in parent._modules:
+            parent.lora_adapters = nn.ModuleDict()
+        parent.lora_adapters[leaf] = GroupedLoRA.of(grouped, leaf, args)
     return model
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapter weights (lora_A, lora_B of every LoRALinear), in module order."""
-    return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]
+    """The adapter weights (lora_A, lora_B of every LoRALinear and GroupedLoRA), in module order."""
+    return [p for m in model.modules() if isinstance(m, (LoRALinear, GroupedLoRA))
+            for p in ((m.lora_A.weight, m.lora_B.weight) if isinstance(m, LoRALinear) else (m.lora_A, m.lora_B))]
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT-named adapter tensors: base_model.model.<module>.lora_{A,B}.weight."""
-    out = {}
+    """PEFT-named adapter tensors: base_model.model.<module>.lora_{A,B}.weight; a grouped weight's adapters one
+    pair per group, base_model.model.<module>.<g>.<leaf>.lora_{A,B}.weight (views of the stacked parameters)."""
+    named = {}
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.weight
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.weight
+            named[f"{name}.lora_A.weight"], named[f"{name}.lora_B.weight"] = m.lora_A.weight, m.lora_B.weight
+        elif isinstance(m, GroupedLoRA):
+            named[f"{name}.lora_A"], named[f"{name}.lora_B"] = m.lora_A, m.lora_B
+    return peft_tensors(named)
+
+
+def peft_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors by their state-dict names (a LoRALinear's `<module>.lora_A.weight`, a GroupedLoRA's
+    `<module>.lora_adapters.<leaf>.lora_A` [G, ...]) → PEFT's keys, a grouped one split into its groups (views)."""
+    out = {}
+    for name, t in named.items():
+        if ".lora_adapters." not in name:
+            out[f"{PEFT_PREFIX}{name}"] = t
+            continue
+        host, rest = name.split(".lora_adapters.")
+        leaf, ab = rest.split(".")
+        for g in range(t.shape[0]):
+            out[f"{PEFT_PREFIX}{host}.{g}.{leaf}.{ab}.weight"] = t[g]
+    return out
+
+
+def lora_tensors_of_adapter(model: nn.Module, file: Path) -> dict[str, torch.Tensor]:
+    """A PEFT adapter file's weights by the state-dict names of `model`'s adapters (LoRA applied; load_peft_adapter
+    has checked the keys and shapes): a grouped adapter's per-group tensors stacked."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name, m in model.named_modules():
+            if isinstance(m, LoRALinear):
+                for ab in ("lora_A", "lora_B"):
+                    out[f"{name}.{ab}.weight"] = f.get_tensor(f"{PEFT_PREFIX}{name}.{ab}.weight")
+            elif isinstance(m, GroupedLoRA):
+                host = name.rsplit(".", 2)[0]
+                for ab in ("lora_A", "lora_B"):
+                    out[f"{name}.{ab}"] = torch.stack([f.get_tensor(f"{PEFT_PREFIX}{host}.{g}.{m.leaf}.{ab}.weight")
+                                                       for g in range(m.lora_A.shape[0])])
     return out
 
 
@@ -211,7 +231,7 @@ def lora_args_from_peft_config(cfg: dict, source: str, family: Family) -> LoraAr
     naming the key."""
     if cfg.get("peft_type") != "LORA":
         raise ModelLoadError(f"{source}: peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
-    for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
+    for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern", "target_parameters"):
         if cfg.get(key):
             raise ModelLoadError(f"{source}: {key}={cfg[key]!r} is not supported")
     if cfg.get("use_dora") or cfg.get("bias", "none") != "none":
@@ -245,7 +265,7 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     args = lora_args_from_peft_config(cfg, str(cfg_path), family_of_args(model.args))
     file = d / ADAPTER_FILE
     header = read_safetensors_header(file)
-    existing = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    existing = [m for m in model.modules() if isinstance(m, (LoRALinear, GroupedLoRA))]
     if existing:
         if existing[0].rank != args.rank:
             raise ModelLoadError(f"{cfg_path}: adapter rank r={args.rank} but the model's LoRA layers have rank "
@@ -273,12 +293,18 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
 
 
 def merge_lora(model: Model) -> Model:
-    """Fold every LoRALinear into a plain nn.Linear (W + s·B·A), in place; the result saves as a full HF model."""
+    """Fold every LoRALinear into a plain nn.Linear (W + s·B·A) and every GroupedLoRA into its grouped weight
+    (W[g] + s·B[g]·A[g]), in place; the result saves as a full HF model."""
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):
             parent_name, leaf = name.rsplit(".", 1)
-            base = m.base_layer
+            setattr(model.get_submodule(parent_name), leaf, m.merged_linear())
+        elif isinstance(m, GroupedLoRA):
+            host = model.get_submodule(name.rsplit(".", 2)[0])
+            w = host.grouped_lora_weight(m.leaf)  # a view of the stacked parameter
             with torch.no_grad():
-                base.weight.copy_(m.merged_weight())
-            setattr(model.get_submodule(parent_name), leaf, base)
+                w.copy_((w.float() + m.delta()).to(w.dtype))
+    for m in list(model.modules()):
+        if "lora_adapters" in m._modules:
+            del m.lora_adapters
     return model

@@ -78,3 +78,7 @@ class Float8LoRALinear(LoRALinear):
 def _after_load(module, incompatible_keys) -> None:
     """load_state_dict post hook (a module-level function, so the model still pickles)."""
     module.refresh_fp8_weight()
+
+
+# What train.precision = "fp8" turns a LoRA layer into (pipeline.float8.apply_fp8's `conversions`).
+FP8_CONVERSIONS = {LoRALinear: Float8LoRALinear.from_lora}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin, rope_type
 from atelier_studio.kernels.swiglu import swiglu
 from atelier_studio.pipeline.float8 import float8_group
+from atelier_studio.pipeline.nf4 import NF4Linear
 
 KERNEL_IMPLS = ("auto", "triton", "ref")  # ModelArgs.kernels: rmsnorm / rope / swiglu / LoRA linear
 
@@ -285,12 +286,12 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, blocks, final norm."""
+    """HF's `model.` prefix: embeddings, blocks (Qwen3's, or a family's own `blocks`), final norm."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, blocks: Iterable[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(blocks if blocks is not None else (Block(args) for _ in range(args.num_layers)))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
 
 
@@ -406,13 +407,14 @@ def linear_train_flops(layers: nn.Module, lm_head_weight: torch.Tensor, tokens: 
     """Training FLOPs of every nn.Linear under `layers` on `tokens` tokens plus the LM head on `head_tokens`.
 
     Per weight W [in → out]: 2·in·out·T forward + 2·in·out·T input-grad + 2·in·out·T weight-grad only if
-    W.requires_grad (a LoRA's frozen base gets none; a LoRA's own A and B are nn.Linear and count themselves).
+    W.requires_grad (a LoRA's frozen base gets none; a LoRA's own A and B are nn.Linear and count themselves; an
+    NF4Linear is a frozen linear: its dequantisation is overhead, never counted).
     """
     total = 0
     for m in layers.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, NF4Linear)):
             per = 2 * m.in_features * m.out_features * tokens
-            total += per * (3 if m.weight.requires_grad else 2)
+            total += per * (3 if isinstance(m, nn.Linear) and m.weight.requires_grad else 2)
     per = 2 * lm_head_weight.shape[0] * lm_head_weight.shape[1] * head_tokens
     return total + per * (3 if lm_head_weight.requires_grad else 2)
 
@@ -430,11 +432,17 @@ def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
     raise ValueError(f"init_param: no init rule for parameter {name}")
 
 
+def meta_shapes(model_cls: Callable[[Any], nn.Module], args: Any) -> dict[str, tuple[int, ...]]:
+    """State-dict key → shape of every tensor of `model_cls(args)`, in state-dict order, built on the meta device
+    (nothing allocated)."""
+    with torch.device("meta"):
+        model = model_cls(dataclasses.replace(args, attention_impl="sdpa"))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def hf_param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """HF key → shape of every parameter of a Qwen3 with `args`, in state-dict order, without allocating."""
-    with torch.device("meta"):
-        model = Qwen3(dataclasses.replace(args, attention_impl="sdpa"))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return meta_shapes(Qwen3, args)
 
 
 def num_params(args: ModelArgs) -> int:

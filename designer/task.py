@@ -18,6 +18,11 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 `train.precision = "fp8"` (pipeline/float8.py) computes every linear of the blocks in FP8 — full fine-tuning's
 trainable linears, LoRA's frozen bases (quantised once; the adapters stay in lora.dtype) — and keeps the LM head
 (it runs inside the chunked cross-entropy), the embeddings and the norms as they are. One process only.
+
+`lora.base_dtype = "nf4"` (QLoRA, designer/lora_nf4.py) stores the LoRA bases in NF4, quantised on the device at
+load: one process reads the model onto the host and moves one base weight at a time to the device to quantise it;
+under torchrun each rank quantises each whole weight the same way and keeps its rows (FSDP2 shards the 4-bit
+tensors). The LM head, embeddings and norms stay in model.dtype, and the adapters train as in a bf16-base run.
 """
 
 from __future__ import annotations
@@ -26,10 +31,9 @@ import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 
 from atelier_studio.data.balance import BalancedPackedLoader
 from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
@@ -37,23 +41,30 @@ from atelier_studio.data.packing import Batch, compile_shape, pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.family import DesignerArgs
-from atelier_studio.designer.hf import Model, build_model, check_weight_files, file_key, load_pretrained, read_args, save_pretrained
+from atelier_studio.designer.hf import Model, StoredWeights, build_model, load_pretrained, read_args, save_pretrained
 from atelier_studio.designer.lora import (
     ADAPTER_FILE,
-    PEFT_PREFIX,
+    GroupedLoRA,
     LoraArgs,
-    LoRALinear,
+    grouped_lora_names,
+    grouped_weight,
+    lora_init_like,
     lora_targets,
+    lora_tensors_of_adapter,
     apply_lora,
     load_peft_adapter,
     merge_lora,
     save_peft_adapter,
 )
+from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.designer.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
+from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4Linear
 from atelier_studio.pipeline.progress import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -66,6 +77,7 @@ class DeviceBatch:
 
     batch: Batch
     loss_index: torch.Tensor  # [num_loss_tokens] positions (in the flattened B*T tokens) that carry a label
+    real_tokens: torch.Tensor  # [B, T] bool: not padding (a family's auxiliary loss counts these only)
 
 
 class DesignerTask:
@@ -88,6 +100,7 @@ class DesignerTask:
 
         exact = cfg.model.dtype == "float32"
         full = cfg.lora.rank == 0
+        self.nf4 = cfg.lora.base_dtype == "nf4"
         # full FT: fp32 master weights; LoRA: the frozen base in the compute dtype
         base_dtype = torch.float32 if (exact or full) else torch.bfloat16
         self.lora_args: LoraArgs | None = None
@@ -98,13 +111,19 @@ class DesignerTask:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
             self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                       targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+        if self.lora_args is not None and self.lora_args.dropout > 0:
+            _check_grouped_dropout(args, self.lora_args, cfg.lora.dropout)
+        if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
+            raise ConfigError(f"model.router_aux_loss = 'on': {self.family.name} models have no auxiliary loss "
+                              f"(model.path {model_dir}); leave it 'auto' or 'off'")
         _preflight(cfg, args, device)
         check_precision(cfg.train, device, self.dist.enabled)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)
         n_train = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        n_all = sum(p.numel() for p in self.model.parameters())
+        n_all = sum(p.numel() for n, p in self.model.named_parameters() if not NF4Linear.owns_parameter(n))
+        n_all += sum(m.in_features * m.out_features for m in self.model.modules() if isinstance(m, NF4Linear))
         log(f"designer: {n_all / 1e6:.3f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({'full fine-tuning' if full else f'LoRA r{cfg.lora.rank}'}), {cfg.model.dtype} on {device}")
 
@@ -115,61 +134,102 @@ class DesignerTask:
         choice = self.cfg.train.distributed.param_dtype
         if choice != "auto":
             return getattr(torch, choice)
+        if self.nf4:  # every parameter in its own dtype: the NF4 tensors are bytes (pipeline/nf4.py)
+            return None
         if self.cfg.model.dtype == "float32":
             return torch.float32
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
-        apply_precision(model, self.cfg.train)  # FP8 linears first: the policies below wrap what runs
+        apply_precision(model, self.cfg.train, conversions=FP8_CONVERSIONS)  # FP8 linears first: the policies below wrap what runs
         return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 
     def _build(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
-        """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it)."""
-        model = load_pretrained(model_dir, dtype=base_dtype, device=self.device, attention_impl=self.cfg.model.attention,
-                                delta_rule_impl=self.cfg.model.delta_rule, kernels=self.cfg.model.kernels)
+        """One process (or init = "full"): load the whole model, add LoRA, then wrap (FSDP shards it).
+
+        QLoRA loads the model on the host and quantises the LoRA bases on the device one at a time, so the device
+        never holds the bf16 base; the adapters are drawn on the device as apply_lora draws them in a bf16 run."""
+        model = load_pretrained(model_dir, dtype=base_dtype, device="cpu" if self.nf4 else self.device,
+                                attention_impl=self.cfg.model.attention, delta_rule_impl=self.cfg.model.delta_rule,
+                                kernels=self.cfg.model.kernels)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
+            elif self.nf4:
+                init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
+                with torch.random.fork_rng(devices=[]):  # these host draws are replaced by `init`: no trace of them
+                    apply_lora(model, self.lora_args)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name in init:
+                            p.copy_(init[name])
             else:
                 apply_lora(model, self.lora_args)
-        return self._wrap(model)
+        if self.nf4:
+            self._quantize_bases(model)
+            model.to(self.device)
+        self._wrap(model)
+        self._log_nf4_shards(model)
+        return model
+
+    def _quantize_bases(self, model: Model) -> None:
+        """lora.base_dtype = "nf4": every LoRA base that fits NF4 quantised on the device (designer/lora_nf4.py)."""
+        done, kept = quantize_lora_bases(model, self.device)
+        if not done:
+            raise ConfigError(f'lora.base_dtype = "nf4": no LoRA target of this {self.family.name} model can be stored '
+                              f'in NF4 (in_features must be a multiple of 64; lora.targets wraps {", ".join(kept)}); '
+                              f'target other linears, or set lora.base_dtype = "bf16"')
+        log(f"qlora: {len(done)} LoRA bases stored in NF4" + (f"; kept in the model dtype (in_features not a multiple "
+                                                              f"of 64): {', '.join(kept)}" if kept else ""))
 
     def _build_sharded(self, model_dir: Path, base_dtype: torch.dtype) -> Model:
         """Meta model → LoRA → wrap → each rank reads only its rows of every tensor from the safetensors files."""
-        from safetensors import safe_open
-
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: not found")
         args = read_args(model_dir, self.cfg.model.attention, self.cfg.model.delta_rule, self.cfg.model.kernels)
-        where = check_weight_files(model_dir, args)
+        stored = StoredWeights(model_dir, args)  # checks every key and shape before anything is built
         with torch.device("meta"):
             model = build_model(args).to(base_dtype)
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
                 load_peft_adapter(model, self.cfg.lora.init_adapter)
-                adapter = Path(self.cfg.lora.init_adapter) / ADAPTER_FILE
-                with safe_open(str(adapter), framework="pt", device="cpu") as f:
-                    lora_init = {k[len(PEFT_PREFIX):]: f.get_tensor(k) for k in f.keys()}
+                lora_init = lora_tensors_of_adapter(model, Path(self.cfg.lora.init_adapter) / ADAPTER_FILE)
             else:
                 lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 apply_lora(model, self.lora_args)
+            if self.nf4:
+                self._quantize_bases(model)  # meta NF4 tensors: read() below fills them
         self._wrap(model)
-        with contextlib.ExitStack() as stack:
-            files = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                     for f in sorted(set(where.values()))}
-            names = {f: set(h.keys()) for f, h in files.items()}
+        with stored:
+            nf4 = _NF4Reader(lambda key: stored.read(key).to(self.device, base_dtype))
 
             def read(name: str, rows: slice) -> torch.Tensor:
                 if name in lora_init:
                     return lora_init[name][rows]
-                key = name.replace(".base_layer.", ".")  # a LoRA-wrapped base weight has the HF name
-                return files[where[key]].get_slice(file_key(key, names[where[key]]))[rows]
+                if nf4.owns(name):
+                    return nf4.read(name, rows)
+                return stored.read(name.replace(".base_layer.", "."), rows)  # a LoRA-wrapped base has the HF name
 
             materialize_(model, self.device, read)
+        self._log_nf4_shards(model)
         return model
+
+    def _log_nf4_shards(self, model: Model) -> None:
+        """Under FSDP2, how much of the NF4 bases this rank holds (1 / world size of it, by rows)."""
+        if not (self.nf4 and self.dist.enabled):
+            return
+        from torch.distributed.tensor import DTensor
+
+        held = total = 0
+        for name, p in model.named_parameters():
+            if NF4Linear.owns_parameter(name):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                held, total = held + local.numel() * local.element_size(), total + p.numel() * p.element_size()
+        log(f"qlora: rank {self.dist.rank} of {self.dist.world_size} holds {held:,} of the {total:,} bytes of NF4 "
+            f"bases")
 
     # ------------------------------------------------------------------ data
 
@@ -190,7 +250,8 @@ class DesignerTask:
         if self.cfg.train.distributed.compile:
             batch = compile_shape(batch)  # a bounded set of shapes for the compiled blocks
         loss_index = batch.labels.reshape(-1).ne(-100).nonzero().squeeze(1)  # on the host: no device sync
-        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True))
+        return DeviceBatch(batch.to(self.device), loss_index.to(self.device, non_blocking=True),
+                           batch.real_tokens().to(self.device, non_blocking=True))
 
     def train_batches(self) -> Iterator[DeviceBatch]:
         return (self._to_device(b) for b in self.train_loader)
@@ -212,13 +273,24 @@ class DesignerTask:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def loss_sum(self, b: DeviceBatch) -> torch.Tensor:
+        """Σ cross-entropy over the caption tokens, plus a family's auxiliary loss term (Qwen3-MoE's load balancing)
+        times the micro-batch's loss tokens: divided by the accumulated batch's loss tokens (the trainer), the step
+        loss is the mean cross-entropy plus the auxiliary term weighted by each micro-batch's share of the loss
+        tokens (with one micro-batch: exactly transformers' loss + router_aux_loss_coef · aux)."""
         batch = b.batch
         with self._autocast():
-            hidden = self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)  # [B,T,D]
+            inputs = (batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+            aux = None
+            if self.family.forward_with_aux is None:
+                hidden = self.model(*inputs)  # [B,T,D]
+            else:
+                hidden, aux = self.family.forward_with_aux(self.model, *inputs, b.real_tokens,
+                                                           self.cfg.model.router_aux_loss)
             hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, b.loss_index)  # [N,D]
             labels = batch.labels.reshape(-1).index_select(0, b.loss_index)  # [N]
             weight = self.model.lm_head_weight
-            return linear_cross_entropy(hidden, weight, labels)
+            total = linear_cross_entropy(hidden, weight, labels)
+        return total if aux is None else total + aux.float() * batch.num_loss_tokens
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_loader is None:
@@ -294,21 +366,66 @@ def _preflight(cfg: DesignerConfig, args: DesignerArgs, device: torch.device) ->
         family.preflight(args, cfg.model, device)
 
 
-def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
-    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name.
+def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -> None:
+    """LoRA dropout on grouped weights (Qwen3-MoE's experts) is refused before anything is loaded, naming the key."""
+    with torch.device("meta"):
+        probe = build_model(args)
+    leaves = sorted({leaf for _, parent, leaf in lora_targets(probe, lora) if grouped_weight(parent, leaf) is not None})
+    if leaves:
+        targets = [t for t, path in family_of_args(args).lora_targets.items() if path.rsplit(".", 1)[1] in leaves]
+        raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where dropout "
+                          f"is not supported (PEFT refuses it there too); set lora.dropout = 0, or lora.targets without "
+                          f"{', '.join(targets)}")
 
-    Each adapter is made by LoRALinear itself around an uninitialised stand-in for its base (skip_init draws
-    nothing), so the draws are exactly apply_lora's; the stand-in is one linear at a time. Adapters are
-    small: every rank draws all of them and keeps its rows, so a sharded run starts from the adapter a
-    one-process run with the same seed starts from.
+
+class _NF4Reader:
+    """materialize_'s reader for the NF4 tensors of a meta model's LoRA bases (pipeline/nf4.py's names).
+
+    A weight's NF4 form depends on the whole weight (its mean and group factors), so a rank reads the whole HF
+    weight, quantises it on the device exactly as one process does, and keeps its rows of the row-sharded data and
+    scalers. materialize_ asks for every parameter before any buffer: the last weight's full NF4 form is kept for
+    its second parameter, and each weight's small whole-rank tensors (factor, mean, code) for the buffers."""
+
+    def __init__(self, load: Callable[[str], torch.Tensor]) -> None:
+        self.load = load
+        self.current: tuple[str, NF4Weight] | None = None
+        self.small: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        return name.rpartition(".")[2] in NF4_TENSORS and ".base_layer." in name
+
+    def read(self, name: str, rows: slice) -> torch.Tensor:
+        stem, _, part = name.rpartition(".")  # stem: <linear>.base_layer
+        if part in ("quantized_data", "quantized_scalers"):
+            if self.current is None or self.current[0] != stem:
+                w = quantize_nf4(self.load(stem.replace(".base_layer", "") + ".weight"))
+                self.current = (stem, w)
+                self.small[stem] = {"quantization_factor": w.factor, "scaler_mean": w.mean, "nf4": w.code}
+            w = self.current[1]
+            return (w.data if part == "quantized_data" else w.scalers)[rows]
+        if stem not in self.small:
+            raise KeyError(f"{name}: read before its layer's quantised parameters")
+        return self.small[stem][part]  # whole on every rank
+
+
+
+def _lora_init_like_apply_lora(model: Model, args: LoraArgs, device: torch.device) -> dict[str, torch.Tensor]:
+    """The full LoRA weights apply_lora would draw (same order, generator and device), by parameter name: a
+    grouped weight's (Qwen3-MoE's experts) from GroupedLoRA itself, a linear's from pipeline.lora.lora_init_like,
+    one target at a time so the draws come in apply_lora's order. Every rank draws all of them and keeps its rows,
+    so a sharded run starts from the adapter a one-process run with the same seed starts from.
     """
     out = {}
     for name, parent, leaf in lora_targets(model, args):
-        base = getattr(parent, leaf)
-        stand_in = torch.nn.utils.skip_init(nn.Linear, base.in_features, base.out_features, bias=False, device=device)
-        lora = LoRALinear(stand_in, args)
-        out[f"{name}.lora_A.weight"] = lora.lora_A.weight.detach()
-        out[f"{name}.lora_B.weight"] = lora.lora_B.weight.detach()
+        grouped = grouped_weight(parent, leaf)
+        if grouped is None:
+            out.update(lora_init_like([(name, getattr(parent, leaf))], args, device))
+            continue
+        g, o, i = grouped.shape
+        lora = GroupedLoRA(g, o, i, leaf, args, device)
+        a_name, b_name = grouped_lora_names(name)
+        out[a_name], out[b_name] = lora.lora_A.detach(), lora.lora_B.detach()
     return out
 
 

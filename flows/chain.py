@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.chain")
     result = brief_to_image(args.designer_config, args.imagegen_config, args.briefs, args.out, nproc=args.nproc)

@@ -4,15 +4,20 @@
     atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|...|qwen3.5-tiny|qwen3.5-9b --tokenizer DIR --out DIR  (registered sizes)
+    atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR  (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
+<<<<<<< HEAD
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
     atelier eval --captions FILE [--imagegen DIR] --out DIR
+=======
+    atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
+    atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
+>>>>>>> main
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
@@ -218,6 +223,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from atelier_studio.flows.evaluate import evaluate_brief_to_image, evaluate_captions
     from atelier_studio.pipeline.errors import UsageError
 
+<<<<<<< HEAD
     if args.captions:
         if args.designer or args.briefs:
             raise UsageError("--captions replaces the designer: pass either --captions or --designer with --briefs")
@@ -230,6 +236,23 @@ def run_eval(args: argparse.Namespace) -> int:
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
                                      steps=args.steps, guidance=args.guidance)
+=======
+    from atelier_studio.flows.evaluate import describe_scores
+
+    result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
+                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
+                                     clip=Path(args.clip) if args.clip else None)
+    print(f"scores run: {describe_scores(result)}")
+    print(result)
+    return 0
+
+
+def run_render(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.render import render_briefs_plain
+
+    result = render_briefs_plain(designer=Path(args.designer), imagegen=Path(args.imagegen), briefs=Path(args.briefs),
+                                 out_dir=Path(args.out), seed=args.seed, steps=args.steps, guidance=args.guidance)
+>>>>>>> main
     print(result)
     return 0
 
@@ -276,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "init", designer_init, "write a random-init model directory of a registered family (HF layout)")
     sp.add_argument("--size", required=True,
                     help="a size of a registered family (designer/registry.py), e.g. Qwen3's tiny, demo, 0.6b ... 32b "
-                         "or Qwen3.5's qwen3.5-tiny, qwen3.5-9b; an unknown size lists them all")
+                         "Qwen3.5's qwen3.5-tiny, qwen3.5-9b, Qwen3-MoE's qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b; "
+                         "an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
@@ -346,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
 
+<<<<<<< HEAD
     sp = command(groups, "eval", run_eval, "brief → designer → imagegen → judge")
     sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")
     sp.add_argument("--imagegen", default="", help="the MMDiT (a run's ema/ or transformer/ directory, or the run)")
@@ -359,6 +384,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--guidance", type=float, default=4.0,
                     help="classifier-free guidance scale (default 4.0; the shapes-world demo uses its config's "
                          "sample.guidance)")
+=======
+    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
+    sp.add_argument("--designer", required=True)
+    sp.add_argument("--imagegen", required=True)
+    sp.add_argument("--briefs", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image "
+                                               "(the only scores briefs outside the shapes world get)")
+    sp = command(groups, "render", run_render, "briefs (any text) → designer captions → images")
+    sp.add_argument("--designer", required=True, help="a designer model, adapter or run directory")
+    sp.add_argument("--imagegen", required=True, help="what `imagegen sample --model` takes, or a run directory")
+    sp.add_argument("--briefs", required=True, help=".txt (one brief per line) or .jsonl ({\"brief\": ...})")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--steps", type=int, default=28)
+    sp.add_argument("--guidance", type=float, default=4.0)
+>>>>>>> main
     return p
 
 

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from atelier_studio.flows.serve import REPO, child_env, start
+from atelier_studio.flows.local_server import REPO, child_env
+from atelier_studio.flows.serve import start
 
 WORLD = Path("runs/world")
 TOKENIZER = Path("runs/tokenizer")

@@ -1,25 +1,35 @@
-"""Flow `brief-to-image-eval`: briefs → designer captions → imagegen images → judged scores.
+"""Flow `brief-to-image-eval`: briefs → designer captions → imagegen images → scores.
 
     atelier eval --designer runs/d1/model --imagegen runs/i1/ema --briefs runs/world/briefs_eval.txt --out runs/eval
-    python -m flows.evaluate --designer ... --imagegen ... --briefs ... --out ...     (as a Prefect flow)
+        [--clip models/clip-vit-large-patch14]
+    python -m flows.evaluate --designer ... --imagegen ... --briefs ... --out ... [--clip DIR]   (as a Prefect flow)
 
 Steps, each a plain function taking and returning paths (the flow wraps each in a task):
-    1. `read_briefs`      briefs file → list of briefs (.txt: one per line; .jsonl: {"brief": ...} per line);
-                          a bad line is an error naming file:line
+    1. `read_briefs`      briefs file → list of briefs, any text (.txt: one per line; .jsonl: {"brief": ...} per
+                          line); a bad line is an error naming file:line
     2. `write_captions`   designer.generate.generate_captions → <out>/captions.jsonl ({brief, caption})
     3. `render_images`    imagegen.sample.sample_to_dir → <out>/images/*.png, one per non-empty caption, and
                           <out>/images.json (caption row → image path, null for an empty caption: scores 0)
-    4. `judge`            data.judge → <out>/scores.json (per brief + aggregate + caption statistics),
+    4. `judge`            → <out>/scores.json (per brief + aggregate + caption statistics + which scores ran),
                           <out>/scores.csv, <out>/grid.png, <out>/summary.md
 
+<<<<<<< HEAD
 `evaluate_captions` judges given captions without the designer (`atelier eval --captions FILE`): a JSONL of
 {"brief", "caption"} rows, such as the shapes world's eval.jsonl. With an imagegen it measures the imagegen alone
 on those captions; without one it judges the images the rows name (the world's own renders), which measures the
 judge itself.
+=======
+What scores a brief gets: a shapes-world brief (data/synthetic.py's grammar) is judged by data/judge.py (colour,
+shape and position of the image against the brief, the caption against the brief); with `clip` (a local
+transformers CLIP directory, data/clip_score.py) every image also gets CLIP scores against its brief and its
+caption, which is the only score a brief outside the shapes world can get. A brief no scorer applies to is
+listed as not scored. scores.json's "scores_run" and the summary say which scores ran on how many briefs.
+>>>>>>> main
 
 `designer` is a model directory (config.json + safetensors), a PEFT adapter directory
 (adapter_config.json; its base model is read from it) or a run directory (its summary.json exports);
-`imagegen` is a run's ema/ or transformer/ directory (or a run directory: ema/ preferred).
+`imagegen` is a run's ema/, transformer/, lora_ema/ or lora/ directory, an SD3 pipeline directory, or a run
+directory (ema/ preferred, then lora_ema/, transformer/, lora/).
 """
 
 from __future__ import annotations
@@ -46,9 +56,8 @@ GRID_MAX_IMAGES = 64
 
 
 def read_briefs(path: str | Path) -> list[str]:
-    """Briefs from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name file:line."""
-    from atelier_studio.data.synthetic import brief_constraints
-
+    """Briefs (any text) from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name
+    file:line."""
     path = Path(path)
     if not path.is_file():
         raise FlowInputError(f"briefs file {path} does not exist")
@@ -67,11 +76,7 @@ def read_briefs(path: str | Path) -> list[str]:
             if not isinstance(obj, dict) or not isinstance(obj.get("brief"), str) or not obj["brief"].strip():
                 raise FlowInputError(f"{where}: expected an object with a non-empty string field 'brief'")
             brief = obj["brief"].strip()
-        try:
-            brief_constraints(brief)  # the judge needs the brief's constraints: check now, not after sampling
-        except ValueError as e:
-            raise FlowInputError(f"{where}: brief {brief!r} cannot be judged in the shapes world ({e})") from None
-        briefs.append(brief)
+        briefs.append(" ".join(brief.split()))  # one line: the designer's briefs file has one brief per line
     if not briefs:
         raise FlowInputError(f"briefs file {path} has no briefs")
     return briefs
@@ -123,17 +128,27 @@ def resolve_designer(path: str | Path) -> tuple[Path, Path | None]:
                          f"(run directory) in it")
 
 
+IMAGEGEN_EXPORTS = ("ema", "lora_ema", "transformer", "lora")  # a run directory's, in order of preference
+
+
 def resolve_imagegen(path: str | Path) -> Path:
-    """A transformer directory (config.json + weights) for a run's ema/ or transformer/ dir or the run dir itself."""
+    """What `atelier imagegen sample` takes (a transformer or LoRA directory, an SD3 pipeline directory) for itself
+    or a run directory (its exports, IMAGEGEN_EXPORTS)."""
+    from atelier_studio.imagegen.lora import LORA_FILE
+
+    def samplable(d: Path) -> bool:
+        return any((d / name).is_file() for name in ("config.json", LORA_FILE, "model_index.json"))
+
     p = Path(path)
     if not p.exists():
-        raise FlowInputError(f"imagegen {p} does not exist (a run's ema/ or transformer/ directory)")
-    if (p / "config.json").is_file():
+        raise FlowInputError(f"imagegen {p} does not exist (a run's ema/, transformer/, lora_ema/ or lora/ directory)")
+    if samplable(p):
         return p
-    for sub in ("ema", "transformer"):
-        if (p / sub / "config.json").is_file():
+    for sub in IMAGEGEN_EXPORTS:
+        if samplable(p / sub):
             return p / sub
-    raise FlowInputError(f"imagegen {p}: no config.json, ema/ or transformer/ in it (not a trained MMDiT)")
+    raise FlowInputError(f"imagegen {p}: no config.json, {LORA_FILE} or model_index.json, and none of "
+                         f"{', '.join(d + '/' for d in IMAGEGEN_EXPORTS)} in it (not a trained MMDiT)")
 
 
 # ----------------------------------------------------------------------------- steps
@@ -207,8 +222,23 @@ def caption_stats(captions: Sequence[str]) -> dict[str, float]:
             "distinct_fraction": len(set(captions)) / len(captions)}
 
 
-def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Score every (brief, caption, image); write scores.json, scores.csv, grid.png, summary.md; return the summary."""
+SHAPES_JUDGE, CLIP = "shapes-world judge", "CLIP score"
+
+
+def _shapes_brief(brief: str) -> bool:
+    from atelier_studio.data.synthetic import brief_constraints
+
+    try:
+        brief_constraints(brief)
+    except ValueError:
+        return False
+    return True
+
+
+def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Path,
+          clip: str | Path | None = None) -> dict[str, Any]:
+    """Score every (brief, caption, image) with the scorers that apply (module docstring); write scores.json,
+    scores.csv, grid.png, summary.md; return the summary."""
     from atelier_studio.data.judge import judge_caption, judge_image, judge_image_brief
     from atelier_studio.data.synthetic import parse_caption
 
@@ -220,27 +250,44 @@ def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Pa
     per_brief = []
     for i, (row, img) in enumerate(zip(rows, images)):
         brief, caption = row["brief"], row["caption"]
-        c = judge_caption(caption, brief)
-        entry = {"index": i, "brief": brief, "caption": caption, "image": img, "score": 0.0, "color_ok": False,
-                 "shape_ok": False, "position_ok": False, "detected": False, "caption_score": c.score,
-                 "caption_parsed": c.parsed, "image_caption_score": None}
-        if img is not None:
-            b = judge_image_brief(img, brief)
-            entry.update(score=b.score, color_ok=b.color_ok, shape_ok=b.shape_ok, position_ok=b.position_ok,
-                         detected=b.detected)
-            if parse_caption(caption) is not None:
-                entry["image_caption_score"] = judge_image(img, caption).score
+        entry = {"index": i, "brief": brief, "caption": caption, "image": img, "scorer": None, "score": None,
+                 "color_ok": None, "shape_ok": None, "position_ok": None, "detected": None, "caption_score": None,
+                 "caption_parsed": None, "image_caption_score": None, "clip_brief": None, "clip_caption": None}
+        if _shapes_brief(brief):
+            c = judge_caption(caption, brief)
+            entry.update(scorer=SHAPES_JUDGE, score=0.0, color_ok=False, shape_ok=False, position_ok=False,
+                         detected=False, caption_score=c.score, caption_parsed=c.parsed)
+            if img is not None:
+                b = judge_image_brief(img, brief)
+                entry.update(score=b.score, color_ok=b.color_ok, shape_ok=b.shape_ok, position_ok=b.position_ok,
+                             detected=b.detected)
+                if parse_caption(caption) is not None:
+                    entry["image_caption_score"] = judge_image(img, caption).score
         per_brief.append(entry)
-    mean = lambda key: statistics.fmean(float(r[key]) for r in per_brief)  # noqa: E731
-    fid = [r["image_caption_score"] for r in per_brief if r["image_caption_score"] is not None]
-    aggregate = {"n": len(per_brief), "score": mean("score"), "color_ok": mean("color_ok"),
-                 "shape_ok": mean("shape_ok"), "position_ok": mean("position_ok"), "detected": mean("detected"),
-                 "caption_score": mean("caption_score"),
-                 "image_caption_score": statistics.fmean(fid) if fid else None}
+    if clip:
+        _clip_scores(per_brief, clip)
+    judged = [r for r in per_brief if r["scorer"] == SHAPES_JUDGE]
+
+    def mean(key: str, among: list[dict]) -> float | None:
+        values = [float(r[key]) for r in among if r[key] is not None]
+        return statistics.fmean(values) if values else None
+
+    aggregate = {"n": len(per_brief), "judged": len(judged), "score": mean("score", judged),
+                 "color_ok": mean("color_ok", judged), "shape_ok": mean("shape_ok", judged),
+                 "position_ok": mean("position_ok", judged), "detected": mean("detected", judged),
+                 "caption_score": mean("caption_score", judged),
+                 "image_caption_score": mean("image_caption_score", judged)}
+    if clip:
+        aggregate.update(clip_brief=mean("clip_brief", per_brief), clip_caption=mean("clip_caption", per_brief))
+    scores_run = {SHAPES_JUDGE: len(judged)}
+    if clip:
+        scores_run[CLIP] = len(per_brief)
+    not_scored = [r["index"] for r in per_brief if r["scorer"] is None]
     stats = caption_stats([r["caption"] for r in per_brief])
     drawn = [Path(p) for p in images if p is not None][:GRID_MAX_IMAGES]
     grid = make_grid(drawn, out / "grid.png", cols=8, scale=2) if drawn else None
-    result = {"aggregate": aggregate, "captions": stats, "per_brief": per_brief,
+    result = {"aggregate": aggregate, "scores_run": scores_run, "not_scored": not_scored,
+              "clip": str(Path(clip).resolve()) if clip else None, "captions": stats, "per_brief": per_brief,
               "files": {"scores_json": str(out / "scores.json"), "scores_csv": str(out / "scores.csv"),
                         "grid": str(grid) if grid else None, "captions": str(captions_file),
                         "images": str(images_index),
@@ -254,17 +301,55 @@ def judge(captions_file: str | Path, images_index: str | Path, out_dir: str | Pa
     return {k: v for k, v in result.items() if k != "per_brief"}
 
 
+def _clip_scores(per_brief: list[dict[str, Any]], clip: str | Path) -> None:
+    """CLIP scores of every drawn image against its brief and its caption (0 where no image was drawn: the chain
+    failed there); a brief no other scorer took is scored by CLIP."""
+    import torch
+
+    from atelier_studio.data.clip_score import ClipScorer
+
+    scorer = ClipScorer(clip, "cuda" if torch.cuda.is_available() else "cpu")
+    drawn = [r for r in per_brief if r["image"] is not None]
+    if drawn:
+        images = [r["image"] for r in drawn]
+        for key, texts in (("clip_brief", [r["brief"] for r in drawn]), ("clip_caption", [r["caption"] for r in drawn])):
+            for r, value in zip(drawn, scorer.scores(images, texts)):
+                r[key] = value
+    for r in per_brief:
+        if r["image"] is None:
+            r["clip_brief"] = r["clip_caption"] = 0.0
+        if r["scorer"] is None:
+            r["scorer"] = CLIP
+
+
+def describe_scores(result: dict[str, Any]) -> str:
+    """Which scores ran on how many briefs, in one line (the summary, the flow's log)."""
+    a, run = result["aggregate"], result["scores_run"]
+    parts = [f"{SHAPES_JUDGE} on {run[SHAPES_JUDGE]} of {a['n']} briefs (the shapes-world ones)"]
+    if CLIP in run:
+        parts.append(f"{CLIP} ({result['clip']}) on every drawn image, against its brief and its caption")
+    if result["not_scored"]:
+        parts.append(f"{len(result['not_scored'])} briefs outside the shapes world not scored (pass a local CLIP "
+                     f"directory as `clip` to score them)")
+    return "; ".join(parts)
+
+
 def summary_markdown(result: dict[str, Any], with_grid: bool = True) -> str:
     a, c = result["aggregate"], result["captions"]
     pct = lambda v: "–" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    lines = ["# brief → image evaluation", "",
-             f"**Judged score: {pct(a['score'])}** over {a['n']} briefs (image against brief: colour, shape, "
-             "position).", "",
-             "| check | accuracy |", "|---|---|"]
-    lines += [f"| {k} | {pct(a[k])} |" for k in ("score", "color_ok", "shape_ok", "position_ok", "detected",
-                                                 "caption_score", "image_caption_score")]
-    lines += ["", "Captions: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in c.items()), "",
+    lines = ["# brief → image evaluation", "", f"Scores run: {describe_scores(result)}.", ""]
+    if a["judged"]:
+        lines += [f"**Judged score: {pct(a['score'])}** over {a['judged']} shapes-world briefs (image against brief: "
+                  "colour, shape, position).", "", "| check | accuracy |", "|---|---|"]
+        lines += [f"| {k} | {pct(a[k])} |" for k in ("score", "color_ok", "shape_ok", "position_ok", "detected",
+                                                     "caption_score", "image_caption_score")]
+        lines.append("")
+    if "clip_brief" in a:
+        num = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+        lines += [f"**CLIP score** (100 · cosine, over all {a['n']} briefs): image vs brief {num(a['clip_brief'])}, "
+                  f"image vs caption {num(a['clip_caption'])}.", ""]
+    lines += ["Captions: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in c.items()), "",
               f"Files: `{result['files']['scores_json']}`, `{result['files']['scores_csv']}`, "
               f"`{result['files']['grid']}`"]
     if with_grid and result["files"]["grid"]:
@@ -279,7 +364,7 @@ def publish_eval(result: dict[str, Any]) -> list[str]:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     create_markdown_artifact(summary_markdown(result), key="brief-to-image-eval-summary",
-                             description="judged scores of the brief → caption → image chain")
+                             description=f"scores of the brief → caption → image chain: {describe_scores(result)}")
     per_brief = json.loads(Path(result["files"]["scores_json"]).read_text())["per_brief"]
     table = [{k: (f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in r.items() if k != "image"}
              for r in per_brief]
@@ -292,15 +377,23 @@ def publish_eval(result: dict[str, Any]) -> list[str]:
 
 def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: str | Path, out_dir: str | Path,
                             seed: int = 0, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+<<<<<<< HEAD
                             steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
     """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, caption stats, file paths."""
     _check_inputs(designer, imagegen, steps)
+=======
+                            steps: int = 20, guidance: float = 4.0, clip: str | Path | None = None) -> dict[str, Any]:
+    """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, which scores ran, caption
+    stats, file paths."""
+    _check_inputs(designer, imagegen, clip)
+>>>>>>> main
     brief_list = read_briefs(briefs)
     captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
     images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
-    return judge(captions, images, out_dir)
+    return judge(captions, images, out_dir, clip)
 
 
+<<<<<<< HEAD
 def evaluate_captions(captions: str | Path, out_dir: str | Path, imagegen: str | Path | None = None, seed: int = 0,
                       steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
     """Given captions judged without the designer (`atelier eval --captions`): returns what `judge` returns.
@@ -343,6 +436,14 @@ def _check_inputs(designer: str | Path, imagegen: str | Path, steps: int) -> Non
     resolve_designer(designer)  # fail before the designer runs, not after
     resolve_imagegen(imagegen)
     _check_steps(steps)
+=======
+def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path | None = None) -> None:
+    """Fail before the designer runs, not after: the designer, the imagegen model and the CLIP directory exist."""
+    resolve_designer(designer)
+    resolve_imagegen(imagegen)
+    if clip and not (Path(clip) / "config.json").is_file():
+        raise FlowInputError(f"clip {clip}: not a local transformers CLIP directory (no config.json)")
+>>>>>>> main
 
 
 @task(name="generate-captions")
@@ -356,9 +457,12 @@ def images_task(imagegen: str, captions_file: str, out_dir: str, seed: int, step
     return str(render_images(imagegen, captions_file, out_dir, seed, steps, guidance))
 
 
-@task(name="judge")
-def judge_task(captions_file: str, images_index: str, out_dir: str) -> dict[str, Any]:
-    result = judge(captions_file, images_index, out_dir)
+@task(name="score")
+def judge_task(captions_file: str, images_index: str, out_dir: str, clip: str = "") -> dict[str, Any]:
+    result = judge(captions_file, images_index, out_dir, clip or None)
+    from prefect.logging import get_run_logger
+
+    get_run_logger().info(f"scores run: {describe_scores(result)}")
     publish_eval(result)
     return result
 
@@ -366,16 +470,35 @@ def judge_task(captions_file: str, images_index: str, out_dir: str) -> dict[str,
 @flow(name="brief-to-image-eval")
 def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str = "runs/eval", seed: int = 0,
                         max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, steps: int = 20,
+<<<<<<< HEAD
                         guidance: float = 4.0) -> dict[str, Any]:
     """briefs → captions → images → scores; every step's output is a path under out_dir."""
     _check_inputs(designer, imagegen, steps)
+=======
+                        guidance: float = 4.0, clip: str = "") -> dict[str, Any]:
+    """briefs (any text) → captions → images → scores; every step's output is a path under out_dir. `clip`: a local
+    transformers CLIP directory, for CLIP scores (the only ones a brief outside the shapes world gets)."""
+    _check_inputs(designer, imagegen, clip)
+>>>>>>> main
     brief_list = read_briefs(briefs)
     captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
-    return judge_task(captions, images, str(out_dir))
+    return judge_task(captions, images, str(out_dir), str(clip or ""))
+
+
+def chain_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of a flow over briefs: --designer, --imagegen, --briefs, --out, --seed (evaluate, render)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--designer", required=True, help="a designer model, adapter or run directory")
+    p.add_argument("--imagegen", required=True, help="what `atelier imagegen sample --model` takes, or a run directory")
+    p.add_argument("--briefs", required=True, help=".txt (one brief per line) or .jsonl ({\"brief\": ...} per line)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+<<<<<<< HEAD
     p = argparse.ArgumentParser(prog="python -m flows.evaluate", description="run the brief-to-image-eval flow")
     p.add_argument("--designer", required=True)
     p.add_argument("--imagegen", required=True)
@@ -384,12 +507,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=4.0)
+=======
+    p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
+    p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
+>>>>>>> main
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.evaluate")
+<<<<<<< HEAD
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
                                  guidance=args.guidance)
+=======
+    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, clip=args.clip)
+    print(describe_scores(result))
+>>>>>>> main
     print(json.dumps(result["aggregate"], indent=1))
     return 0
 

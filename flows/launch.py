@@ -17,9 +17,11 @@ The trainer resumes by itself from its newest checkpoint (train.resume = auto), 
 where the failed attempt stopped; nothing here deletes a checkpoint.
 
 Step lines (pipeline/progress.py `format_step_line`) are parsed into a dict and drive a Prefect progress
-artifact:
+artifact, and each samples line (`format_samples_line`: validation images rendered during training) becomes a
+Prefect image artifact (flows/report.py `publish_samples`; one version of one key per evaluation):
 
     step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% eta 0:01:30
+    samples step 20/100: runs/i1/samples/step-20.png (8 prompts, EMA weights)
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ STEP_LINE = re.compile(
     r"(?: eta (?P<eta>[0-9:]+(?:\.\d+)?|\d+ days?, [0-9:]+))?\s*$"
 )
 
+SAMPLES_LINE = re.compile(r"^samples step (?P<step>\d+)/(?P<total>\d+): (?P<path>.+) \((?P<prompts>\d+) prompts, "
+                          r"(?P<weights>\S+) weights\)\s*$")
+
 
 class TrainerFailed(RuntimeError):
     """The trainer exited non-zero; the message carries the command, the exit code and the last output lines."""
@@ -73,6 +78,15 @@ def parse_step_line(line: str) -> dict[str, Any] | None:
     if m["eta"] is not None:
         out["eta"] = m["eta"]
     return out
+
+
+def parse_samples_line(line: str) -> dict[str, Any] | None:
+    """One samples line → {step, total, path, prompts, weights}; None for other lines."""
+    m = SAMPLES_LINE.match(line.strip())
+    if m is None:
+        return None
+    return {"step": int(m["step"]), "total": int(m["total"]), "path": m["path"], "prompts": int(m["prompts"]),
+            "weights": m["weights"]}
 
 
 def trainer_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
@@ -223,10 +237,23 @@ def describe_step(rec: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the runner
 
 
+def _publish_samples(key: str | None, rec: dict[str, Any]) -> None:
+    """A samples line's image as a Prefect artifact (inside a flow run); a failure is logged, never fatal."""
+    from atelier_studio.flows.report import publish_samples
+
+    try:
+        publish_samples(Path(rec["path"]), key or "samples",
+                        f"step {rec['step']}/{rec['total']}: {rec['prompts']} prompts, {rec['weights']} weights")
+    except Exception as e:  # an artifact is a view of the run: never fail training over it
+        logging.getLogger("atelier.flows").warning("samples artifact for %s failed: %s", rec["path"], e)
+
+
 def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: Callable[[str], Any] | None = None,
                 progress_key: str | None = None, cwd: str | Path | None = None, check: bool = True,
-                kill_grace_s: float = KILL_GRACE_S) -> tuple[int, dict[str, Any]]:
+                kill_grace_s: float = KILL_GRACE_S, samples_key: str | None = None) -> tuple[int, dict[str, Any]]:
     """Run cmd in a new session, stream each output line to `log`, kill the group on any way out but a normal exit.
+    In a Prefect run, step lines update the progress artifact `progress_key` and samples lines add a version of the
+    image artifact `samples_key`.
 
     Returns (returncode, summary); summary = {"last_step": the last parsed step line or None, "lines": count,
     "tail": the last TAIL_LINES lines}. check=True raises TrainerFailed on a non-zero exit.
@@ -263,6 +290,9 @@ def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: C
             if rec is not None:
                 last_step = rec
                 progress.update(rec, force=rec["step"] == rec["total"])
+            samples = parse_samples_line(line) if in_prefect else None
+            if samples is not None:
+                _publish_samples(samples_key, samples)
         proc.wait()
         finished = True
     finally:
@@ -285,7 +315,8 @@ def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: C
 
 def run_trainer(argv: Sequence[str], nproc: int = 1, env: Mapping[str, str] | None = None,
                 log: Callable[[str], Any] | None = None, progress_key: str | None = None,
-                cwd: str | Path | None = None, check: bool = True) -> tuple[int, dict[str, Any]]:
+                cwd: str | Path | None = None, check: bool = True,
+                samples_key: str | None = None) -> tuple[int, dict[str, Any]]:
     """`atelier <argv>` on nproc processes (torchrun when > 1), streamed and killed as `run_command` does."""
     return run_command(trainer_command(argv, nproc), env=env, log=log, progress_key=progress_key, cwd=cwd,
-                       check=check)
+                       check=check, samples_key=samples_key)

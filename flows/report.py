@@ -18,6 +18,7 @@ from atelier_studio.pipeline.atomic import atomic_file
 
 MAX_TABLE_ROWS = 60  # the UI table stays readable; the full curve is in metrics.jsonl / TensorBoard
 MAX_INLINE_PNG_BYTES = 400_000  # larger grids are linked by path instead of embedded as a data URI
+PREVIEW_SIDE = 1024  # an image artifact's longest side in pixels (a 1024-px sample grid is several MB as a PNG)
 
 
 def artifact_key(*parts: str) -> str:
@@ -146,7 +147,34 @@ def image_markdown(png: Path, alt: str) -> str:
     return f"{alt}: `{png.resolve()}` ({len(data) // 1024} KiB, too large to embed)"
 
 
+def preview_data_uri(image: Path, max_side: int = PREVIEW_SIDE) -> str:
+    """An image file as a data URI the Prefect UI shows with no file server: a JPEG (quality 90) at most `max_side`
+    pixels on its longest side."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(image) as im:
+        im = im.convert("RGB")
+        im.thumbnail((max_side, max_side))
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 # ----------------------------------------------------------------------------- publishing
+
+
+def publish_samples(image: Path, key: str, description: str) -> str | None:
+    """Validation images rendered during training as a Prefect image artifact (a new version of `key` each time);
+    returns the key, None outside a Prefect run."""
+    if not in_prefect_run():
+        return None
+    from prefect.artifacts import create_image_artifact
+
+    key = artifact_key(key)
+    create_image_artifact(preview_data_uri(Path(image)), key=key, description=f"{description} ({Path(image).resolve()})")
+    return key
 
 
 def publish_training(run_dir: Path, name: str) -> list[str]:

@@ -6,7 +6,7 @@
     python -m flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
 
 Served deployments, all named `default`: train-designer/default, train-imagegen/default,
-brief-to-image-eval/default, brief-to-image/default; start one with
+brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with
 `prefect deployment run train-designer/default --watch --watch-timeout 1800`.
 
 The API URL comes from Prefect's settings: prefect.toml at the repo root says http://127.0.0.1:4200/api and
@@ -28,91 +28,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from atelier_studio.flows.launch import kill_process_group
+from atelier_studio.flows.local_server import REPO, Endpoint, ServerNotRunning, child_env, endpoint, healthy, require_server
 
-REPO = Path(__file__).resolve().parents[1]
-LOCAL_HOSTS = ("127.0.0.1", "localhost")
 DEPLOYMENTS = ("train-designer/default", "train-imagegen/default", "brief-to-image-eval/default",
-               "brief-to-image/default")
+               "brief-to-image/default", "render-briefs/default")
 SERVER_START_TIMEOUT_S = 180.0  # a fresh SQLite server takes 30-60 s to become healthy on 2 cores
 SERVE_START_TIMEOUT_S = 120.0
-
-
-class ServerNotRunning(RuntimeError):
-    """No Prefect API answers at the configured URL; the message says which command starts it."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where Prefect lives for this checkout: the API URL and the home directory (database, logs, pids)."""
-
-    api_url: str
-    home: Path
-
-    @property
-    def local(self) -> bool:
-        return urllib.parse.urlparse(self.api_url).hostname in LOCAL_HOSTS
-
-    @property
-    def host(self) -> str:
-        return urllib.parse.urlparse(self.api_url).hostname or "127.0.0.1"
-
-    @property
-    def port(self) -> int:
-        return urllib.parse.urlparse(self.api_url).port or 4200
-
-    @property
-    def ui_url(self) -> str:
-        return self.api_url.removesuffix("/").removesuffix("/api")
-
-    def path(self, name: str) -> Path:
-        return self.home / name
-
-
-def endpoint() -> Endpoint:
-    """The API URL and home from Prefect's settings (env beats prefect.toml), home made absolute."""
-    from prefect.settings import get_current_settings
-
-    s = get_current_settings()
-    url = str(s.api.url or "http://127.0.0.1:4200/api")
-    home = Path(s.home)
-    if not home.is_absolute():
-        home = REPO / home  # prefect.toml's ".prefect" is relative to the repo root, where it is read
-    return Endpoint(url, home)
-
-
-def child_env(ep: Endpoint) -> dict[str, str]:
-    """Environment of every Prefect process started here: pinned to this endpoint, no telemetry."""
-    env = dict(os.environ)
-    env.update({"PREFECT_API_URL": ep.api_url, "PREFECT_HOME": str(ep.home), "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
-    return env
-
-
-# ----------------------------------------------------------------------------- health
-
-
-def healthy(ep: Endpoint, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{ep.api_url.rstrip('/')}/health", timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def require_server(command: str, ep: Endpoint | None = None) -> Endpoint:
-    """Raise ServerNotRunning, naming `make serve`, unless the API answers."""
-    ep = ep or endpoint()
-    if not healthy(ep):
-        how = ("start it with `make serve` (or `python -m flows.serve start`)" if ep.local else
-               "that is PREFECT_API_URL: start that server, or unset PREFECT_API_URL to use the local one "
-               "(`make serve`)")
-        raise ServerNotRunning(f"{command}: no Prefect server answers at {ep.api_url}; {how}")
-    return ep
 
 
 def served_deployments(ep: Endpoint) -> list[str]:
@@ -245,17 +169,18 @@ def status(ep: Endpoint | None = None) -> dict:
 
 
 def run() -> None:
-    """Serve the four deployments in the foreground until interrupted."""
+    """Serve the deployments (DEPLOYMENTS) in the foreground until interrupted."""
     from prefect import serve
 
     from atelier_studio.flows.chain import brief_to_image
     from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.evaluate import brief_to_image_eval
+    from atelier_studio.flows.render import render_briefs
     from atelier_studio.flows.train_imagegen import train_imagegen
 
     require_server("python -m flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,
-                                                      brief_to_image)),
+                                                      brief_to_image, render_briefs)),
           pause_on_shutdown=False)
 
 

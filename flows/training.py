@@ -65,7 +65,7 @@ def train_argv(kind: Kind, config: str | Path, overrides: Sequence[str]) -> list
 def train_task(kind: Kind, config: str, overrides: list[str], nproc: int) -> dict[str, Any]:
     """One trainer run (`atelier <kind> train`); returns the launcher's summary (last step line, tail)."""
     _, summary = run_trainer(train_argv(kind, config, overrides), nproc=nproc,
-                             progress_key=artifact_key(kind, "progress"))
+                             progress_key=artifact_key(kind, "progress"), samples_key=artifact_key(kind, "samples"))
     return {"last_step": summary["last_step"], "lines": summary["lines"]}
 
 
@@ -83,7 +83,7 @@ def training_flow_main(flow_fn: Callable[[str, list[str], int], str], kind: Kind
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args(argv)
-    from atelier_studio.flows.serve import require_server
+    from atelier_studio.flows.local_server import require_server
 
     require_server(f"python -m {name}")
     print(flow_fn(args.config, args.set, args.nproc))

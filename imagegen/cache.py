@@ -30,12 +30,13 @@ from typing import Iterable, Iterator
 import torch
 from rich.progress import Progress
 
-from atelier_studio.data.buckets import image_to_tensor, make_buckets, nearest_bucket, resize_and_crop
+from atelier_studio.data.buckets import bucket_pixels, make_buckets, nearest_bucket
 from atelier_studio.data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
 from atelier_studio.imagegen.autoencoder import load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.hf import read_args
-from atelier_studio.imagegen.text import TextEncoder, load_text_encoder
+from atelier_studio.imagegen.sd3_text import load_text_encoder
+from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.atomic import atomic_write_text
 from atelier_studio.pipeline.progress import log
 
@@ -61,7 +62,7 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
 
     def flush(b: int) -> Iterator[dict]:
         group = pending.pop(b)
-        images = torch.stack([image_to_tensor(resize_and_crop(s["image"], buckets[b])) for s in group])  # [B,3,H,W]
+        images = torch.stack([bucket_pixels(s["image"], buckets[b]) for s in group])  # [B,3,H,W]
         latents = autoencoder.encode(images.to(device)).float().cpu()  # [B, C, h, w]
         states, pooled, _ = text.encode([s["caption"] for s in group])  # [B, L, D], [B, D]
         for i, s in enumerate(group):

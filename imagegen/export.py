@@ -106,7 +106,7 @@ def export_pipeline(base: str | os.PathLike, out: str | os.PathLike, transformer
         if extra is not None:
             extra(tmp)
     log(f"export: pipeline directory {out} ({linked} files linked, {copied} copied from {base}"
-        f"{' and the trained transformer' if transformer is not None else ''})")
+        f"{f', transformer/ from {transformer}' if transformer is not None else ''})")
     return out
 
 

@@ -11,6 +11,10 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   train_flops      the model's own FLOP counter: train_flops(model, batch_size, image_tokens, text_tokens)
   blocks           the parallelize plan: the repeated blocks (each its own AC / compile / FSDP2 unit)
   diffusers_class  the diffusers class it is compared with in tests and bench/imagegen.py ("module:Class")
+  lora_targets     the linears a LoRA may wrap, as module paths inside a block (diffusers' names, which are
+                   PEFT's target_modules); `default_lora_targets` the ones `lora.targets = []` takes
+  fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
+                   bench apply FP8 with them: pipeline/float8.apply_fp8)
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class Family:
     train_flops: Callable[[Any, int, int, int], int]
     blocks: Callable[[nn.Module], list[nn.Module]]
     diffusers_class: str  # "diffusers:SD3Transformer2DModel"
+    lora_targets: tuple[str, ...] = ()
+    default_lora_targets: tuple[str, ...] = ()
+    fp8_skip: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,9 +59,25 @@ class Family:
             problems.append(f"sizes {bad} are not {self.args_cls.__name__}")
         if ":" not in self.diffusers_class:
             problems.append(f"diffusers_class {self.diffusers_class!r} is not 'module:Class'")
+        unknown = [t for t in self.default_lora_targets if t not in self.lora_targets]
+        if unknown:
+            problems.append(f"default_lora_targets {unknown} are not among its lora_targets")
         if problems:
             raise ValueError(f"Family {self.name!r}: {'; '.join(problems)}")
-        object.__setattr__(self, "class_names", tuple(self.class_names))
+        for name in ("class_names", "lora_targets", "default_lora_targets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def resolve_lora_targets(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The block paths `names` select, in `lora_targets` order: a name selects every path equal to it or ending
+        in "." + name, as PEFT's target_modules match ("to_q" is attn.to_q and attn2.to_q); () is the default.
+        ValueError names what matches nothing."""
+        if not names:
+            return self.default_lora_targets
+        unmatched = [n for n in names if not any(p == n or p.endswith("." + n) for p in self.lora_targets)]
+        if unmatched or not self.lora_targets:
+            raise ValueError(f"{unmatched or list(names)} match no {self.name} linear a LoRA may wrap; known: "
+                             f"{', '.join(self.lora_targets) or 'none'}")
+        return tuple(p for p in self.lora_targets if any(p == n or p.endswith("." + n) for n in names))
 
     def args_of_size(self, size: str, **overrides: Any) -> Any:
         """The args of a named size with field `overrides` (e.g. in_channels=4)."""

@@ -388,6 +388,11 @@ class JointBlock(nn.Module):
         self.ff = FeedForward(d)
         self.ff_context = None if context_pre_only else FeedForward(d)
 
+    @property
+    def unused_linears(self) -> tuple[str, ...]:
+        """Linears kept for diffusers' layout that the forward never applies: the last block's text queries."""
+        return ("attn.add_q_proj",) if self.context_pre_only else ()
+
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor):
         """x [B, N, D], ctx [B, L, D], c [B, D] -> (ctx [B, L, D] or None, x [B, N, D])."""
         impl = self.impl
@@ -424,11 +429,13 @@ class JointBlock(nn.Module):
         return ctx, x
 
 
-def _linear_flops(module: nn.Module | None, tokens: int) -> int:
-    """Forward matmul FLOPs of every nn.Linear inside ``module`` applied to ``tokens`` rows."""
+def _linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:
+    """Forward matmul FLOPs of every nn.Linear inside ``module`` applied to ``tokens`` rows; with ``weight_grad``,
+    only of those whose weight trains (the FLOPs of their weight gradients: a frozen weight gets none)."""
     if module is None:
         return 0
-    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules()
+               if isinstance(m, nn.Linear) and (not weight_grad or m.weight.requires_grad))
 
 
 class MMDiT(nn.Module):
@@ -516,40 +523,66 @@ class MMDiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)  # [B, Co, h, p, w, p]
         return x.reshape(B, co, H, W)
 
+    def _matmul_flops(self, image_tokens: int, text_tokens: int, weight_grad: bool) -> int:
+        """Matmul FLOPs of one image, walking the model's modules: the forward's, or (``weight_grad``) those of
+        the weight gradients, which only trainable weights get. Each token passes only its own stream's weights;
+        modulation and conditioning linears run once per image."""
+        N, L = image_tokens, text_tokens
+        conv = self.pos_embed.proj
+        mm = _linear_flops(self.time_text_embed, 1, weight_grad) + _linear_flops(self.norm_out, 1, weight_grad)
+        if not weight_grad or conv.weight.requires_grad:
+            mm += 2 * N * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels
+        mm += _linear_flops(self.context_embedder, L, weight_grad) + _linear_flops(self.proj_out, N, weight_grad)
+        for b in self.transformer_blocks:
+            mm += _linear_flops(b.norm1, 1, weight_grad) + _linear_flops(b.norm1_context, 1, weight_grad)
+            a = b.attn
+            mm += sum(_linear_flops(m, N, weight_grad) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
+            text_q = a.add_q_proj if a.to_add_out is not None else None  # see Attention.forward
+            mm += sum(_linear_flops(m, L, weight_grad) for m in (text_q, a.add_k_proj, a.add_v_proj, a.to_add_out))
+            mm += sum(_linear_flops(m, N, weight_grad) for m in (b.attn2, b.ff))
+            mm += _linear_flops(b.ff_context, L, weight_grad)
+        return mm
+
     def forward_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> tuple[int, int]:
         """(forward matmul FLOPs, forward attention FLOPs) for a batch, walking the model's modules.
 
-        Each token passes only its own stream's weights; modulation and conditioning linears run
-        once per image. Attention is 4*Q*S*D per joint layer (QK^T and PV, Q query rows: S, or N in
-        the last block, which has no text queries) plus 4*N^2*D per dual-attention layer.
+        Attention is 4*Q*S*D per joint layer (QK^T and PV, Q query rows: S, or N in the last block, which has
+        no text queries) plus 4*N^2*D per dual-attention layer. A LoRA layer's A and B are linears of their own
+        and count themselves.
         """
-        N, L, S, D = image_tokens, text_tokens, image_tokens + text_tokens, self.args.dim
-        conv = self.pos_embed.proj
-        per_image = _linear_flops(self.time_text_embed, 1) + _linear_flops(self.norm_out, 1)
-        mm = 2 * N * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels
-        mm += _linear_flops(self.context_embedder, L) + _linear_flops(self.proj_out, N)
+        N, S, D = image_tokens, image_tokens + text_tokens, self.args.dim
         attn = 0
         for b in self.transformer_blocks:
-            per_image += _linear_flops(b.norm1, 1) + _linear_flops(b.norm1_context, 1)
-            a = b.attn
-            mm += sum(_linear_flops(m, N) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
-            text_q = a.add_q_proj if a.to_add_out is not None else None  # see Attention.forward
-            mm += sum(_linear_flops(m, L) for m in (text_q, a.add_k_proj, a.add_v_proj, a.to_add_out))
-            mm += _linear_flops(b.attn2, N) + _linear_flops(b.ff, N) + _linear_flops(b.ff_context, L)
-            queries = S if a.to_add_out is not None else N
+            queries = S if b.attn.to_add_out is not None else N
             attn += 4 * queries * S * D + (4 * N * N * D if b.attn2 is not None else 0)
-        return batch_size * (mm + per_image), batch_size * attn
+        return batch_size * self._matmul_flops(image_tokens, text_tokens, False), batch_size * attn
 
     def train_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> int:
-        """Useful FLOPs of one training step: 3 x forward matmuls + 3 x forward attention
-        (12*S^2*D per joint layer, 12*N*S*D for the last one). Padded text tokens count: they are
-        real work (SD3 uses no text mask)."""
+        """Useful FLOPs of one training step: the forward matmuls, as many again for the input gradients, the
+        weight gradients of the trainable weights only (full fine-tuning: 3 x forward; LoRA: 4 x N + 6 x N_lora,
+        the frozen base gets no weight gradient), and 3 x the forward attention (12*S^2*D per joint layer,
+        12*N*S*D for the last one). Padded text tokens count: they are real work (SD3 uses no text mask)."""
         mm, attn = self.forward_flops(batch_size, image_tokens, text_tokens)
-        return 3 * (mm + attn)
+        weight_grads = batch_size * self._matmul_flops(image_tokens, text_tokens, True)
+        return 2 * mm + weight_grads + 3 * attn
+
+
+# LoRA targets: the linears of a joint block by diffusers' module paths, which are PEFT's target_modules (and the
+# names diffusers' train_dreambooth_lora_sd3.py --lora_layers takes). The default is every attention projection:
+# both streams' q, k, v and outputs, and SD3.5's second (image-only) attention; the feed-forwards are opt-in.
+LORA_ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                  "attn.add_v_proj", "attn.to_add_out", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+LORA_FEED_FORWARD = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
 
 FAMILY = Family(
     name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
-    diffusers_class="diffusers:SD3Transformer2DModel",
+    diffusers_class="diffusers:SD3Transformer2DModel", lora_targets=LORA_ATTENTION + LORA_FEED_FORWARD,
+    default_lora_targets=LORA_ATTENTION,
+    # kept out of FP8: the linears that run once per image (the timestep and pooled-text embedders, every AdaLN
+    # modulation: M = the batch, so quantising their weight each step costs more than their matmul) and the final
+    # projection (N = p²·C = 64 outputs, next to the loss)
+    fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+              "norm_out.linear", "proj_out"),
 )

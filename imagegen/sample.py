@@ -6,14 +6,15 @@ Shape legend: B captions, C latent channels, h/w latent size, H/W pixels, L text
 brief-to-image evaluation). Noise is drawn on the CPU from a generator seeded with `seed`, for all
 captions at once, so caption i gets the same noise on any device and at any batch size.
 
-A run directory written by `ImagegenTask.export` holds `transformer/`, `ema/` (EMA on) and
-`imagegen.json` (autoencoder spec, text encoder settings, resolution, flow shift): what
-`sample_to_dir` needs besides the weights, so `atelier imagegen sample --model runs/i1/ema` works
-without the training config.
+A run directory written by `ImagegenTask.export` holds `transformer/`, `ema/` (EMA on) — or, for a LoRA run,
+`lora/` and `lora_ema/` (diffusers LoRA files) — and `imagegen.json` (autoencoder spec, text encoder settings,
+resolution, flow shift, the base transformer): what `sample_to_dir` needs besides the weights, so
+`atelier imagegen sample --model runs/i1/ema` (or `runs/i1/lora_ema`) works without the training config.
 
 `sample_to_dir` also takes a diffusers StableDiffusion3Pipeline directory (a released SD3 / SD3.5 model, or a
-run's exported `pipeline/`): its three text encoders, its VAE and its scheduler's shift are used, so the images
-are StableDiffusion3Pipeline's for the same seed, steps and guidance (the noise is drawn as the pipeline draws
+run's exported `pipeline/`): its three text encoders, its VAE and its scheduler's shift are used, and a LoRA file
+at its top (pytorch_lora_weights.safetensors, a LoRA run's export) is applied, so the images are
+StableDiffusion3Pipeline's (after `load_lora_weights(dir)`) for the same seed, steps and guidance (the noise is drawn as the pipeline draws
 it from a CPU generator: `torch.randn` of the whole batch; the Euler steps and CFG are diffusers', see
 imagegen/flow.py). The pipeline renders with guidance only above 1; here any guidance other than 1 runs CFG.
 """
@@ -138,8 +139,14 @@ def run_meta(cfg) -> dict:
     text = dataclasses.asdict(cfg.text)
     encoder = text_encoder_dir(cfg.text, cfg.model.path)
     text["encoder"] = str(Path(encoder).resolve()) if encoder else str(default_text_encoder_path())
+    from atelier_studio.imagegen.hf import resolve_dir
+
+    try:  # the transformer a LoRA run's adapters apply to (a pipeline's transformer/)
+        base = resolve_dir(cfg.model.path)
+    except FileNotFoundError:  # a config read for its settings only: sampling a LoRA names the path if it matters
+        base = Path(cfg.model.path)
     return {"autoencoder": spec, "text": text, "resolution": cfg.data.resolution,
-            "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype}
+            "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype, "base_model": str(base.resolve())}
 
 
 def write_run_meta(out_dir: Path, cfg) -> Path:
@@ -202,16 +209,36 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     return text, autoencoder, flow, resolution, (meta or {}).get("model_dtype", "float32")
 
 
+def load_for_sampling(model_dir: Path, meta: dict | None, device: torch.device):
+    """The MMDiT (fp32) to sample: a diffusers transformer directory; an SD3 pipeline directory's transformer/, with
+    the LoRA file at its top applied when there is one; or a LoRA directory (a run's lora/ or lora_ema/) applied to
+    the base transformer its run's imagegen.json names."""
+    from atelier_studio.imagegen.hf import CONFIG_NAME, load_pretrained
+    from atelier_studio.imagegen.lora import LORA_FILE, load_lora
+
+    lora = model_dir / LORA_FILE
+    if lora.is_file() and not (model_dir / CONFIG_NAME).is_file() and not (model_dir / "transformer").is_dir():
+        if meta is None or not meta.get("base_model"):
+            raise FileNotFoundError(f"{model_dir}: a LoRA with no {RUN_META} naming its base model next to it: pass "
+                                    f"--config with the run's config.toml")
+        base = load_pretrained(meta["base_model"], dtype=torch.float32, device=device)
+    else:
+        base = load_pretrained(model_dir, dtype=torch.float32, device=device)
+    if lora.is_file():
+        load_lora(base, lora, dtype="float32")
+    return base
+
+
 def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: int = 28, guidance: float = 4.0,
                   seed: int = 0, config_path: str | None = None, batch_size: int = 16,
                   resolution: int = 0) -> list[Path]:
     """`atelier imagegen sample`: one PNG per caption line, grid.png, and index.jsonl {caption, image}.
 
-    `model_dir`: a run's transformer/ or ema/ (settings from imagegen.json or `config_path`), or an SD3 pipeline
-    directory (module docstring). `resolution` (pixels, square) overrides the run's or the pipeline's default.
+    `model_dir`: a run's transformer/, ema/, lora/ or lora_ema/ (settings from imagegen.json or `config_path`), or
+    an SD3 pipeline directory (module docstring). `resolution` (pixels, square) overrides the run's or the
+    pipeline's default.
     """
     from atelier_studio.imagegen.autoencoder import load_autoencoder
-    from atelier_studio.imagegen.hf import load_pretrained
     from atelier_studio.imagegen.sd3_dir import is_pipeline_dir
 
     model_dir, captions_file, out_dir = Path(model_dir), Path(captions_file), Path(out_dir)
@@ -225,14 +252,14 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     check_dir_path(out_dir, "--out")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if is_pipeline_dir(model_dir):
-        text, autoencoder, flow, default, model_dtype = _pipeline_settings(
-            model_dir, _find_run_meta(model_dir, config_path), device)
+        meta = _find_run_meta(model_dir, config_path)
+        text, autoencoder, flow, default, model_dtype = _pipeline_settings(model_dir, meta, device)
     else:
         meta = _read_run_meta(model_dir, config_path)
         text = text_encoder_from_meta(meta["text"], device)
         autoencoder = load_autoencoder(meta["autoencoder"])
         flow, default, model_dtype = FlowArgs(**meta.get("flow", {})), meta["resolution"], meta.get("model_dtype")
-    model = load_pretrained(model_dir, dtype=torch.float32, device=device)
+    model = load_for_sampling(model_dir, meta, device)
     autoencoder = autoencoder.to(device)
     amp = torch.bfloat16 if model_dtype == "bfloat16" and device.type == "cuda" else None
     images = sample_images(model, text, autoencoder, captions, resolution or default, steps, guidance, seed, flow,
@@ -251,5 +278,5 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     return paths
 
 
-__all__ = ["sample_images", "sample_latents", "sample_to_dir", "make_grid", "to_pil", "write_run_meta", "run_meta",
+__all__ = ["sample_images", "sample_latents", "sample_to_dir", "load_for_sampling", "make_grid", "to_pil", "write_run_meta", "run_meta",
            "text_encoder_from_meta", "RUN_META"]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS, has_part, part_dir, read_model_index, transformer_config
-from atelier_studio.imagegen.text import TextEncoderError, TextPart
+from atelier_studio.imagegen.text import TextEncoder, TextEncoderError, TextPart, text_encoder_dir
 from atelier_studio.pipeline.progress import log
 
 def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Tensor) -> torch.Tensor:
@@ -184,4 +184,15 @@ class SD3TextEncoders(nn.Module):
                 "text_tokens": self.num_tokens, "states_width": self.states_width, "pooled_width": self.pooled_width}
 
 
-__all__ = ["SD3TextEncoders", "join_prompt_embeds"]
+def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
+    """The text encoder of an `imagegen.config.TextConfig`, any kind: for "sd3" the three encoders of the SD3
+    pipeline at text.encoder ("" = `model_path`, the run's model.path), else a TextEncoder (imagegen/text.py)."""
+    path = text_encoder_dir(cfg, model_path)
+    if cfg.kind == "sd3":
+        return SD3TextEncoders(path, cfg.max_sequence_length, cfg.clip_skip, cfg.use_t5, device,
+                               getattr(torch, cfg.dtype))
+    return TextEncoder(path or None, cfg.kind, cfg.max_length, cfg.layer, cfg.pooled, device,
+                       getattr(torch, cfg.dtype))
+
+
+__all__ = ["SD3TextEncoders", "join_prompt_embeds", "load_text_encoder"]

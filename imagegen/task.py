@@ -40,9 +40,9 @@ Precision (docs/training.md): fp32 master weights; `model.dtype = "bfloat16"` ru
 autocast, "float32" is exact. The loss is reduced in fp32.
 
 `train.precision = "fp8"` (pipeline/float8.py) computes the joint blocks' attention projections and MLPs and the
-caption projection in FP8 and keeps, in the model's dtype, the linears that run once per image (the timestep and
-pooled-text embedders and every AdaLN modulation: M = the batch, so quantising their weight each step would cost
-more than their matmul) and the final projection (N = p²·C = 64 outputs, next to the loss). One process only.
+caption projection in FP8 and keeps, in the model's dtype, what the family's `fp8_skip` names (imagegen/model.py:
+the linears that run once per image, the timestep and pooled-text embedders and every AdaLN modulation, and the
+final projection). One process only.
 
 Evaluation and the sample grid use their own seeded generators, so they never move the training RNG:
 eval images get fixed noise and fixed timesteps t = (k + 0.5) / 8 (k = image index mod 8), the loss is
@@ -53,7 +53,9 @@ plus the same for the EMA weights, plus the training loss by bin accumulated sin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -71,23 +73,25 @@ from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
+from atelier_studio.imagegen.lora import (LORA_FILE, apply_lora, load_lora, lora_layers, read_lora, save_lora,
+                                          target_modules)
 from atelier_studio.imagegen.hf import build_model, load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
-from atelier_studio.imagegen.text import EncodedPrompts, load_text_encoder, text_encoder_dir
+from atelier_studio.imagegen.sd3_text import load_text_encoder
+from atelier_studio.imagegen.text import EncodedPrompts, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
                                                  materialize_, parallelize)
-from atelier_studio.pipeline.float8 import apply_precision, check_precision
+from atelier_studio.pipeline.float8 import PRECISION_KEY, apply_precision, check_precision
+from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
 from atelier_studio.pipeline.progress import log
+from atelier_studio.pipeline.task import Samples
 
 NUM_BINS = 4
-# What stays out of FP8 under train.precision = "fp8" (the module docstring says why): pipeline.policies.apply_fp8 globs
-FP8_SKIP = ("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
-            "norm_out.linear", "proj_out")
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
 
 
@@ -127,11 +131,11 @@ class ImagegenTask:
         self.flow = cfg.flow.args()
         self.autocast = cfg.model.dtype != "float32"
         check_precision(cfg.train, device, self.dist.enabled)
+        self.lora, self.lora_targets = self._lora_settings()
+        # full fine-tuning: fp32 master weights; LoRA: the frozen base in the compute dtype, adapters in lora.dtype
+        base_dtype = torch.bfloat16 if self.lora is not None and self.autocast else torch.float32
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
-        # fp32 master weights
-        self.model = self._build_sharded() if sharded_init else self._wrap(
-            load_pretrained(cfg.model.path, dtype=torch.float32, device=device, kernels=cfg.model.kernels,
-                            attention=cfg.model.attention))
+        self.model = self._build_sharded(base_dtype) if sharded_init else self._wrap(self._build(base_dtype))
         self._gen = torch.Generator(device=device)  # re-seeded per global micro-batch
         self._step = 0  # optimizer steps done (after_optimizer_step / the checkpoint)
         self._ema_export: dict[str, torch.Tensor] | None = None  # gathered at the last step's evaluation
@@ -171,10 +175,58 @@ class ImagegenTask:
         self._bin_sum = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         self._bin_count = torch.zeros(NUM_BINS, device=device, dtype=torch.float64)
         n = sum(p.numel() for p in self.model.parameters())
-        log(f"imagegen: {n / 1e6:.3f}M parameters, {cfg.model.dtype} on {device}; train data: "
+        trained = (f"LoRA r{self.lora.rank} on {len(lora_layers(self.model))} linears, "
+                   f"{sum(p.numel() for p in self.model.parameters() if p.requires_grad) / 1e6:.3f}M trainable"
+                   if self.lora is not None else "full fine-tuning")
+        log(f"imagegen: {n / 1e6:.3f}M parameters ({trained}), {cfg.model.dtype} on {device}; train data: "
             f"{self.stream.describe()}; EMA {cfg.ema.decay if self.ema else 'off'}")
 
     # ------------------------------------------------------------------ model
+
+    def _lora_settings(self) -> tuple[LoraArgs | None, tuple[str, ...]]:
+        """(the LoRA layers' args, the block paths they wrap), or (None, ()) for full fine-tuning. The targets are
+        checked against model.path's family before any weight is read; an init_adapter gives its own alpha."""
+        lc = self.cfg.lora
+        if lc.rank == 0:
+            return None, ()
+        if self.cfg.train.precision == "fp8":  # the MMDiT's LoRA layers have no FP8 base yet
+            raise ConfigError(f"{PRECISION_KEY} = \"fp8\" trains the MMDiT with full fine-tuning only; with lora.rank "
+                              f"> 0 use train.precision = \"bf16\"")
+        family = family_of_args(read_args(self.cfg.model.path))
+        try:
+            targets = family.resolve_lora_targets(lc.targets)
+        except ValueError as e:
+            raise ConfigError(f"lora.targets: {e}") from None
+        args = lc.args()
+        if lc.init_adapter:
+            adapter, _ = read_lora(lc.init_adapter)
+            if adapter.rank != lc.rank:
+                raise ConfigError(f"lora.init_adapter {lc.init_adapter} has rank {adapter.rank}, but lora.rank is "
+                                  f"{lc.rank}; set lora.rank = {adapter.rank}")
+            args = dataclasses.replace(adapter, dtype=lc.dtype)
+        return args, targets
+
+    def _add_lora(self, model: MMDiT) -> dict[str, torch.Tensor]:
+        """Wrap the target linears (lora.targets, or init_adapter's modules) in place; returns the adapters'
+        initial weights by parameter name: init_adapter's, or on a meta-device model (a sharded build) the draws
+        one process makes, so every process count starts from the same adapter."""
+        meta = model.pos_embed.proj.weight.is_meta
+        if self.cfg.lora.init_adapter:
+            load_lora(model, self.cfg.lora.init_adapter, dtype=self.lora.dtype)
+            return read_lora(self.cfg.lora.init_adapter)[1] if meta else {}
+        modules = target_modules(model, self.lora_targets)
+        init = lora_init_like([(n, model.get_submodule(n)) for n in modules], self.lora, self.device) if meta else {}
+        apply_lora(model, self.lora, modules)
+        return init
+
+    def _build(self, base_dtype: torch.dtype) -> MMDiT:
+        """One process (or init = "full"): load the whole model, then add the LoRA layers (rank > 0)."""
+        cfg = self.cfg
+        model = load_pretrained(cfg.model.path, dtype=base_dtype, device=self.device, kernels=cfg.model.kernels,
+                                attention=cfg.model.attention)
+        if self.lora is not None:
+            self._add_lora(model)
+        return model
 
     def _wrap(self, model: MMDiT) -> MMDiT:
         """AC -> compile -> FSDP2 per joint block (a no-op wrap on one process without policies).
@@ -183,33 +235,45 @@ class ImagegenTask:
         (kept only for diffusers' layout, imagegen/model.py Attention). They never get a gradient, so AdamW
         never makes state for them, and a sharded resume would look for that state in the checkpoint.
         """
-        apply_precision(model, self.cfg.train, FP8_SKIP)  # FP8 linears first: the policies below wrap what runs
+        # FP8 linears first: the policies below wrap what runs; the family names what stays in the model's dtype
+        apply_precision(model, self.cfg.train, family_of_args(model.args).fp8_skip)
         for block in model.transformer_blocks:
             if block.attn.to_add_out is None:  # context_pre_only: no text output, no text queries
                 for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):
                     if m is not None:
                         m.requires_grad_(False)
         choice = self.cfg.train.distributed.param_dtype
-        if choice == "auto":
+        if choice == "auto" and self.lora is not None and self.autocast:
+            param_dtype = None  # each its own: the bf16 frozen base, the adapters in lora.dtype
+        elif choice == "auto":
             param_dtype = torch.bfloat16 if self.autocast else torch.float32
         else:
             param_dtype = getattr(torch, choice)
         return parallelize(model, family_of_args(model.args).blocks(model), self.dist, self.cfg.train.distributed,
                            param_dtype)
 
-    def _build_sharded(self) -> MMDiT:
-        """Meta model -> wrap -> each rank reads only its rows of every tensor from the safetensors files."""
+    def _build_sharded(self, base_dtype: torch.dtype) -> MMDiT:
+        """Meta model -> LoRA -> wrap -> each rank reads only its rows of every tensor from the safetensors files
+        (and of the adapters' initial weights)."""
         from safetensors import safe_open
 
         model_dir = resolve_dir(self.cfg.model.path)
         where = weight_map(model_dir, read_args(model_dir))
         with torch.device("meta"):
-            model = build_model(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention))
+            model = build_model(read_args(model_dir, self.cfg.model.kernels, self.cfg.model.attention)).to(base_dtype)
+        lora_init = self._add_lora(model) if self.lora is not None else {}
         self._wrap(model)
+
+        def read(name: str, rows: slice) -> torch.Tensor:
+            if name in lora_init:
+                return lora_init[name][rows]
+            key = name.replace(".base_layer.", ".")  # a LoRA-wrapped linear's base has the diffusers name
+            return files[where[key]].get_slice(key)[rows]
+
         with contextlib.ExitStack() as stack:
             files = {f: stack.enter_context(safe_open(f, framework="pt", device="cpu"))
                      for f in sorted(set(where.values()))}
-            materialize_(model, self.device, lambda name, rows: files[where[name]].get_slice(name)[rows])
+            materialize_(model, self.device, read)
         return model
 
     # ------------------------------------------------------------------ setup checks
@@ -473,8 +537,16 @@ class ImagegenTask:
         if self.ema is not None:
             self.ema.update(step)
         self._step = step
-        if self.cfg.sample.every and step % self.cfg.sample.every == 0:
-            self.write_samples(Path(self.cfg.output.dir) / "samples" / f"step-{step}.png")
+
+    def samples(self, step: int) -> Samples | None:
+        """The validation grid of optimizer step `step` when it is due (every sample.every steps): the fixed prompts
+        rendered with the EMA weights (the trained ones when EMA is off) into output.dir/samples/step-N.png. The
+        trainer puts it into TensorBoard and announces it on the progress line (which the flows turn into a
+        Prefect image artifact). Every rank calls it; rank 0 writes the file."""
+        if not (self.cfg.sample.every and step % self.cfg.sample.every == 0):
+            return None
+        path = self.write_samples(Path(self.cfg.output.dir) / "samples" / f"step-{step}.png")
+        return Samples(path, len(self.prompts), "EMA" if self.ema is not None else "trained")
 
     # ------------------------------------------------------------------ state and export
 
@@ -496,34 +568,51 @@ class ImagegenTask:
         if self.ema is not None:
             self.ema.load_state_tensors(tensors)
 
+    def _ema_weights(self) -> dict[str, torch.Tensor]:
+        """The EMA average by parameter name, full tensors (gathered at the last step's evaluation under FSDP)."""
+        if not self.dist.enabled:
+            return self.ema.full_state(self.dist)
+        if self._ema_export is None:
+            raise RuntimeError(f"imagegen export at step {self._step}: the EMA was not gathered (it is, in the "
+                               f"evaluation of step train.max_steps = {self.cfg.train.max_steps})")
+        return self._ema_export
+
     def export(self, out_dir: Path) -> dict[str, Path]:
-        """transformer/ (and ema/) in diffusers layout, plus imagegen.json for `atelier imagegen sample`; with SD3's
-        encoders also pipeline/, a StableDiffusion3Pipeline directory holding the EMA weights (EMA on) or the
-        trained ones, the VAE the latents came from and the scheduler set to this run's flow settings.
+        """Full fine-tuning: transformer/ (and ema/) in diffusers layout. LoRA: lora/ (and lora_ema/), each a
+        pytorch_lora_weights.safetensors that `StableDiffusion3Pipeline.load_lora_weights` reads. Both: imagegen.json
+        for `atelier imagegen sample`, and with SD3's encoders pipeline/, a StableDiffusion3Pipeline directory with
+        the EMA weights (EMA on) or the trained ones: the trained transformer, or the base transformer plus the LoRA
+        file at its top (`pipe.load_lora_weights(dir)`), the VAE the latents came from and the scheduler set to this
+        run's flow settings.
 
         Under FSDP the trainer calls it on rank 0 only, with the model's weights consolidated; the EMA's full
         copy was gathered on every rank at the last step's evaluation (a rank-0-only gather would hang).
         """
         out_dir = Path(out_dir)
-        dtype = torch.bfloat16 if self.autocast else torch.float32
-        paths = {"transformer": save_pretrained(self.model, out_dir / "transformer", dtype=dtype)}
-        ema = None
-        if self.ema is not None:
-            if self.dist.enabled:
-                if self._ema_export is None:
-                    raise RuntimeError(f"imagegen export at step {self._step}: the EMA was not gathered (it is, in "
-                                       f"the evaluation of step train.max_steps = {self.cfg.train.max_steps})")
-                ema = self._ema_export
-            else:
-                ema = self.ema.full_state(self.dist)
-            paths["ema"] = save_pretrained(self.model, out_dir / "ema", dtype=dtype, weights=ema)
+        ema = self._ema_weights() if self.ema is not None else None
+        paths: dict[str, Path] = {}
+        if self.lora is not None:
+            paths["lora"] = save_lora(self.model, self.lora, out_dir / "lora")
+            if ema is not None:
+                paths["lora_ema"] = save_lora(self.model, self.lora, out_dir / "lora_ema", weights=ema)
+            final, transformer = paths.get("lora_ema", paths["lora"]), resolve_dir(self.cfg.model.path)
+        else:
+            dtype = torch.bfloat16 if self.autocast else torch.float32
+            paths["transformer"] = save_pretrained(self.model, out_dir / "transformer", dtype=dtype)
+            if ema is not None:
+                paths["ema"] = save_pretrained(self.model, out_dir / "ema", dtype=dtype, weights=ema)
+            final = transformer = paths.get("ema", paths["transformer"])
         if self._exports_pipeline():
             from atelier_studio.imagegen.export import export_pipeline
 
-            weights = paths["ema"] if ema is not None else paths["transformer"]
+            def add_lora(tmp: Path) -> None:
+                if self.lora is not None:
+                    shutil.copy2(final / LORA_FILE, tmp / LORA_FILE)
+
             paths["pipeline"] = export_pipeline(
-                text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=weights,
-                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow)
+                text_encoder_dir(self.cfg.text, self.cfg.model.path), out_dir / "pipeline", transformer=transformer,
+                vae=resolve_autoencoder_spec(self.cfg.autoencoder.spec, self.cfg.model.path), flow=self.flow,
+                extra=add_lora)
         paths["meta"] = write_run_meta(out_dir, self.cfg)
         return paths
 

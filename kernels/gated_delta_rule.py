@@ -48,7 +48,7 @@ import torch
 IMPLS = ("auto", "fla", "ref")
 CHUNK = 64  # fla's chunk size (BT); the FLOP count in designer/qwen35.py uses the same
 FLA_MISSING = ("gated_delta_rule: the fast path needs fla-core, which is not installed: `pip install fla-core` "
-               "(or `pip install 'atelier[gpu]'`); pass impl='ref' to run the slow fp32 PyTorch reference instead")
+               "(or `pip install 'atelier-studio[gpu]'`); pass impl='ref' to run the slow fp32 PyTorch reference instead")
 
 # --- Triton kernels -------------------------------------------------------------------------------
 # (none here: the fast path is fla-core's Triton kernels.)

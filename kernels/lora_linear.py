@@ -146,21 +146,31 @@ def _(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b):
 
 # FlopCounterMode cannot look inside a custom op: state its matmul FLOPs (so MFU accounting and the no-dW
 # test see them). Tensor arguments arrive as shapes.
+def lora_fwd_flops(t: int, i: int, o: int, r: int) -> int:
+    """Matmul FLOPs of one LoRA linear's forward on t tokens: the base x Wᵀ, u = x Aᵀ, u Bᵀ."""
+    return 2 * t * i * o + 2 * t * i * r + 2 * t * r * o
+
+
+def lora_bwd_flops(t: int, i: int, o: int, r: int, need_x: bool, need_a: bool, need_b: bool) -> int:
+    """Matmul FLOPs of one LoRA linear's backward (no dW), whichever base computes dY W."""
+    flops = 2 * t * o * r if (need_x or need_a) else 0  # g = s·dy B
+    flops += 2 * o * t * r if need_b else 0  # dB
+    flops += 2 * r * t * i if need_a else 0  # dA
+    flops += 2 * t * o * i + 2 * t * r * i if need_x else 0  # dy W + g A
+    return flops
+
+
 @register_flop_formula(torch.ops.atelier.lora_linear_fwd)
 def _fwd_flops(x, weight, bias, lora_a, lora_b, *args, out_shape=None, **kwargs) -> int:
     (t, i), o, r = x, weight[0], lora_a[0]
-    return 2 * t * i * o + 2 * t * i * r + 2 * t * r * o
+    return lora_fwd_flops(t, i, o, r)
 
 
 @register_flop_formula(torch.ops.atelier.lora_linear_bwd)
 def _bwd_flops(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b, out_shape=None,
                **kwargs) -> int:
     (t, i), o, r = x, weight[0], lora_a[0]
-    flops = 2 * t * o * r if (need_x or need_a) else 0  # g = s·dy B
-    flops += 2 * o * t * r if need_b else 0  # dB
-    flops += 2 * r * t * i if need_a else 0  # dA
-    flops += 2 * t * o * i + 2 * t * r * i if need_x else 0  # dy W + g A
-    return flops
+    return lora_bwd_flops(t, i, o, r, need_x, need_a, need_b)
 
 
 def _rank_slices(lora_bs: list[torch.Tensor]) -> list[slice]:

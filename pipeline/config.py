@@ -63,6 +63,13 @@ class DistributedConfig:
     init: Literal["sharded", "full"] = "sharded"
     async_checkpoint: bool = False  # write checkpoints in a background thread; finalised at the next save
     balance: bool = True  # balance packed rows across ranks by attention cost (sum of len^2 per row)
+    # mixture-of-experts models: shard every MoE layer's experts over this many processes and send tokens to them by
+    # all-to-all (pipeline/expert_parallel.py); 1 = FSDP2 all-gathers the experts like any weight. Either 1 or the
+    # number of processes
+    expert_parallel: int = 1
+
+    def validate(self) -> None:
+        _positive(self, "expert_parallel")
 
 
 @dataclass(frozen=True)

@@ -81,14 +81,22 @@ def torchrun_env() -> dict[str, int] | None:
     return out
 
 
+def resolve_device(spec: str) -> torch.device:
+    """`train.device` on one process: "auto" is CUDA where there is one, else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DistributedError(f"train.device = {spec!r} but CUDA is not available on this machine")
+    return device
+
+
 def launched_by_torchrun() -> bool:
     return torchrun_env() is not None
 
 
 def init_distributed(train: TrainConfig) -> DistContext:
     """The process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or a one-process context."""
-    from atelier_studio.pipeline.trainer import resolve_device  # the one device parser (trainer imports this module)
-
     env = torchrun_env()
     if env is None:
         return DistContext(device=resolve_device(train.device))
@@ -170,13 +178,21 @@ def _reshard_policy(policy: str, index: int, num_blocks: int) -> bool:
 
 def parallelize(model: nn.Module, blocks: Sequence[nn.Module], ctx: DistContext, cfg: DistributedConfig,
                 param_dtype: torch.dtype | None) -> nn.Module:
-    """Apply, in place and in this order: activation checkpointing → per-block compile → FSDP2 (under torchrun).
+    """Apply, in place and in this order: expert parallelism → activation checkpointing → per-block compile → FSDP2
+    (under torchrun).
 
     blocks: the repeated layers (each becomes its own FSDP unit); the rest of `model` is the root unit.
+    cfg.expert_parallel > 1 shards the experts of MoE layers by expert over the ranks (pipeline/expert_parallel.py);
+    FSDP2 leaves those alone.
     param_dtype: FSDP2's all-gather/compute dtype; None keeps each parameter's own dtype (LoRA: a bf16 frozen
     base with fp32 adapters). Gradients are reduced in `cfg.reduce_dtype` and summed over ranks.
     Works on a meta-device model (then call `materialize_`) or on a loaded one.
     """
+    experts: set[nn.Parameter] = set()
+    if cfg.expert_parallel > 1:
+        from atelier_studio.pipeline.expert_parallel import apply_expert_parallel
+
+        experts = apply_expert_parallel(blocks, ctx, cfg.expert_parallel)
     checkpoint_blocks(blocks, cfg.activation_checkpointing)  # pipeline/policies.py: none | full | selective
     if cfg.compile:
         compile_block_list(blocks)  # in place: parameter names keep no `_orig_mod.` prefix
@@ -189,9 +205,9 @@ def parallelize(model: nn.Module, blocks: Sequence[nn.Module], ctx: DistContext,
     reduce_dtype = torch.float32 if cfg.reduce_dtype == "float32" else torch.bfloat16
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp,
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts or None,
                     reshard_after_forward=_reshard_policy(cfg.reshard_after_forward, i, len(blocks)))
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=experts or None)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, not mean: losses are pre-divided by the global weight

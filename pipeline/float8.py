@@ -19,7 +19,8 @@ key) and apply_precision (on the loaded model, LoRA applied, before activation c
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -143,14 +144,54 @@ def check_precision(train: TrainConfig, device: torch.device, distributed: bool)
         raise ConfigError(str(e)) from None
 
 
-def apply_precision(model: nn.Module, train: TrainConfig, skip: Sequence[str] = ()) -> list[str]:
-    """`train.precision` on a built model: nothing for "bf16"; for "fp8", pipeline.policies.apply_fp8 with the
-    recipe (the LM head and `skip` stay as they are). Returns the swapped module names."""
+# The LM head stays in bf16 until a measurement says otherwise; callers add their own.
+FP8_ALWAYS_SKIPPED = ("lm_head", "*.lm_head")
+
+# A module type that has its own FP8 form (e.g. a LoRA layer, whose frozen base goes to FP8 and whose adapters do
+# not) maps to the function that builds it from the module and the recipe. The model's side passes these in:
+# this engine module knows no model family's layers.
+Fp8Conversions = Mapping[type, Callable[[nn.Module, str], nn.Module]]
+
+
+def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = (), impl: str = "auto",
+              conversions: Fp8Conversions | None = None) -> list[str]:
+    """Swap every nn.Linear of `model` for a Float8Linear, and every module whose exact type is in `conversions`
+    for what its conversion builds, in place.
+
+    Not swapped: the LM head and every module whose qualified name matches a glob of `skip` (fnmatch: `*` also
+    crosses dots, e.g. "transformer_blocks.*.norm1.linear"); anything inside a converted module (a LoRA layer's
+    base is converted with it, its adapters A and B never); anything that is not a plain nn.Linear or a converted
+    type (norms, embeddings, convolutions). The swapped modules keep the same Parameters, so state dicts,
+    checkpoints and exports are unchanged. `impl` is Float8Linear's (auto | scaled_mm | ref); converted modules
+    keep their own kernel choice. Returns the swapped names, in module order.
+    """
+    conversions = dict(conversions or {})
+    patterns = (*FP8_ALWAYS_SKIPPED, *skip)
+    swaps: list[tuple[str, nn.Module]] = []
+    converted: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(n + ".") for n in converted):  # (the root cannot be swapped in place)
+            continue  # inside a converted module: it is swapped as a whole
+        kind = type(module)
+        if kind in conversions:
+            converted.append(name)
+        if (kind in conversions or kind is nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            swaps.append((name, module))
+    for name, module in swaps:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        convert = conversions.get(type(module))
+        setattr(parent, leaf, convert(module, recipe) if convert else Float8Linear.from_linear(module, recipe, impl))
+    return [name for name, _ in swaps]
+
+
+def apply_precision(model: nn.Module, train: TrainConfig, skip: Sequence[str] = (),
+                    conversions: Fp8Conversions | None = None) -> list[str]:
+    """`train.precision` on a built model: nothing for "bf16"; for "fp8", apply_fp8 with the recipe (the LM head
+    and `skip` stay as they are; `conversions` as apply_fp8's). Returns the swapped module names."""
     if train.precision != "fp8":
         return []
-    from atelier_studio.pipeline.policies import apply_fp8
-
-    names = apply_fp8(model, train.fp8_recipe, skip)
+    names = apply_fp8(model, train.fp8_recipe, skip, conversions=conversions)
     if not names:
         raise ConfigError(f"{PRECISION_KEY}: {type(model).__name__} has no linear layer to compute in FP8")
     log(f"fp8 ({train.fp8_recipe}): {len(names)} linear layers in FP8; kept in the model dtype: the LM head, "

@@ -20,14 +20,13 @@ Each policy wraps the block INSTANCE's forward or compiles the instance in place
 (state dicts, checkpoints, PEFT exports) keep the stock keys — no `_checkpoint_wrapped_module.` or
 `_orig_mod.` prefixes.
 
-FP8 (`train.precision = "fp8"`, apply_fp8) comes first of all, right after the model is loaded (and LoRA applied):
-it swaps modules for FP8 ones that keep the same Parameters and state-dict keys.
+FP8 (`train.precision = "fp8"`, pipeline/float8.py apply_fp8) comes before all of these, right after the model is
+loaded (and LoRA applied): it swaps modules for FP8 ones that keep the same Parameters and state-dict keys.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import inspect
 from collections.abc import Iterator, Sequence
@@ -43,17 +42,19 @@ AC_MODES = ("none", "full", "selective")
 # (norms, RoPE, SwiGLU, casts, adds) is recomputed in backward. Looked up by name so that ops missing in a
 # given torch build are simply absent.
 _SAVE_OP_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
 )
-# Atelier's own ops that hold matmuls (the forward GEMMs of kernels/fp8_linear.py and kernels/fp8_group.py), saved
-# by selective AC likewise.
-_SAVE_ATELIER_OP_NAMES = ("fp8_linear_fwd", "fp8_frozen_fwd", "fp8_lora_fwd", "fp8_group_fwd", "fp8_frozen_group_fwd")
+# Atelier's own ops that hold matmuls (the forward GEMMs of kernels/fp8_linear.py, kernels/fp8_group.py and
+# kernels/nf4_linear.py), saved by selective AC likewise.
+_SAVE_ATELIER_OP_NAMES = ("fp8_linear_fwd", "fp8_frozen_fwd", "fp8_lora_fwd", "fp8_group_fwd", "fp8_frozen_group_fwd",
+                          "nf4_linear_fwd", "nf4_lora_fwd")
 
 
 def _save_ops() -> frozenset:
     import atelier_studio.kernels.fp8_group  # noqa: F401  (registers the atelier:: fp8 ops)
+    import atelier_studio.kernels.nf4_linear  # noqa: F401  (registers the atelier:: nf4 ops)
 
     ops = []
     for namespace, names in ((torch.ops.aten, _SAVE_OP_NAMES), (torch.ops.atelier, _SAVE_ATELIER_OP_NAMES)):
@@ -164,39 +165,3 @@ def cpu_offload(enabled: bool = True, pin_memory: bool = True) -> Iterator[None]
     pin = pin_memory and torch.cuda.is_available()
     with torch.autograd.graph.save_on_cpu(pin_memory=pin):
         yield
-
-
-# The LM head stays in bf16 (the issue's rule, until a measurement says otherwise); callers add their own.
-FP8_ALWAYS_SKIPPED = ("lm_head", "*.lm_head")
-
-
-def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = (), impl: str = "auto") -> list[str]:
-    """Swap every nn.Linear of `model` for a Float8Linear and every LoRA layer for its FP8-base variant, in place.
-
-    Not swapped: the LM head and every module whose qualified name matches a glob of `skip` (fnmatch: `*` also
-    crosses dots, e.g. "transformer_blocks.*.norm1.linear"); a LoRA layer's own adapters A and B (they stay in
-    their dtype); anything that is not a plain nn.Linear (norms, embeddings, convolutions). The swapped modules keep
-    the same Parameters, so state dicts, checkpoints and exports are unchanged. `impl` is Float8Linear's
-    (auto | scaled_mm | ref); LoRA layers keep their own kernel choice. Returns the swapped names, in module order.
-    """
-    from atelier_studio.designer.lora import LoRALinear
-    from atelier_studio.designer.lora_fp8 import Float8LoRALinear
-    from atelier_studio.pipeline.float8 import Float8Linear
-
-    patterns = (*FP8_ALWAYS_SKIPPED, *skip)
-    swaps: list[tuple[str, nn.Module]] = []
-    lora_names: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(n + ".") for n in lora_names):  # (the root cannot be swapped in place)
-            continue  # inside a LoRA layer: its base is swapped with it, its adapters never
-        if type(module) is LoRALinear:
-            lora_names.append(name)
-        if type(module) in (LoRALinear, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            swaps.append((name, module))
-    for name, module in swaps:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        new = (Float8LoRALinear.from_lora(module, recipe) if isinstance(module, LoRALinear)
-               else Float8Linear.from_linear(module, recipe, impl))
-        setattr(parent, leaf, new)
-    return [name for name, _ in swaps]

@@ -6,6 +6,11 @@ the trainer's stdout, CI logs) it prints one plain line per logged step instead,
 
     step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% eta 0:01:30
 
+Validation images a task renders during training (imagegen's sample grid) get a line of their own, which the
+flows turn into a Prefect image artifact (flows/launch.py), and go to TensorBoard as images:
+
+    samples step 20/100: runs/i1/samples/step-20.png (8 prompts, EMA weights)
+
 Every logged record also goes to `metrics.jsonl` (one JSON object per line, `"kind": "train" | "eval"`)
 and, when enabled and installed, to TensorBoard.
 """
@@ -80,6 +85,18 @@ class TensorBoardLog:
                 self.writer.add_scalar(f"{kind}/{k}", v, step)
         self.writer.flush()
 
+    def image(self, tag: str, path: Path, step: int) -> None:
+        """An image file (PNG) as a TensorBoard image at `step`."""
+        if self.writer is None:
+            return
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(path) as im:
+            pixels = np.asarray(im.convert("RGB"))  # [H, W, 3] uint8
+        self.writer.add_image(tag, pixels, step, dataformats="HWC")
+        self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -148,6 +165,58 @@ def format_step_line(step: int, total: int, record: dict[str, Any], unit: str, e
 
 
 _UNIT_LABEL = {"tokens": "tok/s", "images": "img/s"}
+
+
+def format_samples_line(step: int, total: int, samples: Any) -> str:
+    """The line announcing validation images (a pipeline.task.Samples); flows/launch.py parses it."""
+    return f"samples step {step}/{total}: {samples.path} ({samples.count} prompts, {samples.weights} weights)"
+
+
+class RunLog:
+    """Everything a training run reports, in one place: each record goes to metrics.jsonl, TensorBoard and the
+    progress bar (train records) or a message line (eval records). Only rank 0 of a multi-process run reports
+    (`main`); on the other ranks every call does nothing."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, total_steps: int, start_step: int, unit: str,
+                 main: bool = True):
+        self.main = main
+        if not main:
+            return
+        self.metrics = MetricsLog(Path(out_dir) / "metrics.jsonl", resume_step=start_step)
+        self.tensorboard = TensorBoardLog(Path(out_dir) / "tensorboard", tensorboard)
+        self.bar = ProgressBar(total_steps, start_step, unit)
+
+    def train(self, record: dict[str, Any]) -> None:
+        """A logged training step: its record (step, loss, lr, throughput, ...) everywhere, the bar moved on."""
+        if self.main:
+            self.metrics.write(record)
+            self.tensorboard.write(record)
+            self.bar.update(record["step"], record)
+
+    def eval(self, step: int, result: dict[str, float]) -> None:
+        """An evaluation's results at `step`, with a line saying them."""
+        if self.main and result:
+            record = {"kind": "eval", "step": step, **result}
+            self.metrics.write(record)
+            self.tensorboard.write(record)
+            self.bar.message("eval step {}: {}".format(step, " ".join(f"{k} {v:.4f}" for k, v in result.items())))
+
+    def samples(self, step: int, total: int, samples: Any) -> None:
+        """Validation images a task rendered at `step` (a pipeline.task.Samples): a TensorBoard image and a line
+        (format_samples_line) that flows/launch.py turns into a Prefect image artifact."""
+        if self.main:
+            self.tensorboard.image("samples", samples.path, step)
+            self.bar.message(format_samples_line(step, total, samples))
+
+    def message(self, text: str) -> None:
+        if self.main:
+            self.bar.message(text)
+
+    def close(self) -> None:
+        if self.main:
+            self.bar.close()
+            self.metrics.close()
+            self.tensorboard.close()
 
 
 def log(msg: str) -> None:

@@ -13,11 +13,21 @@ over-weights short micro-batches (a known bug class of fused cross-entropy under
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Validation images a task rendered during training (imagegen's fixed prompt grid): one image file."""
+
+    path: Path  # the PNG (written by rank 0)
+    count: int  # how many prompts it shows
+    weights: str  # which weights rendered it, e.g. "EMA"
 
 
 class Task(Protocol):
@@ -55,8 +65,11 @@ class Task(Protocol):
         ...
 
     def after_optimizer_step(self, step: int) -> None:
-        """Hook after each optimizer step (EMA update, periodic samples)."""
+        """Hook after each optimizer step (EMA update)."""
         ...
+
+    # Optional: `samples(step) -> Samples | None`, called after every optimizer step: the validation images when
+    # they are due (imagegen's sample.every), which the trainer logs to TensorBoard and names on the progress line.
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors to checkpoint beyond the trainable weights (EMA weights, ...)."""

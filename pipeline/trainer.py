@@ -3,8 +3,9 @@
 Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
 each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
 of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
-step AdamW. Around it: logging (progress bar, metrics.jsonl, TensorBoard), evaluation, checkpoints on a
-cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor).
+step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard),
+evaluation, checkpoints on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position,
+RNG, data cursor; pipeline/checkpointer.py's Checkpointer does the saving and restoring).
 
 The step itself reads nothing back from the device; the host syncs only where a value is logged.
 
@@ -19,42 +20,21 @@ only, exports from the consolidated weights. A stop signal on any rank stops eve
 from __future__ import annotations
 
 import math
-import random
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from atelier_studio.pipeline.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    list_checkpoints,
-    load_checkpoint,
-    optimizer_state_from_tensors,
-    optimizer_state_to_tensors,
-    prune_checkpoints,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from atelier_studio.pipeline.checkpoint import PendingSave, is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from atelier_studio.pipeline.config import OutputConfig, TrainConfig
-from atelier_studio.pipeline.distributed import (
-    DistContext,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    consolidated,
-    is_sharded,
-    set_gradient_sync,
-)
 from atelier_studio.pipeline.atomic import ensure_dir
+from atelier_studio.pipeline.checkpointer import Checkpointer, seed_everything
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, barrier, consolidated, is_sharded, set_gradient_sync
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
-from atelier_studio.pipeline.progress import MetricsLog, ProgressBar, TensorBoardLog, log
+from atelier_studio.pipeline.progress import RunLog, log
 from atelier_studio.pipeline.task import Task
 
 
@@ -72,21 +52,6 @@ class TrainResult:
     signal: int | None = None
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"train.device = {spec!r} but CUDA is not available on this machine")
-    return device
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr for optimizer step `step` (0-based): linear warmup, then the decay."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
@@ -102,15 +67,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-class _Silent:
-    """Stands in for the progress bar and metric logs on ranks other than 0."""
-
-    def write(self, record: dict[str, Any]) -> None: ...
-    def update(self, step: int, record: dict[str, Any]) -> None: ...
-    def message(self, text: str) -> None: ...
-    def close(self) -> None: ...
-
-
 class Trainer:
     def __init__(self, task: Task, train: TrainConfig, output: OutputConfig, device: torch.device,
                  dist: DistContext | None = None):
@@ -124,11 +80,11 @@ class Trainer:
         self.named_params = [(n, p) for n, p in task.model.named_parameters() if p.requires_grad]
         if not self.named_params:
             raise TrainingError("the model has no trainable parameters")
-        self.param_names = {id(p): n for n, p in self.named_params}
         self.optimizer = self._build_optimizer()
+        self.checkpoints = Checkpointer(self.ckpt_dir, train, task, self.optimizer, self.named_params, self.dist,
+                                        device)
         self.step = 0
         self._stop_signal: int | None = None
-        self._pending: PendingSave | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -141,183 +97,13 @@ class Trainer:
         fused = self.device.type == "cuda"
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
 
-    def _resume_path(self) -> Path | None:
-        """The checkpoint to resume from; under torchrun rank 0 decides (and verifies) for every rank."""
-        if not self.dist.enabled:
-            return self._find_resume_path()
-        try:
-            found: Any = self._find_resume_path() if self.dist.is_main else None
-        except TrainingError as e:
-            found = e
-        found = broadcast_object(self.dist, found)
-        if isinstance(found, TrainingError):
-            raise found
-        return found
-
-    def _find_resume_path(self) -> Path | None:
-        resume = self.cfg.resume
-        if resume == "never":
-            if list_checkpoints(self.ckpt_dir):
-                raise TrainingError(
-                    f"{self.ckpt_dir} already holds checkpoints and train.resume = 'never': refusing to overwrite "
-                    f"them. Use another output.dir, or train.resume=auto to continue."
-                )
-            return None
-        if resume == "auto":
-            found = list_checkpoints(self.ckpt_dir)
-            if not found:
-                return None
-            newest = found[-1]
-            try:
-                verify_checkpoint(newest)
-            except CheckpointError as e:
-                older = ", ".join(str(p) for p in found[:-1]) or "none"
-                raise TrainingError(
-                    f"cannot resume from the newest checkpoint: {e}. Nothing was changed. Older checkpoints: {older}; "
-                    f"pick one with --set train.resume=PATH."
-                ) from None
-            return newest
-        return Path(resume)
-
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
-        if self.dist.enabled:
-            return self._save_sharded()
-        opt_tensors, opt_meta = optimizer_state_to_tensors(self.optimizer, self.param_names)
-        extra = {f"task.{k}": v for k, v in self.task.state_tensors().items()}
-        extra["rng.torch"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            extra["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        py_state = random.getstate()
-        np_state = np.random.get_state()
-        state = {
-            "optimizer": opt_meta,
-            "rng": {
-                "python": [py_state[0], list(py_state[1]), py_state[2]],
-                "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            },
-            "task": self.task.state_meta(),
-        }
-        ckpt = Checkpoint(
-            step=self.step,
-            model={n: p.detach() for n, p in self.named_params},
-            optimizer=opt_tensors,
-            extra=extra,
-            state=state,
-        )
-        path = save_checkpoint(self.ckpt_dir, ckpt)
-        prune_checkpoints(self.ckpt_dir, self.cfg.keep_checkpoints)
-        return path
+        return self.checkpoints.save(self.step)
 
     def load(self, path: Path) -> None:
-        if is_sharded_checkpoint(path):
-            return self._load_sharded(Path(path))
-        if self.dist.enabled:
-            raise CheckpointError(f"{path}: a single-process checkpoint cannot be resumed under torchrun; resume it "
-                                  f"with one process, or start the multi-process run from its exported weights")
-        ckpt = load_checkpoint(path)
-        names = {n for n, _ in self.named_params}
-        missing = sorted(names - set(ckpt.model))
-        unexpected = sorted(set(ckpt.model) - names)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{path}/model.safetensors does not match the model's trainable parameters "
-                f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
-            )
-        with torch.no_grad():
-            for n, p in self.named_params:
-                src = ckpt.model[n]
-                if src.shape != p.shape:
-                    raise CheckpointError(f"{path}/model.safetensors: {n} has shape {tuple(src.shape)}, "
-                                          f"the model expects {tuple(p.shape)}")
-                p.copy_(src)
-        optimizer_state_from_tensors(self.optimizer, self.param_names, ckpt.optimizer, ckpt.state["optimizer"])
-        task_tensors = {k[len("task."):]: v for k, v in ckpt.extra.items() if k.startswith("task.")}
-        self.task.load_state(task_tensors, ckpt.state["task"])
-        torch.set_rng_state(ckpt.extra["rng.torch"])
-        if self.device.type == "cuda" and "rng.cuda" in ckpt.extra:
-            torch.cuda.set_rng_state(ckpt.extra["rng.cuda"], self.device)
-        py = ckpt.state["rng"]["python"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-        npy = ckpt.state["rng"]["numpy"]
-        np.random.set_state((npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
-        self.step = ckpt.step
-
-    def _app_state(self) -> dict[str, Any]:
-        """Trainable weights and optimizer state by parameter name (DTensors under FSDP), plus task tensors."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.task.model, self.optimizer,
-                                            options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": model_sd, "optimizer": optim_sd, "task": dict(self.task.state_tensors())}
-
-    def _rank_state(self) -> dict[str, Any]:
-        py_state = random.getstate()
-        np_state = np.random.get_state()
-        out: dict[str, Any] = {
-            "python": [py_state[0], list(py_state[1]), py_state[2]],
-            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            "torch": torch.get_rng_state().tolist(),
-        }
-        if self.device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(self.device).tolist()
-        return out
-
-    def _set_rank_state(self, st: dict[str, Any]) -> None:
-        py = st["python"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-        npy = st["numpy"]
-        np.random.set_state((npy[0], np.asarray(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
-        torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
-        if self.device.type == "cuda" and "cuda" in st:
-            torch.cuda.set_rng_state(torch.tensor(st["cuda"], dtype=torch.uint8), self.device)
-
-    def _save_sharded(self) -> Path:
-        self.finish_pending_save()
-        async_save = self.cfg.distributed.async_checkpoint
-        self._pending = save_sharded_checkpoint(self.ckpt_dir, self.step, self._app_state(),
-                                                {"task": self.task.state_meta()}, self._rank_state(), self.dist,
-                                                async_save=async_save)
-        if not async_save:
-            self._after_save()
-        return self._pending.final
-
-    def finish_pending_save(self) -> None:
-        """Finish (and rename into place) a checkpoint still being written in the background."""
-        if self._pending is not None and self._pending.future is not None:
-            self._pending.wait()
-            self._after_save()
-        self._pending = None
-
-    def _after_save(self) -> None:
-        if self.dist.is_main:
-            prune_checkpoints(self.ckpt_dir, self.cfg.keep_checkpoints)
-        barrier(self.dist)
-
-    def _load_sharded(self, path: Path) -> None:
-        """Resume from a sharded checkpoint written by any number of ranks (DCP re-shards on load)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        app = self._app_state()
-        step, state, rank_state = load_sharded_checkpoint(path, app, self.dist.rank)
-        try:
-            set_state_dict(self.task.model, self.optimizer, model_state_dict=app["model"],
-                           optim_state_dict=app["optimizer"],
-                           # not strict: the frozen base is not in the checkpoint (DCP already raised on any
-                           # trainable key missing from it)
-                           options=StateDictOptions(ignore_frozen_params=True, strict=False))
-        except Exception as e:
-            raise CheckpointError(f"{path}: does not fit this model and optimizer: {e}") from e
-        try:
-            self.task.load_state(app["task"], state["task"])
-        except ValueError as e:  # e.g. a data position saved with another global batch
-            raise CheckpointError(f"{path}: {e}") from None
-        if rank_state is not None:
-            self._set_rank_state(rank_state)
-        else:  # written by fewer ranks: a fresh, still deterministic stream for this rank
-            seed_everything(self.cfg.seed + 1_000_003 * step + self.dist.rank)
-        self.step = step
+        self.step = self.checkpoints.load(path)
 
     # ------------------------------------------------------------------ signals
 
@@ -332,21 +118,20 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         ensure_dir(self.out, "output.dir")
-        resume = self._resume_path()
+        resume = self.checkpoints.resume_path()
         if resume is not None:
             self.load(resume)
             log(f"resumed from {resume} at step {self.step}")
-        main = self.dist.is_main
-        metrics: Any = MetricsLog(self.out / "metrics.jsonl", resume_step=self.step) if main else _Silent()
-        tb: Any = TensorBoardLog(self.out / "tensorboard", self.output_cfg.tensorboard) if main else _Silent()
+        report = RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
+                        main=self.dist.is_main)
         meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
-        bar: Any = ProgressBar(cfg.max_steps, self.step, self.task.unit) if main else _Silent()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         model = self.task.model
         model.train()
         batches = self.task.train_batches()
         per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
+        render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
         evaluated_step = -1
@@ -395,38 +180,38 @@ class Trainer:
                                        "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
                     if self.device.type == "cuda":
                         record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    metrics.write(record)
-                    tb.write(record)
-                    bar.update(self.step, record)
+                    report.train(record)
 
+                rendered = render(self.step) if render is not None else None
+                if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
+                    report.samples(self.step, cfg.max_steps, rendered)
+                    meter.restart_clock()  # rendering is not training time
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self._evaluate(metrics, tb, bar)
+                    self._evaluate(report)
                     evaluated_step = self.step
                     meter.restart_clock()
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     path = self.save()
                     saved_step = self.step
-                    bar.message(f"saved {path}")
+                    report.message(f"saved {path}")
                     meter.restart_clock()
 
             interrupted = self._stop_signal is not None
             if saved_step != self.step:
                 path = self.save()
-                bar.message(f"saved {path}")
-            self.finish_pending_save()
+                report.message(f"saved {path}")
+            self.checkpoints.finish_pending()
             exports: dict[str, Path] = {}
             if not interrupted:
                 if evaluated_step != self.step:
-                    self._evaluate(metrics, tb, bar)
+                    self._evaluate(report)
                 exports = self._export()
                 for name, p in exports.items():
-                    bar.message(f"exported {name}: {p}")
+                    report.message(f"exported {name}: {p}")
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            bar.close()
-            metrics.close()
-            tb.close()
+            report.close()
         summary = meter.summary()
         if self.device.type == "cuda":
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -463,17 +248,13 @@ class Trainer:
         barrier(self.dist)
         return exports
 
-    def _evaluate(self, metrics: MetricsLog, tb: TensorBoardLog, bar: ProgressBar) -> None:
+    def _evaluate(self, report: RunLog) -> None:
         model = self.task.model
         model.eval()
         with torch.no_grad():
             result = self.task.evaluate()
         model.train()
-        if result:
-            record = {"kind": "eval", "step": self.step, **result}
-            metrics.write(record)
-            tb.write(record)
-            bar.message("eval step {}: {}".format(self.step, " ".join(f"{k} {v:.4f}" for k, v in result.items())))
+        report.eval(self.step, result)
 
 
 def exit_code(result: TrainResult) -> int:
@@ -481,4 +262,4 @@ def exit_code(result: TrainResult) -> int:
     return 0 if result.signal is None else 128 + result.signal
 
 
-__all__ = ["Trainer", "TrainResult", "TrainingError", "resolve_device", "seed_everything", "lr_factor", "exit_code"]
+__all__ = ["Trainer", "TrainResult", "TrainingError", "seed_everything", "lr_factor", "exit_code"]

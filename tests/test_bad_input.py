@@ -91,10 +91,27 @@ def designer_train(tmp: Path, w: World, *sets: str, config: Path = DESIGNER_DEMO
     return argv
 
 
+def qwen35_tiny(tmp: Path, w: World) -> Path:
+    """A tiny random Qwen3.5 (fp32) with the world's tokenizer."""
+    assert main(["designer", "init", "--size", "qwen3.5-tiny", "--tokenizer", str(w.tokenizer), "--out",
+                 str(tmp / "qwen35"), "--dtype", "float32"]) == 0
+    return tmp / "qwen35"
+
+
 def write(path: Path, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data.encode() if isinstance(data, str) else data)
     return path
+
+
+def moe_model(tmp: Path, w: World, drop: str = "") -> Path:
+    """A tiny Qwen3-MoE directory (`designer init`) in tmp/moe; with `drop`, that key taken out of its config.json."""
+    assert main(["designer", "init", "--size", "qwen3-moe-tiny", "--tokenizer", str(w.tokenizer), "--out",
+                 str(tmp / "moe"), "--dtype", "float32"]) == 0
+    if drop:
+        cfg = json.loads((tmp / "moe" / "config.json").read_text())
+        (tmp / "moe" / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != drop}))
+    return tmp / "moe"
 
 
 def fixture_lines(n: int) -> list[bytes]:
@@ -219,6 +236,24 @@ def eval_args(tmp: Path, w: World) -> list[str]:
             "--out", str(tmp / "eval")]
 
 
+def imagegen_lora_train(tmp: Path, *sets: str, adapter_rank: int = 0) -> list[str]:
+    """`imagegen train` on the demo config with a tiny random MMDiT at tmp/mmdit and LoRA on; with `adapter_rank`, a
+    LoRA file of that rank for it at tmp/adapter. The checks under test run before any data is read."""
+    import torch
+
+    from atelier_studio.imagegen.hf import init_random, load_pretrained
+    from atelier_studio.imagegen.lora import apply_lora, save_lora, target_modules
+    from atelier_studio.pipeline.lora import LoraArgs
+
+    init_random("tiny", tmp / "mmdit", dtype=torch.float32)
+    if adapter_rank:
+        model, lora = load_pretrained(tmp / "mmdit"), LoraArgs(rank=adapter_rank, alpha=adapter_rank)
+        save_lora(apply_lora(model, lora, target_modules(model, ("attn.to_q",))), lora, tmp / "adapter")
+    argv = ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", f"model.path={tmp / 'mmdit'}",
+            "--set", f"output.dir={tmp / 'run'}"]
+    return argv + [a for item in ("lora.rank=4", *sets) for a in ("--set", item)]
+
+
 def train_on(tmp: Path, w: World, key: str, name: str, data: str | bytes) -> list[str]:
     """`designer train` with data.train or data.eval (`key`) pointing at tmp/name holding `data`."""
     return designer_train(tmp, w, f"{key}={write(tmp / name, data)}")
@@ -277,6 +312,29 @@ CASES = [
     # the family is known only from model.path's config.json, so the names are checked when the run starts
     Case("lora-target-not-in-the-family", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.targets=q,qkv"),
          ("lora.targets", "['qkv'] are not Qwen3 linears", "q, k, v, o, gate, up, down"), absent=("run/checkpoints",)),
+    Case("router-aux-loss-on-a-dense-model", lambda t, w: designer_train(t, w, "model.router_aux_loss=on"),
+         ("model.router_aux_loss = 'on'", "Qwen3 models have no auxiliary loss"), absent=("run",)),
+    Case("moe-config-without-its-expert-keys",
+         lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w, drop='moe_intermediate_size')}"),
+         ("{tmp}/moe/config.json", "missing keys ['moe_intermediate_size']"), absent=("run",)),
+    Case("lora-dropout-on-experts",
+         lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.dropout=0.1"),
+         ("lora.dropout = 0.1", "gate, up, down adapters are one per expert", "lora.dropout = 0"), absent=("run",)),
+    Case("qlora-with-full-finetuning", lambda t, w: designer_train(t, w, "lora.rank=0", "lora.base_dtype=nf4"),
+         ('lora.base_dtype: "nf4"', "rank = 0 is full fine-tuning", "lora.rank > 0"), absent=("run",)),
+    Case("qlora-with-fp8", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
+                                                         "train.precision=fp8"),
+         ('lora.base_dtype = "nf4" with train.precision = "fp8"',), absent=("run",)),
+    Case("qlora-with-an-fsdp-param-dtype",
+         lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
+                                     "train.distributed.param_dtype=bfloat16"),
+         ('train.distributed.param_dtype = "bfloat16" with lora.base_dtype = "nf4"', '"auto"'), absent=("run",)),
+    # Qwen3.5-tiny's out_proj reads 96 features: not whole blocks of 64, so no target is left to quantise
+    Case("qlora-nothing-to-quantise",
+         lambda t, w: designer_train(t, w, f"model.path={qwen35_tiny(t, w)}", "lora.rank=4", "lora.targets=out",
+                                     "lora.base_dtype=nf4"),
+         ('lora.base_dtype = "nf4"', "no LoRA target of this Qwen3.5 model", "multiple of 64", "out_proj"),
+         absent=("run/checkpoints",)),
     Case("warmup-longer-than-the-run", lambda t, w: designer_train(t, w, "train.max_steps=5", "train.warmup_steps=20"),
          ("train.warmup_steps", "max_steps 5", "<= 5"), absent=("run",)),
     Case("imagegen-ema-decay-out-of-range",
@@ -291,6 +349,16 @@ CASES = [
          lambda t, w: ["imagegen", "train", "--config", str(IMAGEGEN_DEMO), "--set", "data.streams=-2",
                        "--set", f"output.dir={t / 'run'}"],
          ("data.streams", ">= 0", "-2"), absent=("run",)),
+    # the MMDiT's LoRA targets are diffusers' module paths inside a block; the family is known from model.path
+    Case("imagegen-lora-target-not-in-the-mmdit", lambda t, w: imagegen_lora_train(t, "lora.targets=to_q,to_x"),
+         ("lora.targets", "['to_x'] match no MMDiT linear", "attn.to_q"), absent=("run",)),
+    Case("imagegen-lora-negative-rank", lambda t, w: imagegen_lora_train(t, "lora.rank=-1"),
+         ("lora.rank", ">= 0", "-1"), absent=("run",)),
+    Case("imagegen-lora-init-adapter-of-another-rank",
+         lambda t, w: imagegen_lora_train(t, f"lora.init_adapter={t / 'adapter'}", adapter_rank=8),
+         ("lora.init_adapter", "{tmp}/adapter has rank 8", "lora.rank = 8"), absent=("run",)),
+    Case("imagegen-lora-with-fp8", lambda t, w: imagegen_lora_train(t, "train.precision=fp8"),
+         ("train.precision", "full fine-tuning only", "lora.rank", "bf16"), absent=("run",)),
     Case("sd3-pipeline-without-t5",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
          ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),
@@ -392,6 +460,8 @@ CASES = [
     Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
     Case("eval-zero-sampling-steps", lambda t, w: eval_args(t, w) + ["--steps", "0"],
          ("steps", "at least 1 Euler step", "got 0"), absent=("eval",)),
+    Case("eval-clip-not-a-clip-directory", lambda t, w: eval_args(t, w) + ["--clip", str(t / "clip")],
+         ("clip {tmp}/clip", "not a local transformers CLIP directory"), absent=("eval",)),
 ]
 
 

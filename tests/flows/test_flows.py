@@ -1,4 +1,5 @@
-"""The flows under a Prefect test harness: artifacts, bad input, retry after a killed trainer, the eval chain."""
+"""The flows under a Prefect test harness: artifacts, bad input, retry after a killed trainer, the eval chain, the
+validation images of a training run, render-briefs and the evaluation of any brief (the shapes-world judge, CLIP)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,21 @@ def run_flow(fn, *args, **kwargs):
     return state.result(), state.state_details.flow_run_id
 
 
-def artifacts_of(flow_run_id) -> dict[str, dict]:
+def artifact_versions(flow_run_id) -> list:
+    """Every artifact a flow run (and its tasks) created, each version of a key on its own, oldest first."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {a.key: {"type": a.type, "data": a.data} for a in arts if a.key}
+        newest_first = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                             sort=ArtifactSort.CREATED_DESC)
+    return newest_first[::-1]
+
+
+def artifacts_of(flow_run_id) -> dict[str, dict]:
+    """The newest version of each key."""
+    return {a.key: {"type": a.type, "data": a.data} for a in artifact_versions(flow_run_id) if a.key}
 
 
 def logs_of(flow_run_id) -> list[str]:
@@ -162,6 +171,12 @@ def test_train_imagegen_caches_latents_first_then_trains(imagegen_run):
     assert {"train-imagegen-summary", "train-imagegen-metrics", "imagegen-progress"} <= set(arts)
     assert "images/s" in arts["train-imagegen-summary"]["data"]
     assert "data:image/png;base64," in arts["train-imagegen-summary"]["data"]  # the sample grid, inline
+    # each evaluation's validation grid (sample.every = 2 of 4 steps) is one version of an image artifact
+    grids = [a for a in artifact_versions(run_id) if a.key == "imagegen-samples"]
+    assert [a.type for a in grids] == ["image", "image"]
+    assert all(a.data.startswith("data:image/jpeg;base64,") for a in grids)
+    assert [a.description.split(":")[0] for a in grids] == ["step 2/4", "step 4/4"]
+    assert any(m.startswith("samples step 4/4: ") and "EMA weights" in m for m in logs_of(run_id))
 
 
 def test_eval_flow_scores_briefs_and_matches_the_plain_function(designer_run, imagegen_run, tmp_path):
@@ -279,3 +294,57 @@ def test_eval_bad_inputs_are_named(designer_run, imagegen_run, tmp_path):
         brief_to_image_eval(str(tmp_path / "nope"), str(out / "ema"), str(good), str(tmp_path / "e"))
     with pytest.raises(FlowInputError, match=r"imagegen .*no config.json"):
         brief_to_image_eval(str(designer_dir), str(tmp_path), str(good), str(tmp_path / "e"))
+
+
+# ----------------------------------------------------------------------------- any brief: render-briefs, CLIP scores
+
+ANY_BRIEFS = ["a poster for a jazz night, moody blues", "something calm with a circle",
+              "a birthday card for my grandmother"]
+
+
+def test_render_briefs_renders_any_text_under_prefect(designer_run, imagegen_run, tmp_path):
+    from atelier_studio.flows.render import render_briefs
+
+    designer_dir, _ = designer_run
+    briefs = tmp_path / "briefs.jsonl"
+    briefs.write_text("".join(json.dumps({"brief": b}) + "\n" for b in ANY_BRIEFS))
+    result, run_id = run_flow(render_briefs, str(designer_dir), str(imagegen_run[1]), str(briefs),
+                              str(tmp_path / "render"), seed=1, max_new_tokens=12, steps=2)
+    rows = [json.loads(line) for line in (tmp_path / "render" / "render.jsonl").read_text().splitlines()]
+    assert [r["brief"] for r in rows] == ANY_BRIEFS and result["briefs"] == 3
+    drawn = [r for r in rows if r["image"] is not None]
+    assert result["images"] == len(drawn) and all(Path(r["image"]).is_file() for r in drawn)
+    assert all(r["caption"].strip() for r in drawn)  # only an empty caption goes without an image
+    arts = artifacts_of(run_id)
+    assert arts["render-briefs"]["type"] == "markdown" and "3 briefs" in arts["render-briefs"]["data"]
+    assert [r["brief"] for r in json.loads(arts["render-briefs-captions"]["data"])] == ANY_BRIEFS
+
+
+def test_eval_scores_any_brief_and_says_which_scores_ran(designer_run, imagegen_run, tmp_path):
+    """Shapes-world briefs get the judge; with a local CLIP directory every image gets CLIP scores, the only ones
+    the other briefs can get; without it those are listed as not scored."""
+    from tests.data.test_clip_score import build_clip
+
+    designer_dir, _ = designer_run
+    out = imagegen_run[1]
+    briefs = tmp_path / "briefs.txt"
+    briefs.write_text("".join(b + "\n" for b in ANY_BRIEFS))
+    clip = build_clip(tmp_path / "clip")
+    result, run_id = run_flow(brief_to_image_eval, str(designer_dir), str(out / "ema"), str(briefs),
+                              str(tmp_path / "eval"), seed=1, max_new_tokens=12, steps=2, clip=str(clip))
+    assert result["scores_run"] == {"shapes-world judge": 1, "CLIP score": 3} and result["not_scored"] == []
+    per = json.loads((tmp_path / "eval" / "scores.json").read_text())["per_brief"]
+    assert [r["scorer"] for r in per] == ["CLIP score", "shapes-world judge", "CLIP score"]
+    assert all(0.0 <= r["clip_brief"] <= 100.0 and 0.0 <= r["clip_caption"] <= 100.0 for r in per)
+    assert per[0]["score"] is None and per[1]["score"] is not None
+    assert result["aggregate"]["judged"] == 1 and result["aggregate"]["clip_brief"] is not None
+    assert "CLIP score" in artifacts_of(run_id)["brief-to-image-eval-summary"]["data"]
+    assert any("scores run: shapes-world judge on 1 of 3 briefs" in m for m in logs_of(run_id))
+
+    plain = evaluate_brief_to_image(designer_dir, out / "ema", briefs, tmp_path / "plain", seed=1,
+                                    max_new_tokens=12, steps=2)  # no CLIP: only the shapes-world brief is scored
+    assert plain["scores_run"] == {"shapes-world judge": 1} and plain["not_scored"] == [0, 2]
+    assert "2 briefs outside the shapes world not scored" in (tmp_path / "plain" / "summary.md").read_text()
+    with pytest.raises(FlowInputError, match=r"clip .*nowhere: not a local transformers CLIP directory"):
+        brief_to_image_eval(str(designer_dir), str(out / "ema"), str(briefs), str(tmp_path / "e"),
+                            clip=str(tmp_path / "nowhere"))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from atelier_studio.flows.serve import Endpoint, ServerNotRunning, require_server
+from atelier_studio.flows.local_server import Endpoint, ServerNotRunning, require_server
+from atelier_studio.flows.serve import DEPLOYMENTS
 from tests.flows.conftest import designer_config
 
 ROOT = Path(__file__).parents[2]
@@ -54,7 +55,7 @@ def test_serve_start_deployment_run_watch_and_stop(designer_world, tmp_path):
         assert started.returncode == 0, started.stdout + started.stderr
         assert "serving train-designer/default" in started.stdout
         status = json.loads(serve("status").stdout)
-        assert status["healthy"] and len(status["deployments"]) == 4
+        assert status["healthy"] and status["deployments"] == list(DEPLOYMENTS)  # render-briefs/default among them
         pids = [status["server_pid"], status["serve_pid"]]
         run = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "train-designer/default",
                               "--params", json.dumps({"config": str(cfg)}), "--watch", "--watch-timeout", "300"],

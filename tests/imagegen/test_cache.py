@@ -9,7 +9,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from atelier_studio.data.buckets import LatentDataset, image_to_tensor, resize_and_crop
+from atelier_studio.data.buckets import LatentDataset, bucket_pixels
 from atelier_studio.data.shards import ShardReader, ShardError, read_latent_shards
 from atelier_studio.imagegen.autoencoder import PixelCodec
 from atelier_studio.imagegen.cache import CACHE_META, cache_latents
@@ -39,7 +39,7 @@ def test_cached_latents_equal_the_encoders_by_hand(world):
     for key in sorted(images)[:5]:
         img = images[key]
         c = cached[key]
-        want = codec.encode(image_to_tensor(resize_and_crop(img["image"], (32, 32)))[None])[0]
+        want = codec.encode(bucket_pixels(img["image"], (32, 32))[None])[0]
         torch.testing.assert_close(c["latent"], want, rtol=0, atol=0)  # exact: the same codec on the same pixels
         states, pooled, _ = text.encode([img["caption"]])
         torch.testing.assert_close(c["text_states"], states[0], rtol=1e-5, atol=1e-5)

@@ -7,6 +7,9 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   cut        the same run stopped at step 2, then resumed with 2 processes to step 4
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
   streams4   as run, with the data read as 4 streams: each rank holds 2 and runs their chunks one by one
+  lora       as run, LoRA rank 4 on a frozen base (meta-device init: every rank draws the adapters as one
+             process does and keeps its rows); the base is the world's model with every weight perturbed, since
+             AdaLN-Zero's zero gates would keep the attention, and so the adapters, out of the loss
 and the tests run the one-process twins here (1 rank x micro_batch 8 over the same 2 data streams: the same
 images and draws each step, as 2 chunks of 4)
 and compare losses and gradient norms (fp32, 1e-5), evaluation metrics, the exported transformer/ and ema/,
@@ -43,6 +46,22 @@ COMMON = ("train.max_steps=4", "train.save_every=2", "train.eval_every=0", "trai
           "data.streams=2")  # the data is read as 2 streams on 1 process and on 2: the same batches
 TWO = ("train.micro_batch=4",)
 ONE = ("train.micro_batch=8",)
+LORA = ("lora.rank=4", "lora.alpha=8")
+
+
+def lora_base(world: Path) -> Path:
+    """The world's tiny MMDiT with every weight perturbed (non-zero gates: the attention reaches the loss)."""
+    from atelier_studio.imagegen.hf import load_pretrained, save_pretrained
+
+    out = world / "model-perturbed"
+    if not (out / "config.json").is_file():
+        model = load_pretrained(world / "model")
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        save_pretrained(model, out, dtype=torch.float32)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +91,7 @@ def two(world, tmp_path_factory) -> Path:
         "cut_resumed": cli_args(world, d / "cut", *COMMON, *TWO),
         "full_init": cli_args(world, d / "full_init", *COMMON, *TWO, "train.distributed.init=full"),
         "streams4": cli_args(world, d / "streams4", *COMMON, *TWO, "data.streams=4"),
+        "lora": cli_args(world, d / "lora", *COMMON, *TWO, *LORA, f"model.path={lora_base(world)}"),
     }, d)
     return d
 
@@ -170,3 +190,18 @@ def test_resume_with_another_global_batch_is_refused(world, two, tmp_path, capsy
     assert main(cli_args(world, out, *COMMON, "train.micro_batch=4")) == 2
     err = capsys.readouterr().err
     assert "global batch is 2 ranks x 4 = 8" in err and "processes x micro_batch = 8" in err
+
+
+def test_lora_on_two_processes_equals_one(world, two, tmp_path):
+    """The adapters start from the same draws (sharded init), train the same and export the same LoRA files."""
+    from atelier_studio.imagegen.lora import LORA_FILE
+
+    out = tmp_path / "one-lora"
+    assert main(cli_args(world, out, *COMMON, *ONE, *LORA, f"model.path={lora_base(world)}")) == 0
+    assert_same_losses(out, two / "lora", range(1, 5))
+    for name in ("lora", "lora_ema"):
+        ta, tb = load_file(str(out / name / LORA_FILE)), load_file(str(two / "lora" / name / LORA_FILE))
+        assert sorted(ta) == sorted(tb) and any("lora_B" in k and ta[k].abs().max() > 0 for k in ta)
+        for k in ta:  # the module docstring's weight bound
+            torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=TOL, msg=lambda m: f"{name} {k}: {m}")
+    assert not (two / "lora" / "transformer").exists()

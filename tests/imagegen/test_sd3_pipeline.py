@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 
-from atelier_studio.data.buckets import image_to_tensor, resize_and_crop
+from atelier_studio.data.buckets import bucket_pixels
 from atelier_studio.data.shards import ShardReader, read_latent_shards
 from atelier_studio.flows.cli import main
 from atelier_studio.imagegen.cache import CACHE_META
@@ -74,7 +74,7 @@ def test_cache_stores_encode_prompt_states_and_vae_latents(cached, shards):
             states, _, pooled, _ = pipe.encode_prompt(s["caption"], None, None, device="cpu",
                                                       do_classifier_free_guidance=False,
                                                       max_sequence_length=MAX_SEQUENCE_LENGTH)
-            pixels = image_to_tensor(resize_and_crop(images[s["key"]]["image"], tuple(s["bucket"])))[None]
+            pixels = bucket_pixels(images[s["key"]]["image"], tuple(s["bucket"]))[None]
             z = pipe.vae.encode(pixels).latent_dist.mode()
         torch.testing.assert_close(s["text_states"], states[0], rtol=1e-5, atol=1e-6)  # batch of 4 vs 1
         torch.testing.assert_close(s["pooled"], pooled[0], rtol=1e-5, atol=1e-6)

@@ -195,3 +195,26 @@ def test_flash_varlen_gqa_directly_matches_the_reference():
     for name, a, e, b in zip(("o", "dq", "dk", "dv"), got, want, base):
         err, ref = (a.float() - e).abs().max(), (b.float() - e).abs().max()
         assert err <= 2 * ref + 1e-3, f"{name}: max error {err:.3e} vs eager bf16 {ref:.3e}"
+
+
+def test_flash_attention_4_alone_is_not_taken_for_flash_attention_2(tmp_path, monkeypatch):
+    """flash-attn-4 installs flash_attn/cute/ only: `flash_attn` is then a namespace package without FA2's
+    flash_attn_varlen_func, and the "flash" path must not be chosen for it; FA2's package (an __init__.py) is."""
+    import importlib
+    import importlib.util
+    import sys
+
+    from atelier_studio.kernels.attention import _has_flash
+
+    for name in [k for k in sys.modules if k == "flash_attn" or k.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    if importlib.util.find_spec("flash_attn").origin is not None:
+        pytest.skip("FlashAttention-2 is installed on this machine, earlier on sys.path")
+    assert not _has_flash()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    assert _has_flash()

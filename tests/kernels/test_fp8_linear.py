@@ -558,11 +558,25 @@ def test_gpu_quantize_equals_torch_cast(fp8_dtype, rowwise):
     q, s = quantize_ref(v, fp8_dtype, rowwise)
     qt, st = quantize_ref(v.t(), fp8_dtype, rowwise)
     assert torch.equal(out.scale, s) and torch.equal(out.scale_t, st)
-    assert torch.equal(out.q.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(out.qt[:, :4429].view(torch.uint8), qt.view(torch.uint8)) and not out.qt[:, 4429:].float().any()
+    _assert_same_codes(out.q, q)
+    _assert_same_codes(out.qt[:, :4429], qt)
+    assert not out.qt[:, 4429:].float().any()
     assert any("R_bucket=8192 C=1536" in k for k in fq.launch_configs())  # 6.8M elements: tuned
     one = quantize(v, fp8_dtype, rowwise, rows=True, cols=False)  # (rowwise: the one-pass kernel)
-    assert torch.equal(one.scale, s) and torch.equal(one.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(one.scale, s)
+    _assert_same_codes(one.q, q)
+
+
+def _assert_same_codes(ours: torch.Tensor, torch_cast: torch.Tensor) -> None:
+    """The same FP8 codes as torch's cast, except the sign of a zero: a tiny negative value that rounds to zero is
+    -0 in torch's cast and +0 in the GPU's conversion (seen on an H200: 28 of 6.8M E4M3 codes, values of -1e-4 to
+    -8e-4 times the scale). The two zeros are the same number in every matmul; any other code must match exactly."""
+    a, b = ours.view(torch.uint8), torch_cast.view(torch.uint8)
+    differ = a != b
+    signed_zero = differ & (ours.float() == 0) & (torch_cast.float() == 0)
+    other = differ & ~signed_zero
+    assert not other.any(), (f"{int(other.sum())} codes differ from torch's cast, first at "
+                             f"{other.nonzero()[0].tolist()}: {ours[other][0].item()} vs {torch_cast[other][0].item()}")
 
 
 @cuda

@@ -10,17 +10,21 @@ from torch import nn
 
 import atelier_studio.kernels.fp8_linear as fp8
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
-from atelier_studio.designer.lora_fp8 import Float8LoRALinear
+from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
 from atelier_studio.designer.model import ModelArgs, Qwen3
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
-from atelier_studio.imagegen.task import FP8_SKIP
+from atelier_studio.imagegen.model import FAMILY as MMDIT_FAMILY
 from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
 import atelier_studio.designer.model as designer_model
 import atelier_studio.kernels.fp8_group as fp8_group
 import atelier_studio.pipeline.float8 as float8
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
-from atelier_studio.pipeline.policies import apply_fp8
+
+
+def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] = (), impl: str = "auto") -> list[str]:
+    """pipeline.float8.apply_fp8 with the designer's LoRA conversion, as designer/task.py calls it."""
+    return float8.apply_fp8(model, recipe, skip, impl, conversions=FP8_CONVERSIONS)
 
 
 def _tiny_qwen3(tie: bool = False) -> Qwen3:
@@ -157,7 +161,7 @@ def test_apply_fp8_imagegen_skips_the_per_image_linears():
               torch.tensor([500.0]))
     with torch.no_grad():
         before = model(*inputs)
-    names = apply_fp8(model, "rowwise", FP8_SKIP)
+    names = apply_fp8(model, "rowwise", MMDIT_FAMILY.fp8_skip)
     with torch.no_grad():
         rel = ((model(*inputs) - before).norm() / before.norm()).item()
     assert 2.0**-10 < rel < 2.0**-2, rel
@@ -304,7 +308,7 @@ def test_mmdit_projections_run_as_fp8_groups(monkeypatch):
         model = MMDiT(MMDiTArgs(kernels="ref"))
         for p in model.parameters():
             nn.init.normal_(p, std=0.1)
-        apply_fp8(model, "rowwise", FP8_SKIP, impl="scaled_mm")
+        apply_fp8(model, "rowwise", MMDIT_FAMILY.fp8_skip, impl="scaled_mm")
         g = torch.Generator().manual_seed(1)
         out = model(torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 5, 48, generator=g),
                     torch.randn(2, 40, generator=g), torch.tensor([500.0, 20.0]))

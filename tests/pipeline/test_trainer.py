@@ -187,7 +187,7 @@ def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):
     with pytest.raises(CheckpointError, match="optimizer.safetensors: truncated"):
         verify_checkpoint(newest)
     again, _ = make(tmp_path, max_steps=12)
-    with pytest.raises(TrainingError, match=r"optimizer.safetensors: truncated.*Older checkpoints: .*step-4"):
+    with pytest.raises(CheckpointError, match=r"optimizer.safetensors: truncated.*Older checkpoints: .*step-4"):
         again.fit()
     assert f.read_bytes() == data[: len(data) // 2]  # left as found for inspection
     assert (newest.parent / "step-4").is_dir()
@@ -195,7 +195,7 @@ def test_truncated_checkpoint_is_named_and_nothing_overwritten(tmp_path):
 
 def test_resume_never_refuses_to_overwrite(tmp_path):
     make(tmp_path, max_steps=4)[0].fit()
-    with pytest.raises(TrainingError, match="refusing to overwrite"):
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
         make(tmp_path, max_steps=8, resume="never")[0].fit()
 
 
@@ -230,3 +230,36 @@ def test_metrics_and_eval_records(tmp_path):
     assert [r["step"] for r in evals] == [3, 6]
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in train)
     assert result.exports["toy"].read_text() == "ok"
+
+
+def test_validation_samples_go_to_tensorboard_and_the_progress_line(tmp_path, capsys):
+    """A task's `samples` hook (imagegen's sample grid): every image it renders becomes a TensorBoard image at its step
+    and a `samples step N/M: PATH` line, which flows/launch.py turns into a Prefect artifact."""
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    from atelier_studio.flows.launch import parse_samples_line
+    from atelier_studio.pipeline.task import Samples
+
+    class SamplingTask(ToyTask):
+        def samples(self, step: int) -> Samples | None:
+            if step % 3:
+                return None
+            path = tmp_path / "run" / "samples" / f"step-{step}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((6, 10, 3), 20 * step, dtype=np.uint8)).save(path)
+            return Samples(path, 2, "EMA")
+
+    seed_everything(0)
+    cfg = TrainConfig(max_steps=6, micro_batch=1, lr=1e-2, warmup_steps=0, save_every=0)
+    Trainer(SamplingTask(0), cfg, OutputConfig(dir=str(tmp_path / "run"), tensorboard=True), torch.device("cpu")).fit()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("samples ")]
+    assert lines == [f"samples step {s}/6: {tmp_path / 'run' / 'samples' / f'step-{s}.png'} (2 prompts, EMA weights)"
+                     for s in (3, 6)]
+    assert parse_samples_line(lines[1]) == {"step": 6, "total": 6, "path": str(tmp_path / "run" / "samples" /
+                                                                                 "step-6.png"), "prompts": 2,
+                                            "weights": "EMA"}
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={IMAGES: 0}).Reload()
+    images = events.Images("samples")
+    assert [im.step for im in images] == [3, 6] and (images[0].width, images[0].height) == (10, 6)

@@ -1,0 +1,382 @@
+"""Mixture-of-experts FFN (Qwen3-MoE's sparse block): top-k routing, dropless dispatch to per-expert SwiGLU FFNs
+run as grouped GEMMs, and the weighted combine.
+
+Shapes: N tokens, D dim, E experts, k experts per token, F expert ffn dim, S = N·k routed slots, r LoRA rank.
+
+Routing (transformers' Qwen3MoeTopKRouter):
+  logits = x Wrᵀ [N, E] in the compute dtype;  p = softmax(logits) in fp32;  (w, e) = topk(p, k) [N, k]
+  (ties go to the lower expert index, as torch.topk breaks them for transformers too);
+  w /= Σ_j w[:, j] when norm_topk_prob;  w cast to the compute dtype.
+Dispatch (the permute): the S pairs (token n, choice j), flattened as n·k + j, sorted by expert, stable (within an
+  expert the tokens keep their order): counts [E] by scatter-add, offs = cumsum(counts) int32 (expert g owns
+  slots offs[g−1] .. offs[g]), pos [N, k] = the slot of pair (n, j);  xs [S, D], xs[pos[n, j]] = x[n].
+Experts, each on its own slots (one grouped GEMM for all experts):
+  h = xs W_gu[g]ᵀ [S, 2F] (W_gu[g] = [W_gate[g]; W_up[g]]);  a = silu(h[:, :F]) · h[:, F:] [S, F];
+  ys = a W_down[g]ᵀ [S, D];  with LoRA, projection P adds s · (in A_P[g]ᵀ) B_P[g]ᵀ (one adapter per expert).
+Combine (the unpermute): out[n] = Σ_j w[n, j] · ys[pos[n, j]], accumulated in fp32, rounded once.
+Backward:
+  combine   dys[pos[n, j]] = w[n, j] · dout[n];  dw[n, j] = ⟨dout[n], ys[pos[n, j]]⟩ (fp32 accumulation);
+  experts   autograd through the grouped GEMMs (a frozen weight gets no weight gradient) and kernels/swiglu.py;
+  dispatch  dx[n] = Σ_j dxs[pos[n, j]] (fp32 accumulation);
+  routing   autograd through softmax, topk's values and the renormalisation (the choice itself has none).
+Saved: dispatch keeps pos; combine keeps ys, pos and w; the GEMMs keep their inputs.
+Dropless: every pair is computed (no capacity factor, no dropped token), and tokens never interact, so a packed
+  row routes each of its documents exactly as the document alone.
+No host sync on the grouped path: sort, scatter-add, cumsum, the Triton gathers and torch._grouped_mm read counts
+  on the device only. The per-expert loop (the CPU's path where a grouped GEMM's 16-byte stride rule is not met,
+  and fp32 on CUDA, where torch._grouped_mm is bf16-only) reads offs on the host.
+
+Expert parallelism (pipeline/expert_parallel.py): with an `exchange`, this rank holds only its share of the experts
+(weights [E/P, ...]); the sorted slots go to the ranks owning their experts and come back by all-to-all around the
+local grouped GEMMs. Routing, dispatch and combine stay local.
+
+Implementations (argument `impl`): "triton" (the Triton dispatch / combine around grouped GEMMs: torch._grouped_mm
+where the inputs allow it, the per-expert loop otherwise), "ref" (moe_ref: plain PyTorch in fp32, differentiated by
+autograd; under expert parallelism, plain-PyTorch gathers around the local experts), "auto" (triton on CUDA, ref
+elsewhere).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from atelier_studio.kernels.swiglu import swiglu
+
+IMPLS = ("auto", "triton", "ref")
+BLOCK_D = 512  # columns per tile: k rows × 512 fp32 accumulators, 16 per thread at 8 warps for k = 8
+
+
+# --- Triton kernels -------------------------------------------------------------------------------
+@triton.jit
+def _gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, K_P2: tl.constexpr,
+                       HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """out[n, cols] = Σ_j w[n, j] · src[pos[n, j], cols] (w = 1 without HAS_W): the combine, and dispatch's dx."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    js = tl.arange(0, K_P2)
+    jmask = js < K
+    p = tl.load(pos_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)  # [K_P2]
+    tile = tl.load(src_ptr + p[:, None] * D + cols[None, :], mask=jmask[:, None] & (cols < D)[None, :],
+                   other=0.0).to(tl.float32)  # [K_P2, BLOCK]
+    if HAS_W:
+        w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0).to(tl.float32)
+        tile = tile * w[:, None]
+    tl.store(out_ptr + n * D + cols, tl.sum(tile, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _scatter_kernel(src_ptr, pos_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, D, K: tl.constexpr, K_P2: tl.constexpr,
+                    HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """out[pos[n, j]] = w[n, j] · src[n] (w = 1 without HAS_W): dispatch's xs, and the combine's dys; with HAS_W
+    also dw[n, j] = ⟨src[n], y[pos[n, j]]⟩, reduced over D in fp32 (so one program owns a token's whole row)."""
+    n = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, K_P2)
+    jmask = js < K
+    p = tl.load(pos_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)  # [K_P2]
+    if HAS_W:
+        w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0).to(tl.float32)
+        dot = tl.zeros([K_P2, BLOCK], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        cmask = cols < D
+        row = tl.load(src_ptr + n * D + cols, mask=cmask, other=0.0).to(tl.float32)  # [BLOCK]
+        tile = tl.broadcast_to(row[None, :], (K_P2, BLOCK))
+        m2 = jmask[:, None] & cmask[None, :]
+        if HAS_W:
+            y = tl.load(y_ptr + p[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            dot += tile * y
+            tile = tile * w[:, None]
+        tl.store(out_ptr + p[:, None] * D + cols[None, :], tile.to(out_ptr.dtype.element_ty), mask=m2)
+    if HAS_W:
+        tl.store(dw_ptr + n * K + js, tl.sum(dot, axis=1).to(dw_ptr.dtype.element_ty), mask=jmask)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile. Absent tensors are passed as empty ones (a custom op cannot
+# take None for a tensor it forwards to Triton).
+def _block(d: int) -> int:
+    return min(BLOCK_D, triton.next_power_of_2(d))
+
+
+@torch.library.custom_op("atelier::moe_gather_sum", mutates_args=())
+def moe_gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """src [S, D], pos [N, k] int64, w [N, k] (or empty: weights 1) → out [N, D] in src.dtype."""
+    n, k = pos.shape
+    d = src.shape[1]
+    out = src.new_empty(n, d)
+    if n and d:
+        block = _block(d)
+        _gather_sum_kernel[(n, triton.cdiv(d, block))](src, pos, w, out, d, K=k, K_P2=triton.next_power_of_2(k),
+                                                       HAS_W=w.numel() > 0, BLOCK=block, num_warps=8)
+    return out
+
+
+@moe_gather_sum.register_fake
+def _(src, pos, w):
+    return src.new_empty(pos.shape[0], src.shape[1])
+
+
+@torch.library.custom_op("atelier::moe_scatter", mutates_args=())
+def moe_scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """src [N, D], pos [N, k] int64 (a permutation of 0..slots−1), w [N, k] (or empty) and y [slots, D] (read only
+    with w) → (out [slots, D] in src.dtype, dw [N, k] in w.dtype, empty without w)."""
+    n, k = pos.shape
+    d = src.shape[1]
+    out = src.new_empty(slots, d)
+    dw = torch.empty_like(w)
+    if n and d:
+        block = _block(d)
+        _scatter_kernel[(n,)](src, pos, w, y, out, dw, d, K=k, K_P2=triton.next_power_of_2(k), HAS_W=w.numel() > 0,
+                              BLOCK=block, num_warps=8)
+    return out, dw
+
+
+@moe_scatter.register_fake
+def _(src, pos, w, y, slots):
+    return src.new_empty(slots, src.shape[1]), torch.empty_like(w)
+
+
+# --- autograd.Function ----------------------------------------------------------------------------
+class Dispatch(torch.autograd.Function):
+    """x [N, D], pos [N, k] → xs [S, D] with xs[pos[n, j]] = x[n]; dx[n] = Σ_j dxs[pos[n, j]]."""
+
+    @staticmethod
+    def forward(ctx, x, pos):  # noqa: D102
+        ctx.save_for_backward(pos)
+        none = x.new_empty(0)
+        return moe_scatter(x, pos, none, none, pos.numel())[0]
+
+    @staticmethod
+    def backward(ctx, dxs):  # noqa: D102
+        (pos,) = ctx.saved_tensors
+        return moe_gather_sum(dxs.contiguous(), pos, dxs.new_empty(0)), None
+
+
+class Combine(torch.autograd.Function):
+    """ys [S, D], pos [N, k], w [N, k] → out [N, D] = Σ_j w[n, j] · ys[pos[n, j]]."""
+
+    @staticmethod
+    def forward(ctx, ys, pos, w):  # noqa: D102
+        ctx.save_for_backward(ys, pos, w)
+        return moe_gather_sum(ys, pos, w)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: D102
+        ys, pos, w = ctx.saved_tensors
+        dys, dw = moe_scatter(dout.contiguous(), pos, w, ys, ys.shape[0])
+        return dys, None, dw
+
+
+# --- routing and the expert GEMMs (plain torch ops: no host sync) -----------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """One layer's routing of N tokens: what transformers' router returns, and the dispatch plan."""
+
+    logits: torch.Tensor  # [N, E] router logits, compute dtype
+    weights: torch.Tensor  # [N, k] routing weights (normalised when norm_topk_prob), compute dtype
+    experts: torch.Tensor  # [N, k] int64 chosen experts
+    pos: torch.Tensor  # [N, k] int64: the slot of pair (n, j) in expert order
+    offs: torch.Tensor  # [E] int32: cumulative slot counts (expert g owns offs[g−1] .. offs[g])
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """x [N, D], router_weight [E, D] → Routing (transformers' Qwen3MoeTopKRouter, then the sort by expert)."""
+    logits = F.linear(x, router_weight)  # [N, E]; under autocast in its dtype, as transformers' F.linear
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # [N, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    return Routing(logits, weights, experts, *dispatch_plan(experts, router_weight.shape[0]))
+
+
+def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [N, k] → (pos [N, k] int64, offs [E] int32): slots sorted by expert, stable, counted on the device."""
+    flat = experts.reshape(-1)  # [S]
+    order = torch.sort(flat, stable=True).indices  # [S]: the pair in each slot
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no bincount: its size syncs
+    return pos.view_as(experts), torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class ExpertLoRA:
+    """One LoRA adapter per expert on each projection (None: that projection has none): a pair
+    (A [E, r, in], B [E, out, r]) with out = F for gate and up, D for down."""
+
+    scale: float
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None
+    up: tuple[torch.Tensor, torch.Tensor] | None = None
+    down: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _groupable(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes a [S, I] @ w[g]ᵀ (w [E, O, I]): present in this torch, bf16 on CUDA (its CUDA
+    kernel's only dtype), unit inner strides, and every row stride, the output width and both start offsets on a
+    16-byte boundary (its rule on every device). Static facts only, so a compiled block decides it at trace time;
+    the base address is checked outside compile (PyTorch's own allocations are aligned; a buffer from elsewhere may
+    not be)."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != w.dtype or a.dim() != 2 or w.dim() != 3:
+        return False
+    if a.is_cuda and a.dtype != torch.bfloat16:
+        return False
+    size = a.element_size()
+    steps = (a.stride(0), w.stride(0), w.stride(1), w.shape[1], a.storage_offset(), w.storage_offset())
+    if a.stride(1) != 1 or w.stride(2) != 1 or any(x * size % 16 for x in steps):
+        return False
+    return torch.compiler.is_compiling() or (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[offs[g−1]:offs[g]] = a[offs[g−1]:offs[g]] @ w[g]ᵀ.  a [S, I], w [E, O, I], offs [E] int32 → [S, O].
+
+    One torch._grouped_mm when the inputs allow (no host sync), else one matmul per expert (offs read on the host).
+    """
+    if _groupable(a, w):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    ends = offs.tolist()
+    parts = [a[start:end] @ w[g].t() for g, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
+    return torch.cat(parts) if parts else a.new_empty(0, w.shape[1])
+
+
+def _adapted(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+             scale: float, adapter_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_mm(a, w) plus s · (a Aᵀ) Bᵀ per expert; the adapter computes in adapter_dtype, cast to a's dtype."""
+    y = grouped_mm(a, w, offs)
+    if lora is None:
+        return y
+    lora_a, lora_b = (t.to(adapter_dtype) for t in lora)
+    delta = grouped_mm(grouped_mm(a.to(adapter_dtype), lora_a, offs), lora_b, offs)
+    return y + (delta * scale).to(y.dtype)
+
+
+def experts_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
+                lora: ExpertLoRA | None = None, kernels: str = "auto") -> torch.Tensor:
+    """The experts on their slots: xs [S, D] (sorted by expert), gate_up [E, 2F, D], down [E, D, F] → ys [S, D].
+
+    gate and up run as one grouped GEMM [S, 2F]; their adapters read xs once too (x [A_gate; A_up]ᵀ [S, 2r]), and
+    adding each adapter's term makes the gate and up halves contiguous for SwiGLU, which the plain halves would need
+    copying for anyway.
+    """
+    cd, ad = _compute_dtypes(xs, lora)
+    xs, gate_up, down = xs.to(cd), gate_up.to(cd), down.to(cd)
+    f = down.shape[2]
+    h = grouped_mm(xs, gate_up, offs)  # [S, 2F]
+    halves = [h[:, :f], h[:, f:]]  # gate, up
+    pairs = [] if lora is None else [(i, p) for i, p in enumerate((lora.gate, lora.up)) if p is not None]
+    if pairs:
+        r = pairs[0][1][0].shape[1]
+        u = grouped_mm(xs.to(ad), torch.cat([p[0] for _, p in pairs], dim=1).to(ad), offs)  # [S, m·r]
+        for j, (i, (_, lora_b)) in enumerate(pairs):
+            delta = grouped_mm(u[:, j * r:(j + 1) * r], lora_b.to(ad), offs)  # [S, F]
+            halves[i] = halves[i] + (delta * lora.scale).to(cd)
+    act = swiglu(halves[0], halves[1], kernels)  # [S, F]
+    return _adapted(act, down, offs, None if lora is None else lora.down, 0.0 if lora is None else lora.scale, ad)
+
+
+def _compute_dtypes(x: torch.Tensor, lora: ExpertLoRA | None) -> tuple[torch.dtype, torch.dtype]:
+    """(base dtype, adapter dtype): autocast's for both when it is on (grouped GEMMs are not autocast ops), else
+    x's and the adapters' (as kernels/lora_linear.py)."""
+    if torch.is_autocast_enabled(x.device.type):
+        c = torch.get_autocast_dtype(x.device.type)
+        return c, c
+    pairs = [p for p in (lora.gate, lora.up, lora.down) if p is not None] if lora is not None else []
+    return x.dtype, (pairs[0][0].dtype if pairs else x.dtype)
+
+
+# --- public ---------------------------------------------------------------------------------------
+def _check(x, router_weight, gate_up, down, top_k, impl, local: bool) -> None:
+    """Shapes and arguments; `local`: the experts are this rank's share (expert parallelism), not all E."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe: impl must be one of {IMPLS}, got {impl!r}")
+    n_experts, d = router_weight.shape
+    held = gate_up.shape[0] if local and gate_up.dim() == 3 else n_experts
+    if (x.dim() != 2 or x.shape[1] != d or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != held
+            or n_experts % held or down.shape[:2] != (held, d) or gate_up.shape[1:] != (2 * down.shape[2], d)):
+        raise ValueError(f"moe: expected x [N, D], router_weight [E, D], gate_up [E, 2F, D], down [E, D, F]; got "
+                         f"x {tuple(x.shape)}, router_weight {tuple(router_weight.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"moe: top_k must be in 1..{n_experts} (the number of experts), got {top_k}")
+
+
+class Exchange(Protocol):
+    """Expert parallelism's all-to-all (pipeline/expert_parallel.py ExpertExchange)."""
+
+    def dispatch(self, xs: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Slots sorted by global expert [S, D] and their offs [E] → (this rank's experts' rows, sorted by local
+        expert [R, D], a plan whose `offs` [E/P] are theirs)."""
+        ...
+
+    def combine(self, ys_local: torch.Tensor, plan: Any) -> torch.Tensor:
+        """The local experts' outputs [R, D] → this rank's slots' outputs [S, D], in dispatch's order."""
+        ...
+
+
+def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+        norm_topk_prob: bool, lora: ExpertLoRA | None = None, impl: str = "auto",
+        kernels: str = "auto", exchange: Exchange | None = None) -> tuple[torch.Tensor, Routing]:
+    """The sparse MoE block on N tokens: x [N, D] → (out [N, D] in the compute dtype, its Routing).
+
+    `kernels` is the SwiGLU kernel choice (kernels/swiglu.py) of the Triton path. With `exchange` (expert
+    parallelism), gate_up, down and lora hold this rank's experts only.
+    """
+    ref = impl == "ref" or (impl == "auto" and not x.is_cuda)
+    _check(x, router_weight, gate_up, down, top_k, impl, local=exchange is not None)
+    if exchange is None:
+        if ref:
+            return moe_ref(x, router_weight, gate_up, down, top_k, norm_topk_prob, lora)
+    r = route(x, router_weight, top_k, norm_topk_prob)
+    cd = _compute_dtypes(x, lora)[0]
+    x = x.to(cd).contiguous()
+    if ref:  # plain-PyTorch gathers (the CPU's path under expert parallelism)
+        xs = x.new_zeros(r.pos.numel(), x.shape[1]).index_copy(0, r.pos.reshape(-1), x.repeat_interleave(top_k, 0))
+    else:
+        xs = Dispatch.apply(x, r.pos)  # [S, D]
+    if exchange is None:
+        ys = experts_ffn(xs, gate_up, down, r.offs, lora, kernels)  # [S, D]
+    else:
+        rows, plan = exchange.dispatch(xs, r.offs)
+        ys = exchange.combine(experts_ffn(rows, gate_up, down, plan.offs, lora, "ref" if ref else kernels), plan)
+    w = r.weights.to(ys.dtype)
+    if ref:
+        return (ys[r.pos].float() * w[..., None].float()).sum(1).to(ys.dtype), r  # [N, k, D] → [N, D]
+    return Combine.apply(ys, r.pos, w), r
+
+
+# --- reference ------------------------------------------------------------------------------------
+def moe_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+            norm_topk_prob: bool, lora: ExpertLoRA | None = None) -> tuple[torch.Tensor, Routing]:
+    """Plain PyTorch: the router in the compute dtype (as transformers), every expert's FFN in fp32 on its tokens (a
+    loop over experts, as transformers' eager experts), the weighted sum in fp32; out cast to the compute dtype."""
+    cd, _ = _compute_dtypes(x, lora)
+    r = route(x.to(cd), router_weight.to(cd), top_k, norm_topk_prob)
+    f = down.shape[2]
+    with torch.autocast(x.device.type, enabled=False):
+        xf = x.float()
+        out = torch.zeros_like(xf)
+        for g in range(router_weight.shape[0]):
+            token, choice = torch.where(r.experts == g)
+            if token.numel() == 0:
+                continue
+            xg = xf[token]  # [n_g, D]
+
+            def proj(inp: torch.Tensor, w: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                y = inp @ w.float().t()
+                if pair is not None:
+                    y = y + (inp @ pair[0][g].float().t()) @ pair[1][g].float().t() * lora.scale
+                return y
+
+            gate = proj(xg, gate_up[g, :f], lora.gate if lora else None)
+            up = proj(xg, gate_up[g, f:], lora.up if lora else None)
+            y = proj(F.silu(gate) * up, down[g], lora.down if lora else None)  # [n_g, D]
+            out = out.index_add(0, token, y * r.weights[token, choice, None].float())
+    return out.to(cd), r

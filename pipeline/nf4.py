@@ -1,0 +1,106 @@
+"""NF4Linear: a frozen linear layer whose weight is stored in NF4 (kernels/nf4.py), computed by kernels/nf4_linear.py.
+
+y = x Ŵᵀ + b, with Ŵ dequantised tile by tile inside the matmul (never a bf16 copy of W in memory), and dX = dY Ŵ
+in backward (no dW: the layer is frozen). It replaces an nn.Linear that training will never update: the frozen
+base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`), and, built one per expert or over a stack
+[E, O, I] (kernels.nf4.quantize_nf4 accepts leading dims), the frozen experts of a mixture of experts.
+
+Its tensors, named as torchao's NF4Tensor names them:
+  quantized_data     uint8 [O, I/2]   Parameter (requires_grad False): FSDP2 shards it by rows
+  quantized_scalers  int8  [O, I/64]  Parameter (requires_grad False): sharded by rows with it
+  quantization_factor [G], scaler_mean [], nf4 [16]   buffers in the original weight's dtype, whole on every rank
+  bias               [O] | None       Parameter (requires_grad False), in the original dtype
+Two row-aligned Parameters and not one tensor subclass: FSDP2's all-gather moves the 4-bit rows as plain bytes, a
+meta-device model materialises them by rows like any parameter (pipeline/distributed.materialize_), and nothing
+outside this file needs to know a weight is quantised. FSDP2's mixed precision casts only floating-point
+parameters, so the uint8 / int8 ones keep their bytes under any `param_dtype`.
+`in_features` and `out_features` are an nn.Linear's; FLOP counters treat the layer as a frozen linear.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atelier_studio.kernels.nf4 import NF4Weight, dequantize_nf4, nf4_code, nf4_shapes, nf4_supported, quantize_nf4
+from atelier_studio.kernels.nf4_linear import IMPLS, nf4_linear
+
+# The state-dict names of NF4Linear's quantised tensors, in materialisation order (parameters, then buffers)
+NF4_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+
+
+class NF4Linear(nn.Module):
+    """A frozen y = x Ŵᵀ + b over an NF4 weight (module docstring); made from an nn.Linear by `from_linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None, impl: str = "auto") -> None:
+        super().__init__()
+        if not nf4_supported(in_features):
+            raise ValueError(f"NF4Linear: in_features {in_features} is not a multiple of 64 (NF4 blocks of 64 stay "
+                             f"inside a row)")
+        if impl not in IMPLS:
+            raise ValueError(f"NF4Linear: impl must be one of {IMPLS}, got {impl!r}")
+        self.in_features, self.out_features, self.impl = in_features, out_features, impl
+        shapes = nf4_shapes((out_features, in_features))
+        frozen = dict(requires_grad=False)
+        self.quantized_data = nn.Parameter(torch.empty(shapes["data"], dtype=torch.uint8, device=device), **frozen)
+        self.quantized_scalers = nn.Parameter(torch.empty(shapes["scalers"], dtype=torch.int8, device=device),
+                                              **frozen)
+        self.register_buffer("quantization_factor", torch.empty(shapes["factor"], dtype=dtype, device=device))
+        self.register_buffer("scaler_mean", torch.empty(shapes["mean"], dtype=dtype, device=device))
+        self.register_buffer("nf4", torch.empty(shapes["code"], dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), **frozen) if bias else None
+        if self.nf4.device.type != "meta":
+            with torch.no_grad():
+                self.nf4.copy_(nf4_code(dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, device: torch.device | str | None = None,
+                    impl: str = "auto") -> "NF4Linear":
+        """The layer with `linear`'s weight quantised on `device` (default: the weight's own), bias kept.
+
+        A weight on the meta device gives an empty layer of the right shapes (filled later, e.g. by
+        pipeline/distributed.materialize_); otherwise the weight is moved to `device` one layer at a time and
+        quantised there, so a model loaded on the host never has all its bf16 weights on the device at once."""
+        w = linear.weight
+        device = torch.device(device) if device is not None else w.device
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
+                  "meta" if w.is_meta else device, impl)
+        if not w.is_meta:
+            new.load_nf4(quantize_nf4(w.detach().to(device)))
+            if linear.bias is not None:
+                with torch.no_grad():
+                    new.bias.copy_(linear.bias.detach())
+        return new
+
+    @torch.no_grad()
+    def load_nf4(self, w: NF4Weight) -> None:
+        """Copy a quantised weight of this layer's shape and dtype into its tensors."""
+        if w.shape != (self.out_features, self.in_features) or w.dtype != self.nf4.dtype:
+            raise ValueError(f"NF4Linear.load_nf4: expected an NF4 weight {(self.out_features, self.in_features)} in "
+                             f"{self.nf4.dtype}, got {w.shape} in {w.dtype}")
+        for name, t in zip(NF4_TENSORS, (w.data, w.scalers, w.factor, w.mean, w.code)):
+            getattr(self, name).copy_(t)
+
+    @staticmethod
+    def owns_parameter(name: str) -> bool:
+        """Whether a parameter name is one of an NF4Linear's quantised tensors (bytes, not weights)."""
+        return name.rpartition(".")[2] in NF4_TENSORS[:2]
+
+    def nf4_weight(self) -> NF4Weight:
+        return NF4Weight(self.quantized_data, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
+                         self.nf4)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """Ŵ [O, I] in the original dtype (kernels.nf4.dequantize_nf4): for merges and references, not the step."""
+        return dequantize_nf4(self.nf4_weight())
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.nf4.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4_linear(x, self.nf4_weight(), self.bias, self.impl)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"nf4 of {str(self.weight_dtype).removeprefix('torch.')}, impl={self.impl}")

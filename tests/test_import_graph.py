@@ -1,0 +1,124 @@
+"""The import graph of Atelier's own modules, read from the source: arrows point down and never close a loop.
+
+Layers, bottom to top: kernels/ (fused ops) → pipeline/ and data/ (the engine and the data layer) → designer/ and
+imagegen/ (the two model sides, which never import each other) → flows/ and bench/ (the command line, the Prefect
+flows, the benchmarks: they may import everything). Every import counts, also one inside a function (an import
+deferred to run time is still a dependency); only `if TYPE_CHECKING:` imports, which never run, are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+FOLDERS = ("kernels", "pipeline", "data", "designer", "imagegen", "flows", "bench")
+# What each folder may import besides itself.
+ALLOWED = {
+    "kernels": set(),
+    "pipeline": {"kernels", "data"},
+    "data": {"kernels", "pipeline"},
+    "designer": {"kernels", "pipeline", "data"},
+    "imagegen": {"kernels", "pipeline", "data"},
+    "flows": {"kernels", "pipeline", "data", "designer", "imagegen"},
+    "bench": {"kernels", "pipeline", "data", "designer", "imagegen", "flows"},
+}
+PREFIX = "atelier_studio."
+
+
+def _imported_names(tree: ast.AST) -> list[tuple[str, int]]:
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.module, node.lineno))
+            found.extend((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module ("folder.name") -> {imported module: first line that imports it}, over Atelier's modules only."""
+    graph: dict[str, dict[str, int]] = {}
+    for folder in FOLDERS:
+        for path in sorted((root / folder).glob("*.py")):
+            module = f"{folder}.{path.stem}"
+            edges = graph.setdefault(module, {})
+            for name, line in _imported_names(ast.parse(path.read_text(), str(path))):
+                if not name.startswith(PREFIX):
+                    continue
+                parts = name[len(PREFIX):].split(".")
+                if len(parts) >= 2 and (root / parts[0] / f"{parts[1]}.py").is_file():
+                    target = f"{parts[0]}.{parts[1]}"
+                    if target != module:
+                        edges.setdefault(target, line)
+    return graph
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    bad = []
+    for module, edges in graph.items():
+        folder = module.split(".")[0]
+        for target, line in edges.items():
+            other = target.split(".")[0]
+            if other != folder and other not in ALLOWED[folder]:
+                bad.append(f"{module.replace('.', '/')}.py:{line} imports {target}")
+    return bad
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle per back edge of a depth-first search (empty when the graph is acyclic)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    found: list[list[str]] = []
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in graph.get(module, {}):
+            if state.get(target) == 1:
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target, path)
+        path.pop()
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            walk(module, [])
+    return found
+
+
+def test_arrows_point_down():
+    bad = upward_imports(import_graph())
+    assert not bad, "imports against the layering (kernels → pipeline, data → designer, imagegen → flows, bench):\n" + \
+        "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(
+        " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) for c in found)
+
+
+def test_the_checks_catch_what_they_exist_for(tmp_path):
+    """A pipeline module importing a model side, and two modules importing each other inside functions, are found."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "pipeline" / "engine.py").write_text("def f():\n    from atelier_studio.designer.model import X\n")
+    (tmp_path / "designer" / "model.py").write_text("from atelier_studio.designer.lora import Y\n")
+    (tmp_path / "designer" / "lora.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from atelier_studio.flows.cli import Z\n"
+        "def g():\n    import atelier_studio.designer.model\n")
+    graph = import_graph(tmp_path)
+    assert upward_imports(graph) == ["pipeline/engine.py:2 imports designer.model"]
+    assert [sorted(set(c)) for c in cycles(graph)] == [["designer.lora", "designer.model"]]
