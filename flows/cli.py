@@ -11,13 +11,9 @@
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
-<<<<<<< HEAD
-    atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR
-    atelier eval --captions FILE [--imagegen DIR] --out DIR
-=======
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
+    atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
->>>>>>> main
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
@@ -220,10 +216,9 @@ def data_validate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from atelier_studio.flows.evaluate import evaluate_brief_to_image, evaluate_captions
+    from atelier_studio.flows.evaluate import describe_scores, evaluate_brief_to_image, evaluate_captions
     from atelier_studio.pipeline.errors import UsageError
 
-<<<<<<< HEAD
     if args.captions:
         if args.designer or args.briefs:
             raise UsageError("--captions replaces the designer: pass either --captions or --designer with --briefs")
@@ -235,12 +230,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError("eval needs --designer, --briefs and --imagegen (or --captions, to judge given captions)")
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
-                                     steps=args.steps, guidance=args.guidance)
-=======
-    from atelier_studio.flows.evaluate import describe_scores
-
-    result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
-                                     briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
+                                     steps=args.steps, guidance=args.guidance,
                                      clip=Path(args.clip) if args.clip else None)
     print(f"scores run: {describe_scores(result)}")
     print(result)
@@ -252,7 +242,6 @@ def run_render(args: argparse.Namespace) -> int:
 
     result = render_briefs_plain(designer=Path(args.designer), imagegen=Path(args.imagegen), briefs=Path(args.briefs),
                                  out_dir=Path(args.out), seed=args.seed, steps=args.steps, guidance=args.guidance)
->>>>>>> main
     print(result)
     return 0
 
@@ -370,8 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
 
-<<<<<<< HEAD
-    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → judge")
+    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
     sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")
     sp.add_argument("--imagegen", default="", help="the MMDiT (a run's ema/ or transformer/ directory, or the run)")
     sp.add_argument("--briefs", default="", help="briefs, one per line (.txt) or {\"brief\"} rows (.jsonl)")
@@ -384,13 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--guidance", type=float, default=4.0,
                     help="classifier-free guidance scale (default 4.0; the shapes-world demo uses its config's "
                          "sample.guidance)")
-=======
-    sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
-    sp.add_argument("--designer", required=True)
-    sp.add_argument("--imagegen", required=True)
-    sp.add_argument("--briefs", required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image "
                                                "(the only scores briefs outside the shapes world get)")
     sp = command(groups, "render", run_render, "briefs (any text) → designer captions → images")
@@ -401,7 +382,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--steps", type=int, default=28)
     sp.add_argument("--guidance", type=float, default=4.0)
->>>>>>> main
     return p
 
 

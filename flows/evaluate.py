@@ -13,18 +13,16 @@ Steps, each a plain function taking and returning paths (the flow wraps each in 
     4. `judge`            → <out>/scores.json (per brief + aggregate + caption statistics + which scores ran),
                           <out>/scores.csv, <out>/grid.png, <out>/summary.md
 
-<<<<<<< HEAD
 `evaluate_captions` judges given captions without the designer (`atelier eval --captions FILE`): a JSONL of
 {"brief", "caption"} rows, such as the shapes world's eval.jsonl. With an imagegen it measures the imagegen alone
 on those captions; without one it judges the images the rows name (the world's own renders), which measures the
 judge itself.
-=======
+
 What scores a brief gets: a shapes-world brief (data/synthetic.py's grammar) is judged by data/judge.py (colour,
 shape and position of the image against the brief, the caption against the brief); with `clip` (a local
 transformers CLIP directory, data/clip_score.py) every image also gets CLIP scores against its brief and its
 caption, which is the only score a brief outside the shapes world can get. A brief no scorer applies to is
 listed as not scored. scores.json's "scores_run" and the summary say which scores ran on how many briefs.
->>>>>>> main
 
 `designer` is a model directory (config.json + safetensors), a PEFT adapter directory
 (adapter_config.json; its base model is read from it) or a run directory (its summary.json exports);
@@ -377,23 +375,16 @@ def publish_eval(result: dict[str, Any]) -> list[str]:
 
 def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: str | Path, out_dir: str | Path,
                             seed: int = 0, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-<<<<<<< HEAD
-                            steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
-    """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, caption stats, file paths."""
-    _check_inputs(designer, imagegen, steps)
-=======
                             steps: int = 20, guidance: float = 4.0, clip: str | Path | None = None) -> dict[str, Any]:
     """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, which scores ran, caption
     stats, file paths."""
-    _check_inputs(designer, imagegen, clip)
->>>>>>> main
+    _check_inputs(designer, imagegen, clip, steps)
     brief_list = read_briefs(briefs)
     captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
     images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
     return judge(captions, images, out_dir, clip)
 
 
-<<<<<<< HEAD
 def evaluate_captions(captions: str | Path, out_dir: str | Path, imagegen: str | Path | None = None, seed: int = 0,
                       steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
     """Given captions judged without the designer (`atelier eval --captions`): returns what `judge` returns.
@@ -432,18 +423,15 @@ def _check_steps(steps: int) -> None:
         raise FlowInputError(f"steps: the sampler needs at least 1 Euler step per image, got {steps}")
 
 
-def _check_inputs(designer: str | Path, imagegen: str | Path, steps: int) -> None:
-    resolve_designer(designer)  # fail before the designer runs, not after
-    resolve_imagegen(imagegen)
-    _check_steps(steps)
-=======
-def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path | None = None) -> None:
-    """Fail before the designer runs, not after: the designer, the imagegen model and the CLIP directory exist."""
+def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path | None = None,
+                  steps: int = 1) -> None:
+    """Fail before the designer runs, not after: the designer, the imagegen model and the CLIP directory exist and
+    the sampler has at least one step."""
     resolve_designer(designer)
     resolve_imagegen(imagegen)
+    _check_steps(steps)
     if clip and not (Path(clip) / "config.json").is_file():
         raise FlowInputError(f"clip {clip}: not a local transformers CLIP directory (no config.json)")
->>>>>>> main
 
 
 @task(name="generate-captions")
@@ -470,16 +458,10 @@ def judge_task(captions_file: str, images_index: str, out_dir: str, clip: str = 
 @flow(name="brief-to-image-eval")
 def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str = "runs/eval", seed: int = 0,
                         max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, steps: int = 20,
-<<<<<<< HEAD
-                        guidance: float = 4.0) -> dict[str, Any]:
-    """briefs → captions → images → scores; every step's output is a path under out_dir."""
-    _check_inputs(designer, imagegen, steps)
-=======
                         guidance: float = 4.0, clip: str = "") -> dict[str, Any]:
     """briefs (any text) → captions → images → scores; every step's output is a path under out_dir. `clip`: a local
     transformers CLIP directory, for CLIP scores (the only ones a brief outside the shapes world gets)."""
-    _check_inputs(designer, imagegen, clip)
->>>>>>> main
+    _check_inputs(designer, imagegen, clip, steps)
     brief_list = read_briefs(briefs)
     captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
@@ -498,30 +480,17 @@ def chain_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-<<<<<<< HEAD
-    p = argparse.ArgumentParser(prog="python -m flows.evaluate", description="run the brief-to-image-eval flow")
-    p.add_argument("--designer", required=True)
-    p.add_argument("--imagegen", required=True)
-    p.add_argument("--briefs", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance", type=float, default=4.0)
-=======
     p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
     p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
->>>>>>> main
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
     from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.evaluate")
-<<<<<<< HEAD
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
-                                 guidance=args.guidance)
-=======
-    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, clip=args.clip)
+                                 guidance=args.guidance, clip=args.clip)
     print(describe_scores(result))
->>>>>>> main
     print(json.dumps(result["aggregate"], indent=1))
     return 0
 
