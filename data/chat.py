@@ -26,12 +26,11 @@ Shape legend: L tokens of one document.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from atelier_studio.data.textfile import iter_lines
+from atelier_studio.data.textfile import iter_json_lines
 from atelier_studio.pipeline.errors import DataError  # also imported from here by the modules that read training data
 
 DEFAULT_SYSTEM_PROMPT = "You are a designer. Expand the brief into a detailed image caption."
@@ -130,16 +129,8 @@ def parse_example(obj: Any, where: str) -> Example:
 def load_examples(path: Path | str) -> list[Example]:
     """Read and validate a JSONL file. Blank lines are skipped; any bad line, or no example at all, is a DataError."""
     path = Path(path)
-    examples = []
-    for lineno, line in iter_lines(path):  # a missing file or a non-UTF-8 line is a DataError naming it
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        examples.append(parse_example(obj, where))
+    # a missing file, a non-UTF-8 line or a line that is not JSON is a DataError naming it
+    examples = [parse_example(obj, where) for where, obj in iter_json_lines(path)]
     if not examples:
         raise DataError(f"{path}: file has no examples")
     return examples

@@ -18,9 +18,17 @@ Geometry (all fractions of the image side S, origin top-left, y down):
 Compositional split: the (colour, shape) pairs in HELD_OUT_PAIRS never occur in train; every colour
 and every shape still does. Half of the eval split is drawn from held-out pairs, the rest in-distribution.
 
+Text-only samples (n_text): brief/caption pairs drawn like the train split but without images, after the
+train and eval splits (so they leave both unchanged). A tiny designer trained on the 1-2k train briefs alone
+memorises individual briefs, and an unusual wording then gets a colour or shape outside the brief's
+constraints; the language side needs many more distinct briefs than the image side needs images, and text
+costs nothing to render or encode.
+
 Files written by `generate_world(out_dir, ...)`:
     train.jsonl, eval.jsonl  {"brief","caption","image","shape","color","size","position",
                               "background","mood","kind","layout","held_out"}
+    designer_train.jsonl     train.jsonl's rows, then the n_text text-only rows (the same fields, no "image"):
+                             the designer's training data
     images/{split}_{i:05d}.png
     captions.jsonl           train only, {"image","caption"}: the input of the image shard writer
     briefs_eval.txt          one eval brief per line, for the end-to-end evaluation
@@ -186,11 +194,15 @@ class Sample:
     center: tuple[float, float]  # (x, y)
     held_out: bool
 
-    def record(self, image: str) -> dict:
+    def record(self, image: str | None) -> dict:
+        """The JSONL record; a text-only sample (image None) has no "image" field."""
         s = self.spec
-        return {"brief": self.brief, "caption": s.caption(), "image": image, "shape": s.shape,
-                "color": s.color, "size": s.size, "position": s.position, "background": s.background,
-                "mood": self.mood, "kind": self.kind, "layout": self.layout, "held_out": self.held_out}
+        rec = {"brief": self.brief, "caption": s.caption(), "image": image, "shape": s.shape,
+               "color": s.color, "size": s.size, "position": s.position, "background": s.background,
+               "mood": self.mood, "kind": self.kind, "layout": self.layout, "held_out": self.held_out}
+        if image is None:
+            del rec["image"]
+        return rec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +211,7 @@ class WorldStats:
     n_train: int
     n_eval: int
     n_eval_held_out: int
+    n_text: int
     image_size: int
     seed: int
     held_out_pairs: tuple[tuple[str, str], ...]
@@ -373,10 +386,13 @@ def _check_held_out(held_out: frozenset[tuple[str, str]]) -> None:
 
 
 def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64, eval_fraction: float = 0.1,
-                   held_out: frozenset[tuple[str, str]] = HELD_OUT_PAIRS) -> WorldStats:
-    """Write a world of `n` samples (train + eval) to out_dir; deterministic in all arguments."""
+                   held_out: frozenset[tuple[str, str]] = HELD_OUT_PAIRS, n_text: int = 0) -> WorldStats:
+    """Write a world of `n` samples with images (train + eval) and `n_text` text-only train samples to out_dir;
+    deterministic in all arguments."""
     if n < 2:
         raise ValueError(f"n={n}: need at least 2 samples (one train, one eval)")
+    if n_text < 0:
+        raise ValueError(f"n_text={n_text}: the number of text-only samples cannot be negative")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction} must lie in (0, 1)")
     if image_size < 24:
@@ -391,6 +407,7 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
         "train": [sample_one(rng, held_out, False) for _ in range(n_train)],
         "eval": [sample_one(rng, held_out, i < n_held) for i in range(n_eval)],
     }
+    text_only = [sample_one(rng, held_out, False) for _ in range(n_text)]  # drawn last: the splits stay the same
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict]] = {}
@@ -406,13 +423,15 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
 
     for split in ("train", "eval"):
         write_lines(f"{split}.jsonl", [json.dumps(r) for r in records[split]])
+    designer_rows = records["train"] + [sample.record(None) for sample in text_only]
+    write_lines("designer_train.jsonl", [json.dumps(r) for r in designer_rows])
     write_lines("captions.jsonl", [json.dumps({"image": r["image"], "caption": r["caption"]}) for r in records["train"]])
     write_lines("briefs_eval.txt", [r["brief"] for r in records["eval"]])
     vocab_line = " ".join([*SHAPES, *COLORS, *BACKGROUNDS, *SIZES, *POSITIONS])
     write_lines("corpus.txt", [t for r in records["train"] for t in (r["brief"], r["caption"])] + [vocab_line])
     stats = WorldStats(out_dir=str(out), n_train=n_train, n_eval=n_eval,
-                       n_eval_held_out=sum(r["held_out"] for r in records["eval"]), image_size=image_size,
-                       seed=seed, held_out_pairs=tuple(sorted(held_out)))
+                       n_eval_held_out=sum(r["held_out"] for r in records["eval"]), n_text=n_text,
+                       image_size=image_size, seed=seed, held_out_pairs=tuple(sorted(held_out)))
     world = {"stats": dataclasses.asdict(stats), "colors": COLORS, "backgrounds": BACKGROUNDS, "sizes": SIZES,
              "shapes": SHAPES, "positions": list(POSITIONS), "families": FAMILIES}
     (out / "world.json").write_text(json.dumps(world, indent=1) + "\n", encoding="utf-8")
@@ -426,9 +445,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-size", type=int, default=64, help="pixels per side (the CPU demo uses 32)")
     p.add_argument("--eval-fraction", type=float, default=0.1)
+    p.add_argument("--n-text", type=int, default=0, help="text-only train samples (briefs and captions, no images)")
     args = p.parse_args(argv)
     try:
-        stats = generate_world(args.out, args.n, args.seed, args.image_size, args.eval_fraction)
+        stats = generate_world(args.out, args.n, args.seed, args.image_size, args.eval_fraction, n_text=args.n_text)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

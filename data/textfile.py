@@ -40,6 +40,19 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             yield lineno, text
 
 
+def iter_json_lines(path: str | os.PathLike, error: type[AtelierError] = DataError) -> Iterator[tuple[str, Any]]:
+    """("path:line", parsed value) for every non-blank line of a JSONL file; a line that is not JSON is ``error``
+    naming path:line (a non-UTF-8 line is a DataError, as in `iter_lines`)."""
+    for lineno, line in iter_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+
+
 def read_lines(path: str | os.PathLike) -> list[str]:
     """Every line of a UTF-8 text file, in order (line i + 1 is element i), without line endings."""
     return [text for _, text in iter_lines(path)]
@@ -64,4 +77,4 @@ def read_json(path: str | os.PathLike, error: type[AtelierError] = DataError) ->
         raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
 
 
-__all__ = ["iter_lines", "read_lines", "decode_utf8", "read_json"]
+__all__ = ["iter_lines", "iter_json_lines", "read_lines", "decode_utf8", "read_json"]

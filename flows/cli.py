@@ -1,7 +1,7 @@
 """`atelier` — one command line for everything; the Prefect flows call the same entry points.
 
     atelier data tokenizer --corpus FILE... --vocab-size N --out DIR
-    atelier data synth --out DIR --n N --seed S
+    atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR  (registered sizes)
@@ -12,6 +12,7 @@
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
+    atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
 
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
@@ -188,7 +189,7 @@ def data_tokenizer(args: argparse.Namespace) -> int:
 def data_synth(args: argparse.Namespace) -> int:
     from atelier_studio.data.synthetic import generate_world
 
-    stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size)
+    stats = generate_world(Path(args.out), n=args.n, seed=args.seed, image_size=args.image_size, n_text=args.n_text)
     print(f"wrote the shapes world to {args.out}: {stats}")
     return 0
 
@@ -215,12 +216,21 @@ def data_validate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from atelier_studio.flows.evaluate import evaluate_brief_to_image
+    from atelier_studio.flows.evaluate import describe_scores, evaluate_brief_to_image, evaluate_captions
+    from atelier_studio.pipeline.errors import UsageError
 
-    from atelier_studio.flows.evaluate import describe_scores
-
+    if args.captions:
+        if args.designer or args.briefs:
+            raise UsageError("--captions replaces the designer: pass either --captions or --designer with --briefs")
+        result = evaluate_captions(Path(args.captions), Path(args.out), Path(args.imagegen) if args.imagegen else None,
+                                   seed=args.seed, steps=args.steps, guidance=args.guidance)
+        print(result)
+        return 0
+    if not (args.designer and args.briefs and args.imagegen):
+        raise UsageError("eval needs --designer, --briefs and --imagegen (or --captions, to judge given captions)")
     result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
+                                     steps=args.steps, guidance=args.guidance,
                                      clip=Path(args.clip) if args.clip else None)
     print(f"scores run: {describe_scores(result)}")
     print(result)
@@ -339,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n", type=int, default=2000)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--image-size", type=int, default=32)
+    sp.add_argument("--n-text", type=int, default=0,
+                    help="text-only train samples (brief + caption, no image) added to designer_train.jsonl")
     sp = command(dd, "shards", data_shards, "write WebDataset image shards")
     sp.add_argument("--images", required=True)
     sp.add_argument("--captions", required=True)
@@ -348,11 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dir")
 
     sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
-    sp.add_argument("--designer", required=True)
-    sp.add_argument("--imagegen", required=True)
-    sp.add_argument("--briefs", required=True)
+    sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")
+    sp.add_argument("--imagegen", default="", help="the MMDiT (a run's ema/ or transformer/ directory, or the run)")
+    sp.add_argument("--briefs", default="", help="briefs, one per line (.txt) or {\"brief\"} rows (.jsonl)")
+    sp.add_argument("--captions", default="",
+                    help="instead of --designer and --briefs: {\"brief\", \"caption\"} JSONL rows to judge (e.g. the "
+                         "world's eval.jsonl); without --imagegen the images the rows name are judged")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--steps", type=int, default=20, help="Euler steps per image (default 20)")
+    sp.add_argument("--guidance", type=float, default=4.0,
+                    help="classifier-free guidance scale (default 4.0; the shapes-world demo uses its config's "
+                         "sample.guidance)")
     sp.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image "
                                                "(the only scores briefs outside the shapes world get)")
     sp = command(groups, "render", run_render, "briefs (any text) → designer captions → images")

@@ -3,7 +3,7 @@
     python -m flows.demo [--skip-eval]
 
 Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
-    1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32`)
+    1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32 --n-text 8000`)
     2. runs/tokenizer        a byte-level BPE tokenizer trained on the world's corpus
     3. models/designer-tiny  a random tiny Qwen3 (fp32);  models/imagegen-demo  a random demo-size MMDiT
     4. runs/world-shards(-eval)  image shards; the latents are cached by train-imagegen's cache step
@@ -51,8 +51,10 @@ def atelier(*argv: str) -> None:
 
 
 def prepare() -> None:
-    if step("shapes world", (WORLD / "world.json").is_file()):
-        atelier("data", "synth", "--out", str(WORLD), "--n", "2000", "--image-size", "32")
+    # designer_train.jsonl: a world written before text-only briefs existed is rewritten (its images stay the same)
+    if step("shapes world", (WORLD / "world.json").is_file() and (WORLD / "designer_train.jsonl").is_file()):
+        # 2000 images (1800 train, 200 eval); the designer also learns from 8000 text-only briefs (data/synthetic.py)
+        atelier("data", "synth", "--out", str(WORLD), "--n", "2000", "--image-size", "32", "--n-text", "8000")
     if step("tokenizer", (TOKENIZER / "tokenizer.json").is_file()):
         atelier("data", "tokenizer", "--corpus", str(WORLD / "corpus.txt"), "--vocab-size", "1024",
                 "--out", str(TOKENIZER))
@@ -100,16 +102,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from atelier_studio.imagegen.config import ImagegenConfig
 
     d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
-    i_dir = Path(load_config(ImagegenConfig, IMAGEGEN_CONFIG, []).output.dir)
+    i_cfg = load_config(ImagegenConfig, IMAGEGEN_CONFIG, [])
+    i_dir = Path(i_cfg.output.dir)
     if step(f"train-designer -> {d_dir}", finished(d_dir)):
         deployment_run("train-designer/default", {"config": DESIGNER_CONFIG}, env)
     if step(f"train-imagegen -> {i_dir}", finished(i_dir)):
         deployment_run("train-imagegen/default", {"config": IMAGEGEN_CONFIG}, env)
     if not args.skip_eval:
         if step(f"brief-to-image-eval -> {EVAL_OUT}", (EVAL_OUT / "scores.json").is_file()):
+            # the images are sampled as the imagegen config's [sample] says (its grids use the same settings)
             deployment_run("brief-to-image-eval/default",
                            {"designer": str(d_dir), "imagegen": str(i_dir), "briefs": str(WORLD / "briefs_eval.txt"),
-                            "out_dir": str(EVAL_OUT)}, env)
+                            "out_dir": str(EVAL_OUT), "steps": i_cfg.sample.steps,
+                            "guidance": i_cfg.sample.guidance}, env)
         scores = json.loads((EVAL_OUT / "scores.json").read_text())
         agg = scores["aggregate"]
         print("\n[demo] judged scores (image against brief):")

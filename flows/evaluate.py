@@ -13,6 +13,11 @@ Steps, each a plain function taking and returning paths (the flow wraps each in 
     4. `judge`            → <out>/scores.json (per brief + aggregate + caption statistics + which scores ran),
                           <out>/scores.csv, <out>/grid.png, <out>/summary.md
 
+`evaluate_captions` judges given captions without the designer (`atelier eval --captions FILE`): a JSONL of
+{"brief", "caption"} rows, such as the shapes world's eval.jsonl. With an imagegen it measures the imagegen alone
+on those captions; without one it judges the images the rows name (the world's own renders), which measures the
+judge itself.
+
 What scores a brief gets: a shapes-world brief (data/synthetic.py's grammar) is judged by data/judge.py (colour,
 shape and position of the image against the brief, the caption against the brief); with `clip` (a local
 transformers CLIP directory, data/clip_score.py) every image also gets CLIP scores against its brief and its
@@ -37,10 +42,10 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from atelier_studio.data.textfile import iter_lines, read_json
+from atelier_studio.data.textfile import iter_json_lines, iter_lines, read_json
 from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
 from atelier_studio.flows.training import FlowInputError
-from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text
+from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text, ensure_dir
 
 GRID_MAX_IMAGES = 64
 
@@ -73,6 +78,31 @@ def read_briefs(path: str | Path) -> list[str]:
     if not briefs:
         raise FlowInputError(f"briefs file {path} has no briefs")
     return briefs
+
+
+def read_caption_rows(path: str | Path) -> list[dict[str, str]]:
+    """{"brief", "caption"} rows (plus "image" where the line has one) from a JSONL file; errors name file:line."""
+    from atelier_studio.data.synthetic import brief_constraints
+
+    path = Path(path)
+    if not path.is_file():
+        raise FlowInputError(f"captions file {path} does not exist")
+    rows = []
+    for where, obj in iter_json_lines(path, FlowInputError):
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("brief", "caption")):
+            raise FlowInputError(f"{where}: expected an object with string fields 'brief' and 'caption'")
+        try:
+            brief_constraints(obj["brief"])
+        except ValueError as e:
+            raise FlowInputError(f"{where}: brief {obj['brief']!r} cannot be judged in the shapes world ({e})"
+                                 ) from None
+        row = {"brief": obj["brief"], "caption": obj["caption"]}
+        if isinstance(obj.get("image"), str):
+            row["image"] = obj["image"]
+        rows.append(row)
+    if not rows:
+        raise FlowInputError(f"captions file {path} has no rows")
+    return rows
 
 
 def resolve_designer(path: str | Path) -> tuple[Path, Path | None]:
@@ -348,17 +378,58 @@ def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: 
                             steps: int = 20, guidance: float = 4.0, clip: str | Path | None = None) -> dict[str, Any]:
     """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, which scores ran, caption
     stats, file paths."""
-    _check_inputs(designer, imagegen, clip)
+    _check_inputs(designer, imagegen, clip, steps)
     brief_list = read_briefs(briefs)
     captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
     images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
     return judge(captions, images, out_dir, clip)
 
 
-def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path | None = None) -> None:
-    """Fail before the designer runs, not after: the designer, the imagegen model and the CLIP directory exist."""
+def evaluate_captions(captions: str | Path, out_dir: str | Path, imagegen: str | Path | None = None, seed: int = 0,
+                      steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
+    """Given captions judged without the designer (`atelier eval --captions`): returns what `judge` returns.
+
+    With `imagegen`, one image is sampled per caption. Without it, every row must name its image, a path
+    relative to the captions file's folder (the shapes world's eval.jsonl does), and those images are judged.
+    """
+    captions = Path(captions)
+    if imagegen is not None:
+        resolve_imagegen(imagegen)
+        _check_steps(steps)
+    rows = read_caption_rows(captions)
+    out = Path(out_dir)
+    if imagegen is None:
+        missing = [i + 1 for i, r in enumerate(rows) if "image" not in r]
+        if missing:
+            raise FlowInputError(f"{captions}: row {missing[0]} names no 'image'; without --imagegen every row must "
+                                 f"name the image to judge")
+        images = [captions.parent / r["image"] for r in rows]
+        absent = next((p for p in images if not p.is_file()), None)
+        if absent is not None:
+            raise FlowInputError(f"{captions}: image {absent} does not exist")
+    ensure_dir(out, "--out")
+    captions_file = atomic_write_text(out / "captions.jsonl", "".join(
+        json.dumps({"brief": r["brief"], "caption": r["caption"]}) + "\n" for r in rows), what="captions")
+    if imagegen is None:
+        index = atomic_write_text(out / "images.json", json.dumps([str(p) for p in images], indent=0),
+                                  what="image index")
+    else:
+        index = render_images(imagegen, captions_file, out, seed, steps, guidance)
+    return judge(captions_file, index, out)
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 1:
+        raise FlowInputError(f"steps: the sampler needs at least 1 Euler step per image, got {steps}")
+
+
+def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path | None = None,
+                  steps: int = 1) -> None:
+    """Fail before the designer runs, not after: the designer, the imagegen model and the CLIP directory exist and
+    the sampler has at least one step."""
     resolve_designer(designer)
     resolve_imagegen(imagegen)
+    _check_steps(steps)
     if clip and not (Path(clip) / "config.json").is_file():
         raise FlowInputError(f"clip {clip}: not a local transformers CLIP directory (no config.json)")
 
@@ -390,7 +461,7 @@ def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str 
                         guidance: float = 4.0, clip: str = "") -> dict[str, Any]:
     """briefs (any text) → captions → images → scores; every step's output is a path under out_dir. `clip`: a local
     transformers CLIP directory, for CLIP scores (the only ones a brief outside the shapes world gets)."""
-    _check_inputs(designer, imagegen, clip)
+    _check_inputs(designer, imagegen, clip, steps)
     brief_list = read_briefs(briefs)
     captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
@@ -411,11 +482,14 @@ def chain_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
     p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
     from atelier_studio.flows.local_server import require_server
 
     require_server("python -m flows.evaluate")
-    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, clip=args.clip)
+    result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
+                                 guidance=args.guidance, clip=args.clip)
     print(describe_scores(result))
     print(json.dumps(result["aggregate"], indent=1))
     return 0

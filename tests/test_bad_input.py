@@ -463,6 +463,8 @@ CASES = [
                        str(write(t / "captions.txt", NOT_UTF8)), "--out", str(t / "samples")],
          ("{tmp}/captions.txt:1", "not valid UTF-8"), absent=("samples",)),
     Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
+    Case("eval-zero-sampling-steps", lambda t, w: eval_args(t, w) + ["--steps", "0"],
+         ("steps", "at least 1 Euler step", "got 0"), absent=("eval",)),
     Case("eval-clip-not-a-clip-directory", lambda t, w: eval_args(t, w) + ["--clip", str(t / "clip")],
          ("clip {tmp}/clip", "not a local transformers CLIP directory"), absent=("eval",)),
 ]

@@ -162,6 +162,30 @@ def test_held_out_pairs_only_in_eval(world):
     assert len({(r["color"], r["shape"]) for r in held}) >= 4  # several held-out pairs, not one
 
 
+def test_text_only_samples_extend_the_designer_data_and_leave_the_splits_alone(world, tmp_path):
+    """designer_train.jsonl = train.jsonl's rows, then n_text rows drawn like train but with no image; the image
+    splits and every image file are those of the same world without text-only samples."""
+    out, stats = world
+    assert _read_jsonl(out / "designer_train.jsonl") == _read_jsonl(out / "train.jsonl")  # n_text = 0
+    more = tmp_path / "more"
+    more_stats = generate_world(more, n=400, seed=3, image_size=32, eval_fraction=0.2, n_text=150)
+    assert more_stats.n_text == 150 and (more_stats.n_train, more_stats.n_eval) == (stats.n_train, stats.n_eval)
+    for name in ("train.jsonl", "eval.jsonl", "captions.jsonl", "briefs_eval.txt", "corpus.txt"):
+        assert (more / name).read_bytes() == (out / name).read_bytes(), name
+    assert sorted(p.name for p in (more / "images").iterdir()) == sorted(p.name for p in (out / "images").iterdir())
+    rows = _read_jsonl(more / "designer_train.jsonl")
+    assert rows[:stats.n_train] == _read_jsonl(out / "train.jsonl")
+    text = rows[stats.n_train:]
+    assert len(text) == 150 and all("image" not in r and not r["held_out"] for r in text)
+    for r in text:  # each caption is one the brief allows, and no held-out pair appears
+        spec, c = parse_caption(r["caption"]), brief_constraints(r["brief"])
+        assert spec.color in c.colors and spec.shape in c.shapes and spec.position in c.positions
+        assert (spec.color, spec.shape) not in HELD_OUT_PAIRS
+    assert len({r["brief"] for r in text}) > 100  # new briefs, not copies of the train ones
+    with pytest.raises(ValueError, match="n_text=-1"):
+        generate_world(tmp_path / "bad", n=10, seed=0, n_text=-1)
+
+
 def test_determinism_by_seed(tmp_path):
     def files(d: Path) -> dict[str, bytes]:
         return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
@@ -186,9 +210,11 @@ def test_generate_world_rejects_bad_arguments(tmp_path):
 
 
 def test_main_cli(tmp_path, capsys):
-    assert syn.main(["--out", str(tmp_path / "w"), "--n", "12", "--seed", "1", "--image-size", "32"]) == 0
+    assert syn.main(["--out", str(tmp_path / "w"), "--n", "12", "--seed", "1", "--image-size", "32",
+                     "--n-text", "5"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert (stats["n_train"], stats["n_eval"], stats["image_size"]) == (11, 1, 32)
+    assert (stats["n_train"], stats["n_eval"], stats["image_size"], stats["n_text"]) == (11, 1, 32, 5)
     assert len((tmp_path / "w" / "train.jsonl").read_text().splitlines()) == 11
+    assert len((tmp_path / "w" / "designer_train.jsonl").read_text().splitlines()) == 16
     assert syn.main(["--out", str(tmp_path / "x"), "--n", "12", "--eval-fraction", "0"]) == 2
     assert "eval_fraction=0.0" in capsys.readouterr().err

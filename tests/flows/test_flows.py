@@ -225,6 +225,58 @@ def test_judge_scores_true_images_high_and_empty_captions_zero(tmp_path):
     assert (tmp_path / "out" / "grid.png").is_file() and (tmp_path / "out" / "scores.csv").is_file()
 
 
+def test_eval_of_given_captions_judges_the_world_images_or_samples_them(imagegen_run, tmp_path):
+    """`atelier eval --captions`: the world's own renders score 1 everywhere (the judge is right on the truth); with
+    the imagegen, one image is sampled per row and judged against the row's brief and caption."""
+    from atelier_studio.data.synthetic import generate_world
+    from atelier_studio.flows.cli import main
+    from atelier_studio.flows.evaluate import evaluate_captions
+
+    world = tmp_path / "world"
+    generate_world(world, n=24, seed=5, image_size=32, eval_fraction=0.25)
+    rows = [json.loads(l) for l in (world / "eval.jsonl").read_text().splitlines()]
+    truth = evaluate_captions(world / "eval.jsonl", tmp_path / "truth")
+    assert truth["aggregate"]["n"] == len(rows) == 6
+    assert all(truth["aggregate"][k] == 1.0 for k in ("score", "color_ok", "shape_ok", "position_ok",
+                                                        "caption_score", "image_caption_score"))
+    judged = json.loads((tmp_path / "truth" / "scores.json").read_text())["per_brief"]
+    assert [r["image"] for r in judged] == [str(world / r["image"]) for r in rows]
+
+    out = imagegen_run[1]
+    assert main(["eval", "--captions", str(world / "eval.jsonl"), "--imagegen", str(out / "ema"), "--out",
+                 str(tmp_path / "sampled"), "--steps", "2", "--guidance", "2.0"]) == 0
+    sampled = json.loads((tmp_path / "sampled" / "scores.json").read_text())
+    assert [r["caption"] for r in sampled["per_brief"]] == [r["caption"] for r in rows]
+    assert all(Path(r["image"]).parent == tmp_path / "sampled" / "images" for r in sampled["per_brief"])
+    # the images are the sampler's for this seed, steps and guidance: the same call draws the same images
+    again = evaluate_captions(world / "eval.jsonl", tmp_path / "again", out / "ema", steps=2, guidance=2.0)
+    assert again["aggregate"] == sampled["aggregate"]
+
+
+def test_eval_of_given_captions_bad_inputs_are_named(tmp_path):
+    from atelier_studio.flows.evaluate import evaluate_captions
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"brief": "something calm with a circle", "caption": "a small blue circle in the center on a '
+                    'white background"}\n\n{"brief": "something calm with a circle"}\n')
+    with pytest.raises(FlowInputError, match=rf"{rows}:3: expected an object with string fields 'brief' and 'caption'"):
+        evaluate_captions(rows, tmp_path / "e")
+    rows.write_text('{"brief": "a plain poster", "caption": "a small blue circle"}\n')
+    with pytest.raises(FlowInputError, match=rf"{rows}:1: brief 'a plain poster' cannot be judged"):
+        evaluate_captions(rows, tmp_path / "e")
+    rows.write_text('{"brief": "something calm with a circle", "caption": "a circle"}\n')
+    with pytest.raises(FlowInputError, match=rf"{rows}: row 1 names no 'image'; without --imagegen"):
+        evaluate_captions(rows, tmp_path / "e")
+    rows.write_text('{"brief": "something calm with a circle", "caption": "a circle", "image": "gone.png"}\n')
+    with pytest.raises(FlowInputError, match=rf"image {tmp_path / 'gone.png'} does not exist"):
+        evaluate_captions(rows, tmp_path / "e")
+    (tmp_path / "mmdit").mkdir()
+    (tmp_path / "mmdit" / "config.json").write_text("{}")  # only its presence is checked before the steps
+    with pytest.raises(FlowInputError, match=r"steps: the sampler needs at least 1 Euler step per image, got 0"):
+        evaluate_captions(rows, tmp_path / "e", imagegen=tmp_path / "mmdit", steps=0)
+    assert not (tmp_path / "e").exists()
+
+
 def test_eval_bad_inputs_are_named(designer_run, imagegen_run, tmp_path):
     designer_dir, _ = designer_run
     out = imagegen_run[1]
