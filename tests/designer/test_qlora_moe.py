@@ -330,6 +330,7 @@ def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # a second compile of MoE blocks (~20 s): the fast tier's compiled-MoE test covers the graph
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_nf4_blocks_match_eager_on_the_gpu():
     """The bench's configuration at tiny size on the GPU: bf16 base with attention bases and experts in NF4
