@@ -1,4 +1,5 @@
-"""Linear layers over a frozen NF4 weight (QLoRA): the 4-bit tile is dequantised inside the matmul, never in memory.
+"""Linear layers over a frozen NF4 weight (QLoRA): fused kernels that dequantise each 4-bit tile inside the matmul,
+and, for training-sized inputs, one dequantisation into a transient buffer before cuBLAS (the paths below).
 
 Shapes: M rows (tokens; leading dims flattened), K in-features (a multiple of 64), N out-features, r rank.
   x [M, K], W [N, K] as kernels/nf4.py's NF4Weight (Ŵ its dequantised values), bias [N] | None (frozen).
