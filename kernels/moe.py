@@ -227,18 +227,22 @@ def _groupable(a: torch.Tensor, w: torch.Tensor) -> bool:
     a row-major [E, I, O]: the input gradient's layout): present in this torch, bf16 on CUDA (its CUDA kernel's only
     dtype), a unit stride in a's rows and in one of w's last two dims, and every other stride, the output width and
     both start offsets on a 16-byte boundary (its rule on every device). Static facts only, so a compiled block
-    decides it at trace time; the base address is checked outside compile (PyTorch's own allocations are aligned; a
-    buffer from elsewhere may not be)."""
+    decides it at trace time. The base address and the start offsets are checked outside compile only: reading a
+    view's storage_offset() breaks the compiled graph (Dynamo cannot trace an op that returns a Python int), and
+    the callers in this file pass tensors whose offsets are aligned by construction (experts_ffn aligns its adapter
+    slices); PyTorch's own allocations are aligned, a buffer from elsewhere may not be."""
     if not hasattr(torch, "_grouped_mm") or a.dtype != w.dtype or a.dim() != 2 or w.dim() != 3:
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
         return False
     size = a.element_size()
     lead = w.stride(1) if w.stride(2) == 1 else w.stride(2)  # the stride between w's rows (or columns)
-    steps = (a.stride(0), w.stride(0), lead, w.shape[1], a.storage_offset(), w.storage_offset())
+    compiling = torch.compiler.is_compiling()
+    offsets = () if compiling else (a.storage_offset(), w.storage_offset())
+    steps = (a.stride(0), w.stride(0), lead, w.shape[1], *offsets)
     if a.stride(1) != 1 or 1 not in (w.stride(1), w.stride(2)) or any(x * size % 16 for x in steps):
         return False
-    return torch.compiler.is_compiling() or (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+    return compiling or (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -306,7 +310,10 @@ def experts_ffn(xs: torch.Tensor, gate_up: Weights, down: Weights, offs: torch.T
         r = pairs[0][1][0].shape[1]
         u = grouped_mm(xs.to(ad), torch.cat([p[0] for _, p in pairs], dim=1).to(ad), offs)  # [S, m·r]
         for j, (i, (_, lora_b)) in enumerate(pairs):
-            delta = grouped_mm(u[:, j * r:(j + 1) * r], lora_b.to(ad), offs)  # [S, F]
+            u_j = u[:, j * r:(j + 1) * r]
+            if j * r * u.element_size() % 16:  # a slice that starts off a 16-byte boundary (r not a multiple of 8
+                u_j = u_j.contiguous()  # in bf16): a copy the grouped GEMM can take, decided at trace time
+            delta = grouped_mm(u_j, lora_b.to(ad), offs)  # [S, F]
             halves[i] = halves[i] + (delta * lora.scale).to(cd)
     act = swiglu(halves[0], halves[1], kernels)  # [S, F]
     return _adapted(act, down, offs, None if lora is None else lora.down, 0.0 if lora is None else lora.scale, ad)

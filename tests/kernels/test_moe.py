@@ -206,3 +206,29 @@ def test_a_layer_trains_without_a_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("rank", [8, 4])
+def test_the_layer_compiles_without_graph_breaks_where_every_gemm_is_grouped(rank):
+    """Under torch.compile the layer is one graph when every GEMM can be grouped (bf16, LoRA rank 8: each adapter
+    slice starts on a 16-byte boundary): _groupable decides from static facts only, so no storage_offset() (an int
+    Dynamo cannot trace) breaks the graph. At rank 4 a B matrix's rows are 8 bytes apart, the per-expert loop reads
+    the expert offsets on the host, and Dynamo must break there: the positive control for the count."""
+    import torch._dynamo as dynamo
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm: every GEMM takes the per-expert loop")
+    g = torch.Generator().manual_seed(rank)
+    n, d, e, f, k, bf = 48, 64, 8, 32, 2, torch.bfloat16
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(bf)
+
+    x, router, gate_up, down = rand(n, d), rand(e, d), rand(e, 2 * f, d), rand(e, d, f)
+    lora = ExpertLoRA(2.0, gate=(rand(e, rank, d), rand(e, f, rank)), up=(rand(e, rank, d), rand(e, f, rank)),
+                      down=(rand(e, rank, f), rand(e, d, rank)))
+    explained = dynamo.explain(lambda t: moe(t, router, gate_up, down, k, True, lora=lora, impl="triton")[0])(x)
+    if rank == 8:
+        assert explained.graph_break_count == 0, [b.reason[:120] for b in explained.break_reasons]
+    else:
+        assert explained.graph_break_count > 0
