@@ -101,9 +101,13 @@ TRAINER = textwrap.dedent("""
     time.sleep(300)
 """)
 
-# The flow-run process: Prefect's engine turns SIGTERM into TerminationSignal; SIGINT is KeyboardInterrupt.
+# The flow-run process: Prefect's engine turns SIGTERM into TerminationSignal; SIGINT is KeyboardInterrupt. The
+# wrapper sets SIGINT's handler itself: a process inherits an ignored SIGINT from its parent (an ignored signal
+# survives exec), and Python then installs no KeyboardInterrupt handler; in a full `make test` run the pytest
+# process had come to ignore SIGINT, so the wrapper never heard it.
 WRAPPER = textwrap.dedent("""
     import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from prefect.exceptions import TerminationSignal
     from atelier_studio.flows.launch import run_command
 
@@ -127,13 +131,14 @@ def test_cancel_kills_the_whole_process_group(sig):
         child, grandchild = map(int, line.split()[1:])
         assert alive(child) and alive(grandchild)
         wrapper.send_signal(sig)
-        # What this test claims: the trainer and its grandchild die (within the 1 s grace, then SIGKILL). The
-        # wrapper's own exit comes after, and on a loaded 2-core machine its interpreter shutdown (Prefect imported)
-        # once took over 30 s: it gets its own, longer wait, and its output is shown if it never exits.
+        # What this test claims: the trainer and its grandchild die (within the 1 s grace, then SIGKILL); the
+        # wrapper's own exit comes after, with its own wait, and its output is shown if it never exits.
         deadline = time.time() + 30
         while (alive(child) or alive(grandchild)) and time.time() < deadline:
             time.sleep(0.05)
-        assert not alive(child) and not alive(grandchild)
+        assert not alive(child) and not alive(grandchild), (
+            f"the trainer group outlived {signal.Signals(sig).name} (this process's SIGINT disposition: "
+            f"{signal.getsignal(signal.SIGINT)})")
         try:
             wrapper.wait(timeout=90)
         except subprocess.TimeoutExpired:
