@@ -35,6 +35,22 @@ from atelier_studio.kernels.nf4_moe import NF4Experts, nf4_experts_shapes, quant
 NF4_TENSORS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
 
+
+def _register_nf4_tensors(module: nn.Module, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                          device: torch.device | str | None) -> None:
+    """The NF4 tensors of a layer or an expert stack, empty, under the names both keep: the codes and block
+    scalers as frozen parameters (so FSDP2 shards them), the scale factors, mean and code table as buffers; the
+    code table filled unless on the meta device."""
+    frozen = dict(requires_grad=False)
+    module.quantized_data = nn.Parameter(torch.empty(shapes["data"], dtype=torch.uint8, device=device), **frozen)
+    module.quantized_scalers = nn.Parameter(torch.empty(shapes["scalers"], dtype=torch.int8, device=device), **frozen)
+    module.register_buffer("quantization_factor", torch.empty(shapes["factor"], dtype=dtype, device=device))
+    module.register_buffer("scaler_mean", torch.empty(shapes["mean"], dtype=dtype, device=device))
+    module.register_buffer("nf4", torch.empty(shapes["code"], dtype=dtype, device=device))
+    if module.nf4.device.type != "meta":
+        with torch.no_grad():
+            module.nf4.copy_(nf4_code(dtype))
+
 class NF4Linear(nn.Module):
     """A frozen y = x Ŵᵀ + b over an NF4 weight (module docstring); made from an nn.Linear by `from_linear`."""
 
@@ -48,17 +64,9 @@ class NF4Linear(nn.Module):
             raise ValueError(f"NF4Linear: impl must be one of {IMPLS}, got {impl!r}")
         self.in_features, self.out_features, self.impl = in_features, out_features, impl
         shapes = nf4_shapes((out_features, in_features))
-        frozen = dict(requires_grad=False)
-        self.quantized_data = nn.Parameter(torch.empty(shapes["data"], dtype=torch.uint8, device=device), **frozen)
-        self.quantized_scalers = nn.Parameter(torch.empty(shapes["scalers"], dtype=torch.int8, device=device),
-                                              **frozen)
-        self.register_buffer("quantization_factor", torch.empty(shapes["factor"], dtype=dtype, device=device))
-        self.register_buffer("scaler_mean", torch.empty(shapes["mean"], dtype=dtype, device=device))
-        self.register_buffer("nf4", torch.empty(shapes["code"], dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), **frozen) if bias else None
-        if self.nf4.device.type != "meta":
-            with torch.no_grad():
-                self.nf4.copy_(nf4_code(dtype))
+        _register_nf4_tensors(self, shapes, dtype, device)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, device: torch.device | str | None = None,
@@ -123,16 +131,7 @@ class NF4ExpertStack(nn.Module):
         if kernels not in IMPLS:
             raise ValueError(f"NF4ExpertStack: kernels must be one of {IMPLS}, got {kernels!r}")
         self.shape, self.kernels = tuple(shape), kernels
-        frozen = dict(requires_grad=False)
-        self.quantized_data = nn.Parameter(torch.empty(shapes["data"], dtype=torch.uint8, device=device), **frozen)
-        self.quantized_scalers = nn.Parameter(torch.empty(shapes["scalers"], dtype=torch.int8, device=device),
-                                              **frozen)
-        self.register_buffer("quantization_factor", torch.empty(shapes["factor"], dtype=dtype, device=device))
-        self.register_buffer("scaler_mean", torch.empty(shapes["mean"], dtype=dtype, device=device))
-        self.register_buffer("nf4", torch.empty(shapes["code"], dtype=dtype, device=device))
-        if self.nf4.device.type != "meta":
-            with torch.no_grad():
-                self.nf4.copy_(nf4_code(dtype))
+        _register_nf4_tensors(self, shapes, dtype, device)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, device: torch.device | str | None = None,

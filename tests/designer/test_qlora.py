@@ -76,17 +76,22 @@ def _qlora_model(model_dir: Path, adapter: Path):
     return m.eval()
 
 
-def test_the_rebuilt_model_is_the_one_the_trainer_evaluated(runs):
-    """The final eval loss of the run, recomputed by a task over the exported adapter on a freshly quantised base:
-    the same kernels on the same tensors in the same order, so equal exactly."""
-    cfg = load_config(DesignerConfig, runs["nf4"] / "config.toml",
-                      [f"lora.init_adapter={runs['nf4'] / 'adapter'}"])
+def rebuilt_and_logged_eval_loss(run: Path) -> tuple[float, float]:
+    """(the eval loss of a task over the run's exported adapter on a freshly quantised base, the run's last logged
+    eval loss)."""
+    cfg = load_config(DesignerConfig, run / "config.toml", [f"lora.init_adapter={run / 'adapter'}"])
     task = DesignerTask(cfg, torch.device("cpu"))
     task.model.eval()
     with torch.no_grad():
         got = task.evaluate()["loss"]
-    evals = [json.loads(l) for l in (runs["nf4"] / "metrics.jsonl").read_text().splitlines()]
-    want = [r for r in evals if r["kind"] == "eval"][-1]["loss"]
+    evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return got, [r for r in evals if r["kind"] == "eval"][-1]["loss"]
+
+
+def test_the_rebuilt_model_is_the_one_the_trainer_evaluated(runs):
+    """The final eval loss of the run, recomputed by a task over the exported adapter on a freshly quantised base:
+    the same kernels on the same tensors in the same order, so equal exactly."""
+    got, want = rebuilt_and_logged_eval_loss(runs["nf4"])
     assert got == want
 
 

@@ -24,17 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.hf import load_pretrained, save_pretrained
 from atelier_studio.designer.lora import GroupedLoRA, LoraArgs, LoRALinear, apply_lora, load_peft_adapter, merge_lora
 from atelier_studio.designer.lora_nf4 import NF4LoRALinear, quantize_lora_bases
-from atelier_studio.designer.task import DesignerTask
 from atelier_studio.flows.cli import main
 from atelier_studio.kernels.nf4 import nf4_error_bound
-from atelier_studio.pipeline.config import load_config
 from atelier_studio.pipeline.nf4 import NF4ExpertStack
 from tests.designer.test_fp8_train import _tensors
 from tests.designer.test_model import load_hf, packed_inputs, rel_err, run_rows
+from tests.designer.test_qlora import _qlora_model, rebuilt_and_logged_eval_loss
 from tests.designer.test_train import train_args, train_losses
 from tests.kernels._compare import assert_no_leak
 
@@ -105,26 +103,11 @@ def test_qlora_moe_trains_and_exports_what_a_bf16_base_run_exports(moe_runs):
         json.loads((moe_runs["bf16"] / "adapter" / "adapter_config.json").read_text())
 
 
-def _qlora_moe(model_dir: Path, adapter: Path):
-    """What the trainer ran: the base loaded, the adapter applied, every base and expert stack quantised."""
-    m = load_pretrained(model_dir)
-    load_peft_adapter(m, adapter)
-    done, kept = quantize_lora_bases(m)
-    assert done and not kept
-    return m.eval()
-
-
 def test_the_rebuilt_model_is_the_one_the_trainer_evaluated(moe_runs):
     """The run's final eval loss, recomputed by a task over the exported adapter on a freshly quantised base: the
     same kernels on the same tensors in the same order, so equal exactly."""
-    cfg = load_config(DesignerConfig, moe_runs["nf4"] / "config.toml",
-                      [f"lora.init_adapter={moe_runs['nf4'] / 'adapter'}"])
-    task = DesignerTask(cfg, torch.device("cpu"))
-    task.model.eval()
-    with torch.no_grad():
-        got = task.evaluate()["loss"]
-    evals = [json.loads(l) for l in (moe_runs["nf4"] / "metrics.jsonl").read_text().splitlines()]
-    assert got == [r for r in evals if r["kind"] == "eval"][-1]["loss"]
+    got, want = rebuilt_and_logged_eval_loss(moe_runs["nf4"])
+    assert got == want
 
 
 def _dequantised_base(q, model_dir: Path, out: Path) -> Path:
@@ -145,7 +128,7 @@ def test_merged_adapter_on_the_unquantised_base_is_the_trainers_model_up_to_the_
     from peft import PeftModel
 
     model_dir, adapter = moe_runs["model"], moe_runs["nf4"] / "adapter"
-    q = _qlora_moe(model_dir, adapter)
+    q = _qlora_model(model_dir, adapter)  # quantises the expert stacks too
     ids = torch.randint(0, q.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = q.logits(run_rows(q, ids))
@@ -338,11 +321,8 @@ def test_compiled_nf4_blocks_match_eager_on_the_gpu():
     torch._grouped_mm and the Triton dispatch / combine: the eager loss and adapter gradients within bf16
     (norm-relative 2e-2, test_qwen3_moe.py's bound for the bf16 base: a few bf16 roundings; a wrong graph is O(1));
     no bf16 expert stack left in the model."""
-    import copy
-
-    from atelier_studio.pipeline.policies import compile_blocks
     from tests.designer.test_model import randomise_adapters
-    from tests.designer.test_qwen3_moe import random_moe
+    from tests.designer.test_qwen3_moe import assert_compiled_blocks_give_the_eager_gradients, random_moe
 
     model = random_moe(9, dim=128, num_heads=4, head_dim=32, moe_ffn_dim=64)  # 16-byte rows for the grouped GEMMs
     apply_lora(model, LoraArgs(rank=8, alpha=16.0))
@@ -351,18 +331,7 @@ def test_compiled_nf4_blocks_match_eager_on_the_gpu():
     quantize_lora_bases(model, "cuda")
     model = model.cuda()
     assert all(e.quantized and e.gate_up_proj.quantized_data.is_cuda for e in _experts(model))
-    compiled = compile_blocks(copy.deepcopy(model))
-    ids = torch.randint(0, model.args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    pos = torch.arange(64).repeat(2, 1).cuda()
-    cu = torch.tensor([0, 64, 128], dtype=torch.int32).cuda()
-    grads = []
-    for m in (model, compiled):
-        m(ids, pos, cu, 64).float().pow(2).mean().backward()
-        grads.append({n: p.grad.float() for n, p in m.named_parameters() if p.requires_grad})
-    assert any("lora_adapters" in n for n in grads[0])
-    for n, want in grads[0].items():
-        err = ((grads[1][n] - want).norm() / want.norm()).item()
-        assert err <= 2e-2, (n, err)
+    assert_compiled_blocks_give_the_eager_gradients(model)
 
 
 @pytest.mark.gpu

@@ -503,16 +503,21 @@ def test_compiled_blocks_match_eager_on_the_gpu():
     """The bench's configuration at tiny size: bf16 base, LoRA on every expert, per-block torch.compile around the
     Triton dispatch / combine (custom ops) and torch._grouped_mm: the eager loss and adapter gradients, within bf16
     (norm-relative 2e-2: a few bf16 roundings, 2^-9 each; a wrong graph is O(1))."""
+    model = random_moe(9, dim=128, num_heads=4, head_dim=32, moe_ffn_dim=64)  # 16-byte rows for the grouped GEMMs
+    apply_lora(model, LoraArgs(rank=8, alpha=16.0))
+    randomise_adapters(model, 10)
+    assert_compiled_blocks_give_the_eager_gradients(model.cuda().to(torch.bfloat16))
+
+
+def assert_compiled_blocks_give_the_eager_gradients(model) -> None:
+    """A CUDA model and its per-block compiled copy on two packed rows: the adapter gradients within bf16
+    (norm-relative 2e-2: a few bf16 roundings, 2^-9 each; a wrong graph is O(1))."""
     import copy
 
     from atelier_studio.pipeline.policies import compile_blocks
 
-    model = random_moe(9, dim=128, num_heads=4, head_dim=32, moe_ffn_dim=64)  # 16-byte rows for the grouped GEMMs
-    apply_lora(model, LoraArgs(rank=8, alpha=16.0))
-    randomise_adapters(model, 10)
-    model = model.cuda().to(torch.bfloat16)
     compiled = compile_blocks(copy.deepcopy(model))
-    ids = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    ids = torch.randint(0, model.args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     pos = torch.arange(64).repeat(2, 1).cuda()
     cu = torch.tensor([0, 64, 128], dtype=torch.int32).cuda()
     grads = []
