@@ -103,8 +103,9 @@ TRAINER = textwrap.dedent("""
 
 # The flow-run process: Prefect's engine turns SIGTERM into TerminationSignal; SIGINT is KeyboardInterrupt. The
 # wrapper sets SIGINT's handler itself: a process inherits an ignored SIGINT from its parent (an ignored signal
-# survives exec), and Python then installs no KeyboardInterrupt handler; in a full `make test` run the pytest
-# process had come to ignore SIGINT, so the wrapper never heard it.
+# survives exec), and Python then installs no KeyboardInterrupt handler. A non-interactive shell ignores SIGINT in
+# every command it starts with `&` (POSIX, when job control is off), so `make test &` in a script runs pytest, and
+# every process it starts, with SIGINT ignored; without its own handler the wrapper would never hear it.
 WRAPPER = textwrap.dedent("""
     import signal, sys
     signal.signal(signal.SIGINT, signal.default_int_handler)
