@@ -92,11 +92,6 @@ class DesignerConfig:
         if self.lora.base_dtype == "nf4" and self.train.precision == "fp8":
             raise ConfigError('lora.base_dtype = "nf4" with train.precision = "fp8": a frozen base is stored in NF4 or '
                               'computed in FP8, not both; set one of them back ("bf16")')
-        if self.lora.base_dtype == "nf4" and self.train.distributed.expert_parallel > 1:
-            raise ConfigError(f'train.distributed.expert_parallel = {self.train.distributed.expert_parallel} with '
-                              f'lora.base_dtype = "nf4": expert parallelism over NF4 experts is not supported; set '
-                              f'train.distributed.expert_parallel = 1 (FSDP2 then shards the NF4 experts by expert), '
-                              f'or lora.base_dtype = "bf16"')
         if self.lora.base_dtype == "nf4" and self.train.distributed.param_dtype != "auto":
             raise ConfigError(f'train.distributed.param_dtype = "{self.train.distributed.param_dtype}" with '
                               f'lora.base_dtype = "nf4": a QLoRA run keeps every parameter in its own dtype under '

@@ -217,11 +217,14 @@ class Experts(nn.Module):
             return self.gate_up_proj.experts(), self.down_proj.experts(), lora
         return _local(self.gate_up_proj), _local(self.down_proj), lora
 
-    def shard(self, shard: Callable[[torch.Tensor], nn.Parameter]) -> None:
-        """Replace the stacked weights and their adapters by `shard(...)` of each (expert parallelism)."""
-        if self.quantized:  # refused earlier with the config keys (designer/config.py); a direct call lands here
-            raise ValueError("Experts.shard: expert parallelism over NF4 experts is not supported")
-        self.gate_up_proj, self.down_proj = shard(self.gate_up_proj), shard(self.down_proj)
+    def shard(self, shard: Callable[[torch.Tensor], nn.Parameter], experts: slice) -> None:
+        """Replace the stacked weights and their adapters by `shard(...)` of each (expert parallelism: this rank
+        keeps `experts`); NF4 stacks shard their bytes the same way (pipeline/nf4.py NF4ExpertStack.shard)."""
+        if self.quantized:
+            self.gate_up_proj.shard(shard, experts)
+            self.down_proj.shard(shard, experts)
+        else:
+            self.gate_up_proj, self.down_proj = shard(self.gate_up_proj), shard(self.down_proj)
         for adapter in (self._modules.get("lora_adapters") or {}).values():
             adapter.lora_A, adapter.lora_B = shard(adapter.lora_A), shard(adapter.lora_B)
 
@@ -250,7 +253,7 @@ class SparseMoeBlock(nn.Module):
     def use_exchange(self, exchange: Any, shard: Callable[[torch.Tensor], nn.Parameter]) -> None:
         """Expert parallelism (pipeline/expert_parallel.py): keep this rank's experts (`shard` of each stacked weight
         and adapter) and send the tokens of the others through `exchange` (kernels.moe.Exchange)."""
-        self.experts.shard(shard)
+        self.experts.shard(shard, exchange.experts)
         self.exchange = exchange
 
     def forward(self, x: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,7 +24,7 @@ load: one process reads the model onto the host and moves one base weight at a t
 under torchrun each rank quantises each whole weight the same way and keeps its rows (FSDP2 shards the 4-bit
 tensors). The LM head, embeddings and norms stay in model.dtype, and the adapters train as in a bf16-base run.
 A Qwen3-MoE's expert stacks are quantised the same way, one stack at a time (per expert: kernels/nf4_moe.py), and
-FSDP2 shards their bytes by whole experts; expert parallelism over NF4 experts is refused (designer/config.py).
+FSDP2 shards their bytes by whole experts; expert parallelism keeps each rank's experts' bytes (pipeline/nf4.py).
 """
 
 from __future__ import annotations

@@ -21,8 +21,13 @@ in kernels/nf4_moe.py's format: each expert flattened and quantised on its own, 
 quantized_data uint8 [E, O·I/2] and quantized_scalers int8 [E, O·I/64] Parameters (FSDP2 shards them by whole
 experts), quantization_factor [E, G] and scaler_mean [E] buffers (whole on every rank), nf4 [16]. The host module
 (designer/qwen3_moe.py's Experts) hands `experts()` to kernels/moe.py, which runs the grouped GEMMs over it.
+Under expert parallelism (pipeline/expert_parallel.py, `shard`) the two Parameters become DTensors sharded by
+expert, holding this rank's experts' bytes; the small buffers stay whole (as under FSDP2, so checkpoints and
+exports see one layout), and `experts()` slices this rank's rows of them.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -131,6 +136,7 @@ class NF4ExpertStack(nn.Module):
         if kernels not in IMPLS:
             raise ValueError(f"NF4ExpertStack: kernels must be one of {IMPLS}, got {kernels!r}")
         self.shape, self.kernels = tuple(shape), kernels
+        self.local_experts: slice | None = None  # this rank's experts under expert parallelism (shard), else all
         _register_nf4_tensors(self, shapes, dtype, device)
 
     @classmethod
@@ -153,10 +159,32 @@ class NF4ExpertStack(nn.Module):
         for name, t in zip(NF4_TENSORS, (w.data, w.scalers, w.factor, w.mean, w.code)):
             getattr(self, name).copy_(t)
 
+    def shard(self, shard: Callable[[torch.Tensor], nn.Parameter], experts: slice) -> None:
+        """Expert parallelism: keep the bytes of `experts` (this rank's, a slice of dim 0) as `shard(...)` of the
+        two Parameters (pipeline/expert_parallel.py's DTensors sharded by expert); the buffers stay whole."""
+        if self.local_experts is not None:
+            raise ValueError(f"NF4ExpertStack.shard: already sharded to experts {self.local_experts}")
+        held = len(range(*experts.indices(self.shape[0])))
+        if held == 0 or experts.step not in (None, 1):
+            raise ValueError(f"NF4ExpertStack.shard: experts must be a contiguous non-empty run of the "
+                             f"{self.shape[0]}, got {experts}")
+        self.quantized_data, self.quantized_scalers = shard(self.quantized_data), shard(self.quantized_scalers)
+        self.local_experts = experts
+
     def experts(self) -> NF4Experts:
-        """The stack as kernels/moe.py computes with it (this module's tensors, no copy)."""
-        return NF4Experts(self.quantized_data, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
-                          self.nf4, self.shape, self.kernels)
+        """The stack as kernels/moe.py computes with it (this module's tensors, no copy): every expert, or under
+        expert parallelism this rank's (the local shards of the bytes, its rows of the small buffers)."""
+        if self.local_experts is None:
+            return NF4Experts(self.quantized_data, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
+                              self.nf4, self.shape, self.kernels)
+        data, scalers = (t.to_local() if hasattr(t, "to_local") else t
+                         for t in (self.quantized_data, self.quantized_scalers))
+        rows = self.local_experts
+        if data.shape[0] != len(range(*rows.indices(self.shape[0]))):
+            raise ValueError(f"NF4ExpertStack.experts: the local bytes hold {data.shape[0]} experts, the shard "
+                             f"{rows} names {len(range(*rows.indices(self.shape[0])))}")
+        return NF4Experts(data, scalers, self.quantization_factor[rows], self.scaler_mean[rows], self.nf4,
+                          (data.shape[0], *self.shape[1:]), self.kernels)
 
     @property
     def numel(self) -> int:
@@ -165,4 +193,6 @@ class NF4ExpertStack(nn.Module):
         return e * o * i
 
     def extra_repr(self) -> str:
-        return f"shape={self.shape}, nf4 of {str(self.nf4.dtype).removeprefix('torch.')}, kernels={self.kernels}"
+        rows = self.local_experts
+        local = "" if rows is None else f", local experts {rows.start}:{rows.stop}"
+        return f"shape={self.shape}, nf4 of {str(self.nf4.dtype).removeprefix('torch.')}, kernels={self.kernels}{local}"

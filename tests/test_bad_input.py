@@ -329,11 +329,6 @@ CASES = [
          lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
                                      "train.distributed.param_dtype=bfloat16"),
          ('train.distributed.param_dtype = "bfloat16" with lora.base_dtype = "nf4"', '"auto"'), absent=("run",)),
-    Case("qlora-with-expert-parallelism",
-         lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.base_dtype=nf4",
-                                     "train.distributed.expert_parallel=2"),
-         ('train.distributed.expert_parallel = 2 with lora.base_dtype = "nf4"', "not supported",
-          "train.distributed.expert_parallel = 1"), absent=("run",)),
     # Qwen3.5-tiny's out_proj reads 96 features: not whole blocks of 64, so no target is left to quantise
     Case("qlora-nothing-to-quantise",
          lambda t, w: designer_train(t, w, f"model.path={qwen35_tiny(t, w)}", "lora.rank=4", "lora.targets=out",

@@ -284,28 +284,59 @@ def test_activation_checkpointing_recomputes_the_nf4_experts_exactly(moe_runs, m
     assert all(torch.equal(g_ac[n], g) for n, g in g_plain.items())
 
 
+def test_an_expert_parallel_shard_computes_with_its_experts_rows_of_every_nf4_tensor():
+    """NF4ExpertStack.shard (expert parallelism's placement, here with a plain slicing function in place of the
+    DTensor one): the local stack is the full stack's experts 4..7, bytes and per-expert scales alike, so its
+    dequantised weights are those rows of the full stack's; the small buffers stay whole (one checkpoint layout);
+    a second shard and a strided or empty run of experts are refused."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 64, 32)
+    full = NF4ExpertStack.from_weight(w, kernels="ref")
+    stack = NF4ExpertStack.from_weight(w, kernels="ref")
+    stack.shard(lambda t: torch.nn.Parameter(t.detach()[4:8], requires_grad=False), slice(4, 8))
+    local = stack.experts()
+    assert local.shape == (4, 64, 32) and stack.shape == (8, 64, 32)
+    assert torch.equal(local.dequantize(), full.experts().dequantize()[4:8])
+    assert torch.equal(local.factor, full.quantization_factor[4:8])
+    assert not torch.equal(local.factor, full.quantization_factor[:4])  # the rows differ: the slice is checked
+    assert stack.quantization_factor.shape[0] == stack.scaler_mean.shape[0] == 8  # whole on every rank
+    with pytest.raises(ValueError, match="already sharded"):
+        stack.shard(lambda t: t, slice(0, 4))
+    for bad in (slice(0, 8, 2), slice(3, 3)):
+        with pytest.raises(ValueError, match="contiguous non-empty"):
+            NF4ExpertStack.from_weight(w, kernels="ref").shard(lambda t: t, bad)
+
+
 @pytest.mark.multigpu
 @pytest.mark.slow
 def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs, world, tmp_path):
-    """FSDP2 over 2 gloo processes: each rank reads every whole expert stack, quantises it per expert as one process
-    does and keeps its 4 of the 8 experts' NF4 bytes (and its rows of the attention bases): the same losses and
-    adapter as one process on the same global batch (tests/designer/test_distributed.py's bounds; the aux loss off
-    there: a product of batch means, test_qwen3_moe.py says why)."""
+    """Two gloo processes, the same losses and adapter as one process on the same global batch
+    (tests/designer/test_distributed.py's bounds; the aux loss off there: a product of batch means, test_qwen3_moe.py
+    says why), with the NF4 experts sharded two ways:
+      FSDP2: each rank reads every whole expert stack, quantises it per expert as one process does and keeps its 4
+        of the 8 experts' NF4 bytes (and its rows of the attention bases), all-gathered per block;
+      expert parallelism: the same 4 experts' bytes stay on their rank (never all-gathered), the tokens travel to
+        them by all-to-all, each rank dequantises only its experts; with activation checkpointing, whose recompute
+        exchanges and dequantises again."""
     from tests.designer.test_distributed import LORA, QLORA, args, assert_same_losses, assert_same_safetensors, launch_two
 
     moe = ("--set", f"model.path={moe_runs['model']}", "--set", "model.router_aux_loss=off")
+    ep = ("--set", "train.distributed.expert_parallel=2", "--set", "train.distributed.activation_checkpointing=full")
     two = tmp_path / "two"
-    log = launch_two({"qlora": args(world, two / "qlora", *LORA, *QLORA, *moe, "--set", "train.micro_batch=1")},
+    log = launch_two({"qlora": args(world, two / "qlora", *LORA, *QLORA, *moe, "--set", "train.micro_batch=1"),
+                      "qlora_ep": args(world, two / "qlora_ep", *LORA, *QLORA, *moe, *ep,
+                                       "--set", "train.micro_batch=1")},
                      tmp_path)
     one = tmp_path / "one"
     assert main(args(world, one, *LORA, *QLORA, *moe, "--set", "train.micro_batch=2")) == 0
-    assert_same_losses(one, two / "qlora", range(1, 5))
-    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
-                            two / "qlora" / "adapter" / "adapter_model.safetensors")
+    for run in ("qlora", "qlora_ep"):
+        assert_same_losses(one, two / run, range(1, 5))
+        assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
+                                two / run / "adapter" / "adapter_model.safetensors")
     # the 88,704 NF4 bytes: 50,688 of expert stacks (8 experts × (2·32·64 + 64·32) weights at 0.516 bytes, two
-    # layers) and 38,016 of attention bases; each rank holds half (the main rank reports it)
+    # layers) and 38,016 of attention bases; each rank holds half under both plans (the main rank reports it)
     held = [line for line in log.splitlines() if "of the" in line and "NF4" in line]
-    assert held and all("of the 88,704 bytes" in line for line in held), log[-3000:]
+    assert len(held) >= 2 and all("of the 88,704 bytes" in line for line in held), log[-3000:]
     for line in held:
         words = line.split()
         mine, total = (int(words[words.index(w) + 1].replace(",", "")) for w in ("holds", "the"))
