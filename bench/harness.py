@@ -209,19 +209,44 @@ def parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
-def kernel_bench_args(p: argparse.ArgumentParser, argv: list[str] | None,
-                      tiny_help: str) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
-    """A kernel benchmark's command line: `p` with --repeats, --out and --tiny added, parsed and checked, and where it
-    runs: CUDA in bf16, or with --tiny the CPU in fp32 (Triton's interpreter computes bf16 wrongly)."""
+def kernel_bench_parser(prog: str, description: str, tiny_help: str) -> argparse.ArgumentParser:
+    """A kernel benchmark's command line: --repeats, --out and --tiny; the bench adds its own options."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tiny", action="store_true", help=tiny_help)
+    return p
+
+
+def kernel_bench_args(p: argparse.ArgumentParser,
+                      argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """`p` (a kernel_bench_parser) parsed and checked, and where the bench runs: CUDA in bf16, or with --tiny the
+    CPU in fp32 (Triton's interpreter computes bf16 wrongly)."""
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
     if not a.tiny and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --tiny for the CPU)")
     return a, torch.device("cpu" if a.tiny else "cuda"), torch.float32 if a.tiny else torch.bfloat16
+
+
+def run_layer_bench(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, layer: dict[str, int],
+                    measure: Callable[..., dict[str, Any]], stem: str, markdown: Callable[[dict[str, Any]], str],
+                    describe: Callable[[dict[str, Any]], Iterable[str]]) -> int:
+    """One MoE layer's kernel bench (bench/nf4_moe.py, bench/moe_dispatch.py): the report (environment, the card's
+    clocks before and after, the layer, the micro-batches: --micro-batches or 1, 2, 4), measure(layer, micro-batches,
+    repeats, device, dtype) as its result, describe(result)'s lines printed, the files written."""
+    from atelier_studio.bench.env import clocks, environment
+
+    mbs = a.micro_batches or [1, 2, 4]
+    report: dict[str, Any] = {**environment(), "clocks": {"before": clocks()}, "layer": layer, "micro_batches": mbs,
+                              "repeats": a.repeats, "dtype": str(dtype)}
+    report["result"] = measure(layer, mbs, a.repeats, device, dtype)
+    report["clocks"]["after"] = clocks()
+    for line in describe(report["result"]):
+        print(line, flush=True)
+    print(f"wrote {write_report(report, Path(a.out), stem, markdown(report), lambda _: None)}")
+    return 0
 
 
 def bar_chart(items: Iterable[tuple[str, float | None]], xlabel: str, title: str, path: Path,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier_studio.bench.env import clocks, environment
-from atelier_studio.bench.harness import kernel_bench_args, parse_ints, write_report
+from atelier_studio.bench.harness import kernel_bench_args, kernel_bench_parser, parse_ints, write_report
 from atelier_studio.kernels.nf4 import dequantize_nf4, quantize_nf4
 from atelier_studio.kernels.nf4_linear import DENSE_MIN_M, nf4_matmul, nf4_matmul_t
 
@@ -105,10 +105,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.nf4_linear", description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
+    p = kernel_bench_parser("python3 -m bench.nf4_linear", __doc__.split("\n")[0], "small shapes on the CPU (tests)")
     p.add_argument("--rows", type=parse_ints, default=None, help="row counts M (default 16 … 8192)")
-    a, device, dtype = kernel_bench_args(p, argv, "small shapes on the CPU (tests)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, device, dtype = kernel_bench_args(parser(), argv)
     shapes = TINY_SHAPES if a.tiny else SHAPES
     rows = a.rows or ([3, 40] if a.tiny else [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     report: dict[str, Any] = {**environment(), "clocks": {"before": clocks()}, "dense_min_m": DENSE_MIN_M,

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from atelier_studio.bench.env import clocks, environment
-from atelier_studio.bench.harness import kernel_bench_args, parse_ints, write_report
+from atelier_studio.bench.harness import kernel_bench_args, kernel_bench_parser, parse_ints, run_layer_bench
 from atelier_studio.bench.nf4_linear import time_ms
 from atelier_studio.kernels.moe import ExpertLoRA, experts_ffn
 from atelier_studio.kernels.nf4_moe import quantize_experts
@@ -100,22 +98,19 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.nf4_moe", description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (bench/session.py's plan is checked against it)."""
+    p = kernel_bench_parser("python3 -m bench.nf4_moe", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
     p.add_argument("--micro-batches", type=parse_ints, default=None, help="rows of 2048 tokens (default 1,2,4)")
-    a, device, dtype = kernel_bench_args(p, argv, "a small layer on the CPU (tests)")
-    layer = TINY_LAYER if a.tiny else LAYER
-    mbs = a.micro_batches or [1, 2, 4]
-    report: dict[str, Any] = {**environment(), "clocks": {"before": clocks()}, "layer": layer, "micro_batches": mbs,
-                              "repeats": a.repeats, "dtype": str(dtype)}
-    report["result"] = bench_layer(layer, mbs, a.repeats, device, dtype)
-    report["clocks"]["after"] = clocks()
-    for mb, r in report["result"]["by_micro_batch"].items():
-        print(f"micro-batch {mb}: bf16 {r['bf16']['ms']:.2f} ms, nf4 {r['nf4']['ms']:.2f} ms "
-              f"({r['nf4_over_bf16']:.2f}×), dequantise {r['dequantise_ms']:.2f} ms", flush=True)
-    path = write_report(report, Path(a.out), "nf4-moe", markdown(report), lambda _: None)
-    print(f"wrote {path}")
-    return 0
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, device, dtype = kernel_bench_args(parser(), argv)
+    return run_layer_bench(a, device, dtype, TINY_LAYER if a.tiny else LAYER, bench_layer, "nf4-moe", markdown,
+                           lambda res: [f"micro-batch {mb}: bf16 {r['bf16']['ms']:.2f} ms, nf4 {r['nf4']['ms']:.2f} ms "
+                                        f"({r['nf4_over_bf16']:.2f}×), dequantise {r['dequantise_ms']:.2f} ms"
+                                        for mb, r in res["by_micro_batch"].items()])
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
   f  kernels             joint attention at head dim 64 (cuDNN and flash SDPA vs FlashAttention-4); fla's delta
                          rule with the tilelang backend vs its Triton kernels under the lifted Hopper guard
   g  imagegen-512        SD3-medium at 512 px, batch 32: bf16 and FP8 against diffusers
+  h  moe-30b             Qwen3-30B-A3B LoRA r16 with bf16 adapters, micro-batch 2: eager and compiled per block, with
+                         the profile; then the MoE block's token moves alone (bench/moe_dispatch.py)
+  i  qlora-moe           one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py), then Qwen3-30B-A3B
+                         QLoRA (attention bases and experts in NF4) at micro-batches 1 and 2 beside its bf16 base
+Parts h and i run only when --parts names them.
 
 Time: each step gets min(time left − a 10 s reserve, 1.5 × its estimate); a step whose minimum no longer fits is
 skipped (the summary says so, with its command, for a later session). A bench is told to start no run after its
@@ -127,6 +132,17 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Part("g", "imagegen-512", (Step("imagegen", _imagegen(
                 "--config", "sd3-medium-512", *run, "--batches", "1", "--peers", "", "--no-loader", "--kernels",
                 "ref"), 60, 5, 20),)),
+            Part("h", "moe-30b", (Step("designer", _designer(
+                "--config", "qwen3-30b-a3b-lora", *run, "--micro-batches", "1", "--lora-dtype", "bfloat16",
+                "--peers", ""), 60, 5, 20),
+                                  Step("moe-dispatch", ("-m", "atelier_studio.bench.moe_dispatch", "--tiny",
+                                                        "--repeats", "1", "--micro-batches", "1"), 30, 5, 10,
+                                       takes_budget=False))),
+            Part("i", "qlora-moe", (Step("nf4-moe", ("-m", "atelier_studio.bench.nf4_moe", "--tiny", "--repeats", "1",
+                                                     "--micro-batches", "1"), 30, 5, 10, takes_budget=False),
+                                    Step("designer", _designer(
+                                        "--config", "qwen3-30b-a3b-qlora", *run, "--micro-batches", "1",
+                                        "--lora-dtype", "bfloat16", "--peers", ""), 60, 5, 20))),
         ]
     run = ("--steps", "6", "--warmup", "3")
     return [
@@ -157,6 +173,17 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             "--config", "sd3-medium-512", "--batches", "32", "--compile", "both", "--fp8", "rowwise,tensorwise",
             "--fp8-compile", "off", "--peers", "diffusers", "--peer-batches", "32", "--no-loader", *run),
             110, 50, 50, ("diffusers",)),)),
+        Part("h", "moe-30b", (
+            Step("designer", _designer(
+                "--config", "qwen3-30b-a3b-lora", "--compile", "both", "--micro-batches", "2", "--lora-dtype",
+                "bfloat16", "--peers", "", "--steps", "4", "--warmup", "3", "--profile", *tok), 220, 120, 100),
+            Step("moe-dispatch", ("-m", "atelier_studio.bench.moe_dispatch", "--repeats", "50"), 40, 20, 15,
+                 takes_budget=False))),
+        Part("i", "qlora-moe", (
+            Step("nf4-moe", ("-m", "atelier_studio.bench.nf4_moe", "--repeats", "20"), 40, 20, 15, takes_budget=False),
+            Step("designer", _designer(
+                "--config", "qwen3-30b-a3b-qlora", "--compile", "off", "--micro-batches", "1,2", "--lora-dtype",
+                "bfloat16", "--peers", "", "--steps", "6", "--warmup", "3", *tok), 300, 150, 120))),
     ]
 
 
@@ -435,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python3 bench/session.py", description=__doc__.split("\n")[0])
     p.add_argument("--budget-s", type=float, required=True, help="seconds for the whole session (set-up included)")
-    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..g)")
+    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..i)")
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="folder of *.whl and packed *.tar.xz")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where the results go (default: $OUT)")

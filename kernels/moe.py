@@ -52,25 +52,54 @@ import triton.language as tl
 from atelier_studio.kernels.swiglu import swiglu
 
 IMPLS = ("auto", "triton", "ref")
-BLOCK_D = 512  # columns per tile: k rows × 512 fp32 accumulators, 16 per thread at 8 warps for k = 8
+BLOCK_D = 512  # the scatter's columns per step: k rows × 512 fp32 accumulators, 16 per thread at 8 warps for k = 8
+
+
+# (BLOCK, CHUNKS, warps) of the gather's candidates (_gather_configs)
+GATHER_SHAPES = ((512, 1, 8), (512, 4, 8), (1024, 1, 8), (1024, 2, 8), (2048, 1, 8), (256, 1, 4), (256, 8, 4),
+                 (128, 1, 4), (64, 1, 2))
+
+
+def _gather_configs() -> list[triton.Config]:
+    """The gather's launch candidates: BLOCK columns per step, CHUNKS steps per program (unrolled, so a program has
+    CHUNKS·k row loads in flight), warps. One under the interpreter. On CUDA the first is one [512]-column step per
+    program (what the GPU fast tier pins); the others give a program a wider span, up to a whole row of D = 2048
+    (one program per token, as the scatter runs), or fewer warps. Tuned because one span does not suit every
+    shape: in the 30B-A3B LoRA step's H200 profile a gather of 512-column programs took ~296 µs a call, the
+    scatter, which moves the same bytes a row per program, ~62 µs (bench/moe_dispatch.py times each candidate)."""
+    shapes = GATHER_SHAPES if torch.cuda.is_available() else GATHER_SHAPES[:1]
+    return [triton.Config({"BLOCK": b, "CHUNKS": c}, num_warps=w) for b, c, w in shapes]
+
+
+def _prune_gather(configs, named_args, **kwargs):
+    """Keep the spans that fit a row of D (a wider one only masks); the narrowest if none does."""
+    width = triton.next_power_of_2(named_args["D"])
+    keep = [c for c in configs if c.kwargs["BLOCK"] * c.kwargs["CHUNKS"] <= width]
+    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK"] * c.kwargs["CHUNKS"])]
 
 
 # --- Triton kernels -------------------------------------------------------------------------------
+@triton.autotune(configs=_gather_configs(), key=["D", "K", "HAS_W"],
+                 prune_configs_by={"early_config_prune": _prune_gather})
 @triton.jit
-def _gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, K_P2: tl.constexpr,
-                       HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-    """out[n, cols] = Σ_j w[n, j] · src[pos[n, j], cols] (w = 1 without HAS_W): the combine, and dispatch's dx."""
+def _gather_sum_kernel(src_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """out[n, cols] = Σ_j w[n, j] · src[pos[n, j], cols] (w = 1 without HAS_W): the combine, and dispatch's dx.
+    Program (n, c) owns columns [c·BLOCK·CHUNKS, (c+1)·BLOCK·CHUNKS) of token n. Each column is summed in fp32 over
+    j = 0 … k−1 in that order, whatever the configuration: the autotuner's choice (a timing) never changes a bit."""
     n = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    js = tl.arange(0, K_P2)
-    jmask = js < K
-    p = tl.load(pos_ptr + n * K + js, mask=jmask, other=0).to(tl.int64)  # [K_P2]
-    tile = tl.load(src_ptr + p[:, None] * D + cols[None, :], mask=jmask[:, None] & (cols < D)[None, :],
-                   other=0.0).to(tl.float32)  # [K_P2, BLOCK]
-    if HAS_W:
-        w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0).to(tl.float32)
-        tile = tile * w[:, None]
-    tl.store(out_ptr + n * D + cols, tl.sum(tile, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D)
+    start = tl.program_id(1) * (BLOCK * CHUNKS)
+    for c in tl.static_range(CHUNKS):
+        cols = start + c * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < D
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):  # unrolled: the k row loads are independent, all in flight at once
+            row = tl.load(pos_ptr + n * K + j).to(tl.int64)
+            x = tl.load(src_ptr + row * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_W:
+                x = x * tl.load(w_ptr + n * K + j).to(tl.float32)
+            acc += x
+        tl.store(out_ptr + n * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -114,9 +143,8 @@ def moe_gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> tor
     d = src.shape[1]
     out = src.new_empty(n, d)
     if n and d:
-        block = _block(d)
-        _gather_sum_kernel[(n, triton.cdiv(d, block))](src, pos, w, out, d, K=k, K_P2=triton.next_power_of_2(k),
-                                                       HAS_W=w.numel() > 0, BLOCK=block, num_warps=8)
+        grid = lambda meta: (n, triton.cdiv(d, meta["BLOCK"] * meta["CHUNKS"]))  # noqa: E731
+        _gather_sum_kernel[grid](src, pos, w, out, d, K=k, HAS_W=w.numel() > 0)
     return out
 
 

@@ -13,7 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atelier_studio.kernels.moe import ExpertLoRA, _groupable, dispatch_plan, grouped_mm, moe, moe_ref
+from atelier_studio.kernels.moe import (
+    GATHER_SHAPES,
+    ExpertLoRA,
+    _gather_sum_kernel,
+    _groupable,
+    dispatch_plan,
+    grouped_mm,
+    moe,
+    moe_gather_sum,
+    moe_ref,
+)
 from tests.kernels._compare import assert_error_within, assert_within_rounding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,6 +73,45 @@ def test_triton_path_matches_the_reference_output_and_every_gradient(shape, norm
     assert_within_rounding(got, want, "out", torch.float32, d + f + k)
     for name in t:
         assert_within_rounding(g_got[name], g_want[name], f"d{name}", torch.float32, d + f + n * k)
+
+
+def _check_gather_sum(device: str, dtype: torch.dtype, n: int, d: int, k: int, weighted: bool) -> None:
+    """moe_gather_sum against a float64 sum of the k (weighted) rows, within recursive summation's bound in fp32
+    plus one rounding to `dtype`; then every candidate configuration of its autotuner, run directly, bit for bit
+    equal to the launcher's choice."""
+    import triton
+
+    g = torch.Generator().manual_seed(11)
+    src = torch.randn(n * k, d, generator=g).to(device, dtype)
+    pos = torch.randperm(n * k, generator=g).view(n, k).to(device)
+    w = torch.rand(n, k, generator=g).to(device, dtype) if weighted else src.new_empty(0)
+    terms = src.double()[pos] * (w.double()[..., None] if weighted else 1.0)  # [n, k, d]
+    exact = terms.sum(1)
+    got = moe_gather_sum(src, pos, w)
+    bound = k * torch.finfo(torch.float32).eps * terms.abs().sum(1) + torch.finfo(dtype).eps * exact.abs()
+    assert ((got.double() - exact).abs() <= bound).all()
+    for block, chunks, warps in GATHER_SHAPES:
+        out = torch.full_like(got, float("nan"))
+        grid = (n, triton.cdiv(d, block * chunks))
+        _gather_sum_kernel.fn[grid](src, pos, w, out, d, K=k, HAS_W=weighted, BLOCK=block, CHUNKS=chunks,
+                                    num_warps=warps)
+        assert torch.equal(out, got), (block, chunks, warps)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_sum_is_the_same_under_every_launch_configuration(weighted):
+    """The combine's (weighted) and the dispatch dx's gather-sum: each column is summed over j in one order whatever
+    the span a program owns, so the autotuner's choice (a timing) changes no bit. D = 200 is no power of two and
+    k = 3 none either (masked columns, an odd number of rows); a wrong row, weight or span is O(1)."""
+    _check_gather_sum(DEV, torch.float32, 5, 200, 3, weighted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_sum_is_the_same_under_every_launch_configuration_on_the_gpu(weighted):
+    """The same at 30B-A3B's width in bf16 on the GPU, where the configurations compile to different programs."""
+    _check_gather_sum("cuda", torch.bfloat16, 256, 2048, 8, weighted)
 
 
 def test_dispatch_plan_sorts_slots_by_expert_stably():
