@@ -29,7 +29,7 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
   h  moe-30b             Qwen3-30B-A3B LoRA r16 with bf16 adapters, micro-batch 2: eager and compiled per block, with
                          the profile; then the MoE block's token moves alone (bench/moe_dispatch.py)
   i  qlora               Qwen3-8B QLoRA eager and compiled per block at micro-batches 1 and 2 beside its bf16 base
-                         (the ≥ 0.8× target); one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py);
+                         (the ≥ 0.8× target), with the profile of its best run; one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py);
                          Qwen3-30B-A3B QLoRA (attention bases and experts in NF4) at micro-batches 1 and 2
 Parts h and i run only when --parts names them.
 
@@ -183,8 +183,8 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
                  takes_budget=False))),
         Part("i", "qlora", (
             Step("designer-8b", _designer(
-                "--config", "qwen3-8b-qlora", "--compile", "both", "--micro-batches", "1,2", "--peers", "", *run,
-                *tok), 300, 150, 120),
+                "--config", "qwen3-8b-qlora", "--compile", "both", "--micro-batches", "1,2", "--peers", "", "--profile",
+                *run, *tok), 300, 150, 120),
             Step("nf4-moe", ("-m", "atelier_studio.bench.nf4_moe", "--repeats", "20"), 40, 20, 15, takes_budget=False),
             Step("designer", _designer(
                 "--config", "qwen3-30b-a3b-qlora", "--compile", "off", "--micro-batches", "1,2", "--lora-dtype",
