@@ -107,6 +107,7 @@ def test_gather_sum_is_the_same_under_every_launch_configuration(weighted):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # compiles all nine candidates twice: the slow tier checks every configuration (tests/_gpu_tiers.py)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("weighted", [True, False])
 def test_gather_sum_is_the_same_under_every_launch_configuration_on_the_gpu(weighted):
