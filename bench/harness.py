@@ -227,6 +227,10 @@ def kernel_bench_args(p: argparse.ArgumentParser,
         p.error(f"--repeats must be at least 1, got {a.repeats}")
     if not a.tiny and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --tiny for the CPU)")
+    if a.tiny and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads it when a kernel is first defined, at import: too late to set it here
+        p.error("--tiny on a CPU runs the Triton kernels through Triton's interpreter: start Python with "
+                "TRITON_INTERPRET=1 set (TRITON_INTERPRET=1 python3 -m ...)")
     return a, torch.device("cpu" if a.tiny else "cuda"), torch.float32 if a.tiny else torch.bfloat16
 
 

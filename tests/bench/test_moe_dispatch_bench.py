@@ -3,6 +3,7 @@ with it (fp32: the same sums), and the report names the gather's chosen configur
 import json
 
 import pytest
+import torch
 
 from atelier_studio.bench.moe_dispatch import MOVES, TINY_LAYER, main
 
@@ -25,6 +26,11 @@ def test_tiny_report_has_every_move_and_micro_batch(tmp_path):
     assert "| micro-batch | move | Triton ms |" in md and "combine_bwd" in md
 
 
-def test_bad_arguments_are_named():
+def test_bad_arguments_are_named(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--tiny", "--repeats", "0"])
+    if not torch.cuda.is_available():  # a CPU without the interpreter: the fix is named, not Triton's driver error
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(SystemExit):
+            main(["--tiny"])
+        assert "TRITON_INTERPRET=1" in capsys.readouterr().err
