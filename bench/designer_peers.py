@@ -2,7 +2,7 @@
 
 A peer's name is a base, then optional modifiers:
 
-    <base>[-compiled][-1doc]      base: hf | hf-amp | hf-liger | hf-liger-bf16lora | hf-nofla | hf-bnb
+    <base>[-gc][-compiled][-1doc]   base: hf | hf-amp | hf-liger | hf-liger-bf16lora | hf-nofla | hf-bnb
 
   hf                 transformers as installed (SDPA); PEFT LoRA with fp32 adapters (PEFT's default)
   hf-amp             the same under bf16 autocast (transformers' Trainer with bf16=True)
@@ -14,6 +14,9 @@ A peer's name is a base, then optional modifiers:
                      then PEFT's prepare_model_for_kbit_training (the other weights in fp32, gradient checkpointing
                      when the bench config checkpoints), fp32 adapters under bf16 autocast. CUDA and LoRA only:
                      anywhere else it is skipped with the reason
+  -gc                gradient checkpointing of every decoder layer (transformers' gradient_checkpointing_enable,
+                     non-reentrant): what a user turns on when the peer does not fit, e.g. PEFT on Qwen3-30B-A3B's
+                     stacked experts, whose W + ΔW per layer is otherwise kept for the backward
   -compiled          torch.compile per decoder layer (pipeline/policies.compile_block_list; dynamic shapes on
                      one-document rows, whose padded length changes from micro-batch to micro-batch)
   -1doc              rows of ONE document each instead of Atelier's packed rows (below)
@@ -60,6 +63,7 @@ class PeerSpec:
     base: str
     compiled: bool
     one_doc: bool
+    checkpointing: bool = False  # -gc
 
     @property
     def liger(self) -> bool:
@@ -91,10 +95,12 @@ def parse_peer(name: str) -> PeerSpec:
     rest = rest.removesuffix("-1doc")
     compiled = rest.endswith("-compiled")
     rest = rest.removesuffix("-compiled")
+    checkpointing = rest.endswith("-gc")
+    rest = rest.removesuffix("-gc")
     if rest not in PEER_BASES:
-        raise ValueError(f"unknown peer {name!r}: a base of {list(PEER_BASES)}, then optionally -compiled, "
-                         "then optionally -1doc")
-    return PeerSpec(name, rest, compiled, one_doc)
+        raise ValueError(f"unknown peer {name!r}: a base of {list(PEER_BASES)}, then optionally -gc, then optionally "
+                         "-compiled, then optionally -1doc")
+    return PeerSpec(name, rest, compiled, one_doc, checkpointing)
 
 
 # ------------------------------------------------------------------------------------------------ rows
@@ -256,9 +262,15 @@ def build_peer(spec: PeerSpec, lora: bool, args: Args, weights: dict[str, torch.
     # non-persistent buffers (RoPE inv_freq) are not in the state dict: rebuild them on the device
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
     if spec.four_bit:
-        model = _bitsandbytes_4bit(model, device, checkpointing)
+        model = _bitsandbytes_4bit(model, device, checkpointing or spec.checkpointing)
     else:
         model.to(device)  # weights kept on the host (the QLoRA config) come over now; a no-op when they are there
+        if spec.checkpointing:  # the newer name where transformers has it (the older one warns there)
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -343,5 +355,6 @@ def peer_kernels(model: nn.Module) -> str:
 def peer_notes(spec: PeerSpec) -> dict[str, Any]:
     """The report's description of a peer's configuration."""
     return {"rows": spec.rows, "compiled": spec.compiled, "liger": spec.liger,
+            "gradient_checkpointing": spec.checkpointing,
             "lora_weights": "bfloat16" if spec.base.endswith("bf16lora") else "float32",
             "autocast": spec.autocast, "base_weights": "nf4 (bitsandbytes)" if spec.four_bit else "model dtype"}

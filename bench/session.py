@@ -27,7 +27,9 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
                          rule with the tilelang backend vs its Triton kernels under the lifted Hopper guard
   g  imagegen-512        SD3-medium at 512 px, batch 32: bf16 and FP8 against diffusers
   h  moe-30b             Qwen3-30B-A3B LoRA r16 with bf16 adapters, micro-batch 2: eager and compiled per block, with
-                         the profile; then the MoE block's token moves alone (bench/moe_dispatch.py)
+                         the profile; against transformers + PEFT under activation checkpointing (-gc: without it PEFT
+                         does not fit), autocast and Liger with bf16 adapters; then the MoE block's token moves alone
+                         (bench/moe_dispatch.py)
   i  qlora               Qwen3-8B QLoRA eager and compiled per block at micro-batches 1 and 2 beside its bf16 base
                          (the ≥ 0.8× target), with the profile of its best run; one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py);
                          Qwen3-30B-A3B QLoRA (attention bases and experts in NF4) at micro-batches 1 and 2
@@ -136,6 +138,8 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Part("h", "moe-30b", (
                 Step("designer", _designer("--config", "qwen3-30b-a3b-lora", *run, "--micro-batches", "1",
                                            "--lora-dtype", "bfloat16", "--peers", ""), 60, 5, 20),
+                Step("designer-peers", _designer("--config", "qwen3-30b-a3b-lora", *run, "--micro-batches", "1",
+                                                 "--lora-dtype", "bfloat16", "--peers", "hf-amp-gc@1"), 60, 5, 20),
                 Step("moe-dispatch", ("-m", "atelier_studio.bench.moe_dispatch", "--tiny", "--repeats", "1",
                                       "--micro-batches", "1"), 30, 5, 10, takes_budget=False))),
             Part("i", "qlora", (
@@ -179,6 +183,10 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Step("designer", _designer(
                 "--config", "qwen3-30b-a3b-lora", "--compile", "both", "--micro-batches", "2", "--lora-dtype",
                 "bfloat16", "--peers", "", "--steps", "4", "--warmup", "3", "--profile", *tok), 220, 120, 100),
+            Step("designer-peers", _designer(
+                "--config", "qwen3-30b-a3b-lora", "--compile", "off", "--micro-batches", "2", "--lora-dtype",
+                "bfloat16", "--peers", "hf-amp-gc@1+2,hf-liger-bf16lora-gc@1+2", "--steps", "3", "--warmup", "3",
+                *tok), 240, 120, 100, ("peft", "liger_kernel")),
             Step("moe-dispatch", ("-m", "atelier_studio.bench.moe_dispatch", "--repeats", "50"), 40, 20, 15,
                  takes_budget=False))),
         Part("i", "qlora", (

@@ -30,7 +30,7 @@ from atelier_studio.bench.designer import (
     to_device,
 )
 from atelier_studio.bench.designer_peers import (PAD_MULTIPLE, PeerUnavailable, one_document_batches, parse_peer,
-                                                 row_documents)
+                                                 peer_context, row_documents)
 from tests.bench._budget import SpentAfter
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
@@ -109,14 +109,19 @@ def test_tiny_parity_one_doc_rows_and_full_finetuning(name, tmp_path):
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora", "qwen3-30b-a3b-lora-1doc"])
 def test_tiny_moe_parity_active_flops_and_expert_spread(name, tmp_path):
     """The MoE configs at tiny size: loss parity with transformers + PEFT (adapters on attention and every expert,
-    handed to PEFT in its per-expert layout), FLOPs from the active parameters, the tokens-per-expert spread."""
+    handed to PEFT in its per-expert layout), and with the same peer under gradient checkpointing (-gc: what fits
+    on the GPU), FLOPs from the active parameters, the tokens-per-expert spread."""
     from atelier_studio.bench.designer import step_flops
     from atelier_studio.designer.hf import args_from_size
 
     cfg = dataclasses.replace(tiny_config(CONFIGS[name]), micro_batches=(2,))
-    r = bench(name, cfg, tmp_path, ["hf"], [2], steps=3, warmup=1, ablation=False, tokenizer=None, device=CPU,
+    peers = ["hf", "hf-gc"]
+    r = bench(name, cfg, tmp_path, peers, [2], steps=3, warmup=1, ablation=False, tokenizer=None, device=CPU,
               exact=True)
     assert r["loss_mean_abs_diff"] < 1e-4  # fp32 both sides (1e-5 measured), as the dense configs
+    losses = {p: r["peer_runs"][p]["2"]["losses"] for p in peers}
+    assert losses["hf"] == losses["hf-gc"]  # the recompute is the same arithmetic on the CPU: equal losses
+    assert r["peer_config"]["hf-gc"]["gradient_checkpointing"] and not r["peer_config"]["hf"]["gradient_checkpointing"]
     e = r["expert_tokens"]
     assert (e["layers"], e["experts"]) == (2, 8) and e["max_over_mean_worst_layer"] >= e["max_over_mean_median_layer"] >= 1
     first = make_batches(cfg, 2, 4, None, 2)[0]  # bench()'s batches at micro-batch 2 (seed + 2, warmup + steps)
@@ -154,6 +159,32 @@ def test_padded_cu_seqlens_and_peer_are_exact_and_leaking_is_caught():
     # the same rows with plain positions (what a peer without packing support does) attend across documents
     leaky = dataclasses.replace(batch, position_ids=torch.arange(cfg.seq_len).expand_as(batch.position_ids).clone())
     assert (peer.loss(to_device(leaky, CPU)) - want).abs() > 1e-3
+
+
+def test_a_gc_peer_recomputes_every_decoder_layer_in_its_backward():
+    """-gc turns on transformers' activation checkpointing: one training step enters a decoder layer's MLP twice (the
+    forward, then the recompute in the backward; counted on a module inside the layer, since transformers
+    checkpoints the layer's own forward past its hooks) where the plain peer enters it once, with the same loss and
+    adapter gradients."""
+    cfg, args, sd, lsd, batch = _setup()
+    calls, grads, losses = {}, {}, {}
+    for name in ("hf", "hf-gc"):
+        with peer_context(parse_peer(name), args):
+            peer = build_peer(name, cfg, args, sd, lsd, exact=True)
+            layers = [m for n, m in peer.model.named_modules() if n.endswith("layers.0.mlp")]
+            calls[name] = 0
+
+            def count(*_, name=name):
+                calls[name] += 1
+
+            layers[0].register_forward_pre_hook(count)  # a pre-hook: the recompute stops once it has what it needs
+            loss = peer.loss(to_device(batch, CPU))
+            loss.backward()
+            losses[name] = loss.detach()
+            grads[name] = [p.grad.clone() for p in peer.params]
+    assert (calls["hf"], calls["hf-gc"]) == (1, 2)
+    assert torch.equal(losses["hf"], losses["hf-gc"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["hf"], grads["hf-gc"]))  # the same arithmetic, recomputed
 
 
 def test_bad_arguments_say_what(capsys):
@@ -322,7 +353,10 @@ def test_peer_names_parse_and_bad_ones_are_named(capsys):
     spec = parse_peer("hf-liger-bf16lora-compiled-1doc")
     assert (spec.base, spec.compiled, spec.one_doc, spec.liger) == ("hf-liger-bf16lora", True, True, True)
     assert (parse_peer("hf-1doc").compiled, parse_peer("hf-compiled").one_doc) == (False, False)
-    for bad in ("hf-1doc-compiled", "unsloth-1doc", "hf-"):
+    spec = parse_peer("hf-amp-gc-compiled-1doc")
+    assert (spec.base, spec.checkpointing, spec.compiled, spec.one_doc) == ("hf-amp", True, True, True)
+    assert not parse_peer("hf-amp-compiled").checkpointing
+    for bad in ("hf-1doc-compiled", "unsloth-1doc", "hf-", "hf-compiled-gc"):
         with pytest.raises(ValueError, match="then optionally -compiled"):
             parse_peer(bad)
     with pytest.raises(SystemExit):
