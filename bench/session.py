@@ -33,7 +33,10 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
   i  qlora               Qwen3-8B QLoRA eager and compiled per block at micro-batches 1 and 2 beside its bf16 base
                          (the ≥ 0.8× target), with the profile of its best run; one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py);
                          Qwen3-30B-A3B QLoRA (attention bases and experts in NF4) at micro-batches 1 and 2
-Parts h and i run only when --parts names them.
+  j  moe-30b-parity      Qwen3-30B-A3B LoRA on one-document rows (fp32 adapters under autocast) against transformers
+                         + PEFT the same way under activation checkpointing, on the same rows: the loss difference
+                         (target ≤ 3e-3)
+Parts h, i and j run only when --parts names them.
 
 Time: each step gets min(time left − a 10 s reserve, 1.5 × its estimate); a step whose minimum no longer fits is
 skipped (the summary says so, with its command, for a later session). A bench is told to start no run after its
@@ -149,6 +152,9 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
                                  "1"), 30, 5, 10, takes_budget=False),
                 Step("designer", _designer("--config", "qwen3-30b-a3b-qlora", *run, "--micro-batches", "1",
                                            "--lora-dtype", "bfloat16", "--peers", ""), 60, 5, 20))),
+            Part("j", "moe-30b-parity", (
+                Step("designer", _designer("--config", "qwen3-30b-a3b-lora-1doc", *run, "--micro-batches", "1",
+                                           "--lora-dtype", "mixed", "--peers", "hf-amp-gc@1"), 60, 5, 20),)),
         ]
     run = ("--steps", "6", "--warmup", "3")
     return [
@@ -197,6 +203,10 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Step("designer", _designer(
                 "--config", "qwen3-30b-a3b-qlora", "--compile", "off", "--micro-batches", "1,2", "--lora-dtype",
                 "bfloat16", "--peers", "", "--steps", "6", "--warmup", "3", *tok), 300, 150, 120))),
+        Part("j", "moe-30b-parity", (
+            Step("designer", _designer(
+                "--config", "qwen3-30b-a3b-lora-1doc", "--compile", "off", "--micro-batches", "1", "--lora-dtype",
+                "mixed", "--peers", "hf-amp-gc@1", "--steps", "8", "--warmup", "3", *tok), 180, 90, 80, ("peft",)),)),
     ]
 
 
@@ -477,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python3 bench/session.py", description=__doc__.split("\n")[0])
     p.add_argument("--budget-s", type=float, required=True, help="seconds for the whole session (set-up included)")
-    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..i)")
+    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..j)")
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="folder of *.whl and packed *.tar.xz")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where the results go (default: $OUT)")
