@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atelier_studio.kernels.swiglu import swiglu
+from atelier_studio.kernels.swiglu import swiglu_packed
 
 IMPLS = ("auto", "triton", "ref")
 BLOCK_D = 512  # the scatter's columns per step: k rows × 512 fp32 accumulators, 16 per thread at 8 warps for k = 8
@@ -323,27 +323,31 @@ def experts_ffn(xs: torch.Tensor, gate_up: Weights, down: Weights, offs: torch.T
                 lora: ExpertLoRA | None = None, kernels: str = "auto") -> torch.Tensor:
     """The experts on their slots: xs [S, D] (sorted by expert), gate_up [E, 2F, D], down [E, D, F] → ys [S, D].
 
-    gate and up run as one grouped GEMM [S, 2F]; their adapters read xs once too (x [A_gate; A_up]ᵀ [S, 2r]), and
-    adding each adapter's term makes the gate and up halves contiguous for SwiGLU, which the plain halves would need
-    copying for anyway. A FrozenExperts base (NF4) runs its own grouped GEMM in the compute dtype.
+    gate and up run as one grouped GEMM h = [g | u] [S, 2F], which SwiGLU reads packed (kernels/swiglu.py
+    swiglu_packed: no copies of the halves, and one [S, 2F] gradient in the backward). Their adapters read xs once
+    too (x [A_gate; A_up]ᵀ [S, 2r]); each adapter's B product is one half of a [S, 2F] term added to h by one add
+    (a half without an adapter adds zeros). A FrozenExperts base (NF4) runs its own grouped GEMM in the compute
+    dtype.
     """
     cd, ad = _compute_dtypes(xs, lora)
     xs = xs.to(cd)
     gate_up, down = (w.to(cd) if isinstance(w, torch.Tensor) else w for w in (gate_up, down))
-    f = down.shape[2]
     h = _base_mm(xs, gate_up, offs)  # [S, 2F]
-    halves = [h[:, :f], h[:, f:]]  # gate, up
     pairs = [] if lora is None else [(i, p) for i, p in enumerate((lora.gate, lora.up)) if p is not None]
     if pairs:
         r = pairs[0][1][0].shape[1]
         u = grouped_mm(xs.to(ad), torch.cat([p[0] for _, p in pairs], dim=1).to(ad), offs)  # [S, m·r]
+        parts = u.split(r, dim=1)  # views whose backward is one cat (slices' would be a zero tensor each, then a sum)
+        deltas: list[torch.Tensor | None] = [None, None]  # gate, up: s-free B products [S, F]
         for j, (i, (_, lora_b)) in enumerate(pairs):
-            u_j = u[:, j * r:(j + 1) * r]
+            u_j = parts[j]
             if j * r * u.element_size() % 16:  # a slice that starts off a 16-byte boundary (r not a multiple of 8
                 u_j = u_j.contiguous()  # in bf16): a copy the grouped GEMM can take, decided at trace time
-            delta = grouped_mm(u_j, lora_b.to(ad), offs)  # [S, F]
-            halves[i] = halves[i] + (delta * lora.scale).to(cd)
-    act = swiglu(halves[0], halves[1], kernels)  # [S, F]
+            deltas[i] = grouped_mm(u_j, lora_b.to(ad), offs)
+        other = next(d for d in deltas if d is not None)
+        delta = torch.cat([d if d is not None else torch.zeros_like(other) for d in deltas], dim=1)  # [S, 2F]
+        h = h + (delta * lora.scale).to(cd)
+    act = swiglu_packed(h, kernels)  # [S, F]
     return _adapted(act, down, offs, None if lora is None else lora.down, 0.0 if lora is None else lora.scale, ad)
 
 

@@ -9,6 +9,11 @@ Accumulation dtype: fp32 in registers, one rounding on store; y in gate.dtype, d
 The gradients are written to new tensors (not into g and u in place, as Liger does): g and u may be
 referenced elsewhere, and the MLP's peak memory is set by the [T, F] matmul outputs either way.
 
+Packed (swiglu_packed): h [..., 2F] holding [g | u] along the last dim (a mixture of experts' gate/up grouped GEMM
+writes them so) → y [..., F], and the backward writes dh [..., 2F] = [dg | du] in one pass. Splitting h into two
+views instead would cost a copy of each half before the kernel (it reads contiguous operands) and, in the
+backward, a full-size zero tensor per half plus their sum (autograd's slice backward).
+
 Implementations (argument `impl`): "triton" (any device; CPU through TRITON_INTERPRET=1), "ref",
 "auto" (Triton on CUDA, the reference elsewhere).
 """
@@ -47,6 +52,32 @@ def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.conste
     tl.store(dg_ptr + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_packed_fwd_kernel(h_ptr, y_ptr, n, F, BLOCK: tl.constexpr):
+    """y[r, c] = silu(h[r, c]) · h[r, F + c] over the n = R·F outputs."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g_offs = offs + (offs // F) * F  # row r starts at r·2F in h
+    g = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + g_offs + F, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_packed_bwd_kernel(dy_ptr, h_ptr, dh_ptr, n, F, BLOCK: tl.constexpr):
+    """dh[r, c] = dg, dh[r, F + c] = du (the unpacked kernel's formulas)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g_offs = offs + (offs // F) * F
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + g_offs + F, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(dh_ptr + g_offs + F, (dy * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + g_offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
 # --- launchers ------------------------------------------------------------------------------------
 # torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
 @torch.library.custom_op("atelier::swiglu_fwd", mutates_args=())
@@ -77,6 +108,37 @@ def _(dy, gate, up):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
+@torch.library.custom_op("atelier::swiglu_packed_fwd", mutates_args=())
+def swiglu_packed_fwd(h: torch.Tensor) -> torch.Tensor:
+    """h [..., 2F] contiguous → y [..., F] (h.dtype)."""
+    f = h.shape[-1] // 2
+    y = h.new_empty(*h.shape[:-1], f)
+    n = y.numel()
+    if n:
+        _swiglu_packed_fwd_kernel[(triton.cdiv(n, BLOCK),)](h, y, n, f, BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+@swiglu_packed_fwd.register_fake
+def _(h):
+    return h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
+
+
+@torch.library.custom_op("atelier::swiglu_packed_bwd", mutates_args=())
+def swiglu_packed_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dy [..., F], h [..., 2F] contiguous → dh [..., 2F] in h's dtype."""
+    dh = torch.empty_like(h)
+    n = dy.numel()
+    if n:
+        _swiglu_packed_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, h, dh, n, h.shape[-1] // 2, BLOCK=BLOCK, num_warps=8)
+    return dh
+
+
+@swiglu_packed_bwd.register_fake
+def _(dy, h):
+    return torch.empty_like(h)
+
+
 # --- autograd.Function ----------------------------------------------------------------------------
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
@@ -90,6 +152,18 @@ class SwiGLUFunction(torch.autograd.Function):
         return swiglu_bwd(dy.contiguous(), gate, up)
 
 
+class SwiGLUPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):  # noqa: D102
+        ctx.save_for_backward(h)
+        return swiglu_packed_fwd(h)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        (h,) = ctx.saved_tensors
+        return swiglu_packed_bwd(dy.contiguous(), h)
+
+
 # --- public ---------------------------------------------------------------------------------------
 def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """silu(gate) · up. gate, up [..., F] (same shape) → [..., F] in gate.dtype."""
@@ -100,6 +174,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Te
     if impl == "ref" or (impl == "auto" and not gate.is_cuda):
         return swiglu_ref(gate, up)
     return SwiGLUFunction.apply(gate.contiguous(), up.contiguous())
+
+
+def swiglu_packed(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """silu(g) · u for h = [g | u] [..., 2F] → [..., F] in h.dtype (module docstring: Packed)."""
+    if impl not in IMPLS:
+        raise ValueError(f"swiglu_packed: impl must be one of {IMPLS}, got {impl!r}")
+    if h.dim() == 0 or h.shape[-1] % 2:
+        raise ValueError(f"swiglu_packed: h [..., 2F] must have an even last dim, got {tuple(h.shape)}")
+    if impl == "ref" or (impl == "auto" and not h.is_cuda):
+        f = h.shape[-1] // 2
+        return swiglu_ref(h[..., :f], h[..., f:])
+    return SwiGLUPackedFunction.apply(h.contiguous())
 
 
 # --- reference ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atelier_studio.kernels.swiglu import swiglu, swiglu_ref
+from atelier_studio.kernels.swiglu import swiglu, swiglu_packed, swiglu_ref
 from tests.kernels._compare import assert_close, assert_error_within
 
 
@@ -80,3 +80,62 @@ def test_swiglu_triton_bf16(shape):
     got, exp, base = _run(shape, torch.bfloat16, device="cuda")
     for name, a, e, b in zip(("y", "dgate", "dup"), got, exp, base):
         assert_error_within(a, e, b, what=f"{name} {shape}", atol=1e-3)
+
+
+# --- packed: h = [g | u] along the last dim (the MoE experts' gate/up GEMM output) -------------------
+@pytest.mark.parametrize("shape", [(5, 2 * 13), (2, 3, 2 * 128), (1, 2 * 4099)])
+def test_swiglu_packed_triton_is_the_unpacked_kernel_bit_for_bit(shape):
+    """swiglu_packed(h) and its gradient dh = [dg | du] against swiglu on the two halves (copied contiguous): the
+    same formulas on the same values, so equal bit for bit in fp32 (a wrong offset between rows, a swapped half or
+    a half written to the wrong place is O(1)); F = 13 and 4099 leave rows that straddle the kernel's blocks."""
+    gen = torch.Generator().manual_seed(3)
+    h = (torch.randn(shape, generator=gen) * 3).to(DEV).requires_grad_()
+    f = shape[-1] // 2
+    dy = torch.randn(*shape[:-1], f, generator=gen).to(DEV)
+    y = swiglu_packed(h, impl="triton")
+    (dh,) = torch.autograd.grad(y, h, dy)
+    g, u = (h.detach()[..., :f].contiguous().requires_grad_(), h.detach()[..., f:].contiguous().requires_grad_())
+    want = swiglu(g, u, impl="triton")
+    dg, du = torch.autograd.grad(want, (g, u), dy)
+    assert torch.equal(y, want)
+    assert torch.equal(dh, torch.cat([dg, du], dim=-1))
+
+
+def test_swiglu_packed_ref_and_fp16_within_2x_eager():
+    """The reference path is the unpacked reference on the halves; fp16 through the kernel stays within twice
+    eager fp16's error of a float64 SwiGLU (output and gradient)."""
+    gen = torch.Generator().manual_seed(4)
+    h64 = torch.randn(7, 2 * 33, generator=gen, dtype=torch.float64) * 3
+    dy = torch.randn(7, 33, generator=gen, dtype=torch.float64).to(DEV)
+
+    def go(dt, fn):
+        h = h64.to(DEV, dt).requires_grad_()
+        y = fn(h)
+        return [y, *torch.autograd.grad((y.double() * dy).sum(), h)]
+
+    exp = go(torch.float64, lambda h: F.silu(h[:, :33]) * h[:, 33:])
+    got = go(torch.float16, lambda h: swiglu_packed(h, impl="triton"))
+    base = go(torch.float16, lambda h: F.silu(h[:, :33]) * h[:, 33:])
+    for name, a, e, b in zip(("y", "dh"), got, exp, base):
+        assert_error_within(a, e, b, what=name, atol=1e-3)
+    h = h64.float()
+    assert torch.equal(swiglu_packed(h, impl="ref"), swiglu_ref(h[:, :33], h[:, 33:]))
+    with pytest.raises(ValueError, match="even last dim"):
+        swiglu_packed(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="impl"):
+        swiglu_packed(h, impl="liger")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swiglu_packed_triton_bf16_is_the_unpacked_kernel_bit_for_bit():
+    """The packed kernel in bf16 on the GPU at a 30B-A3B expert width (F = 768), against the unpacked one."""
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(300, 2 * 768, generator=gen) * 3).to("cuda", torch.bfloat16).requires_grad_()
+    dy = torch.randn(300, 768, generator=gen).to("cuda", torch.bfloat16)
+    y = swiglu_packed(h, impl="triton")
+    (dh,) = torch.autograd.grad(y, h, dy)
+    g, u = h.detach()[:, :768].contiguous().requires_grad_(), h.detach()[:, 768:].contiguous().requires_grad_()
+    want = swiglu(g, u, impl="triton")
+    assert torch.equal(y, want)
+    assert torch.equal(dh, torch.cat(torch.autograd.grad(want, (g, u), dy), dim=-1))
