@@ -115,6 +115,32 @@ def test_gather_sum_is_the_same_under_every_launch_configuration_on_the_gpu(weig
     _check_gather_sum("cuda", torch.bfloat16, 256, 2048, 8, weighted)
 
 
+def test_the_experts_backward_builds_no_slice_gradients():
+    """On the Triton path the gate/up output reaches SwiGLU packed and the adapter input splits by views, so the
+    backward makes no slice gradient (each a zero tensor the size of the whole, a copy and a sum: three memory passes
+    over [S, 2F] per half). Counted with a dispatch mode on the CPU; the same ops run on the GPU."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    t = _inputs(24, 32, 4, 16, 8, seed=2, device="cpu")
+    lora = ExpertLoRA(0.5, (t["ga"], t["gb"]), (t["ua"], t["ub"]), (t["da"], t["db"]))
+    out, _ = moe(t["x"], t["router"], t["gate_up"], t["down"], 2, True, lora, impl="triton", kernels="triton")
+    with Count() as backward:
+        out.sum().backward()
+    assert backward.ops["swiglu_packed_bwd"] == 1
+    assert backward.ops["slice_backward"] == 0, backward.ops
+
+
 def test_dispatch_plan_sorts_slots_by_expert_stably():
     g = torch.Generator().manual_seed(0)
     experts = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(23)])  # [N=23, k=3], distinct per token
