@@ -9,9 +9,9 @@ Shapes: Qwen3-30B-A3B's sparse layer (D = 2048, top-8, 128 experts) on micro-bat
   dispatch dx   dx[n] = Σ_j dxs[pos[n, j]]                 gather    reads S·D, writes N·D
   combine       out[n] = Σ_j w[n, j] · ys[pos[n, j]]       gather    reads S·D, writes N·D
   combine bwd   dys[pos[n, j]] = w[n, j] · dout[n], dw     scatter   reads N·D + S·D (ys for dw), writes S·D
-(S = N·k, in bf16). Each is timed with CUDA events (median of `repeats` after 3 warm-ups, the first of which
-autotunes) beside its plain-PyTorch twin (index_copy, an indexed gather with a float32 sum, a batched matmul, an
-indexed product), and reported as ms and GB/s of the bytes above; the report gives the card's copy rate measured in
+(S = N·k, in bf16), each called as training calls it (kernels/custom_op.py's call_op). Each is timed with CUDA
+events (median of `repeats` after 3 warm-ups, the first of which autotunes) beside its plain-PyTorch twin
+(index_copy, an indexed gather with a float32 sum, a batched matmul, an indexed product), and reported as ms and GB/s of the bytes above; the report gives the card's copy rate measured in
 the same run (a device-to-device copy of S·D elements) as the ceiling. The autotuner's own timing of each gather
 candidate (BLOCK, CHUNKS, warps) comes from its first call. Every Triton result must equal its twin up to bf16
 rounding of the same fp32 sums: the largest difference is reported.
@@ -27,6 +27,7 @@ import torch
 
 from atelier_studio.bench.harness import kernel_bench_args, kernel_bench_parser, parse_ints, run_layer_bench
 from atelier_studio.bench.nf4_linear import time_ms
+from atelier_studio.kernels.custom_op import call_op
 from atelier_studio.kernels.moe import _gather_sum_kernel, dispatch_plan, moe_gather_sum, moe_scatter
 
 LAYER = dict(experts=128, dim=2048, top_k=8, seq=2048)  # Qwen3-30B-A3B's sparse layer, rows of 2048
@@ -60,12 +61,12 @@ def _moves(t: dict[str, torch.Tensor]) -> dict[str, tuple[Callable[[], Any], Cal
         return x.new_empty(s, d).index_copy_(0, flat, dys), (dout[:, None, :].float() * rows[pos].float()).sum(-1)
 
     return {
-        "dispatch": (lambda: moe_scatter(x, pos, none, none, s)[0], plain_dispatch, (n + s) * d * size),
-        "dispatch_dx": (lambda: moe_gather_sum(rows, pos, none),
+        "dispatch": (lambda: call_op(moe_scatter, x, pos, none, none, s)[0], plain_dispatch, (n + s) * d * size),
+        "dispatch_dx": (lambda: call_op(moe_gather_sum, rows, pos, none),
                         lambda: rows[pos].sum(1, dtype=torch.float32).to(x.dtype), (s + n) * d * size),
-        "combine": (lambda: moe_gather_sum(rows, pos, w), lambda: torch.bmm(w[:, None, :], rows[pos])[:, 0],
+        "combine": (lambda: call_op(moe_gather_sum, rows, pos, w), lambda: torch.bmm(w[:, None, :], rows[pos])[:, 0],
                     (s + n) * d * size),
-        "combine_bwd": (lambda: moe_scatter(dout, pos, w, rows, s), plain_combine_bwd, (n + 2 * s) * d * size),
+        "combine_bwd": (lambda: call_op(moe_scatter, dout, pos, w, rows, s), plain_combine_bwd, (n + 2 * s) * d * size),
     }
 
 

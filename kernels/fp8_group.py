@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.fp8_linear import (
     FAST_ACCUM_FORWARD,
     PAD,
@@ -48,8 +49,6 @@ from atelier_studio.kernels.fp8_linear import (
     _scaled_mm,
     _use_scaled_mm,
     autocast_off,
-    call_op,
-    custom_op,
     fp8_frozen_linear,
     fp8_linear,
     fp8_lora_linear,
@@ -66,7 +65,7 @@ from atelier_studio.kernels.lora_linear import _compute_dtypes, add_group_adapte
 
 # --- launchers ------------------------------------------------------------------------------------
 # torch.library custom ops, opaque under torch.compile, their bodies called directly in plain eager (kernels/
-# fp8_linear.py's custom_op / call_op). Absent outputs are empty.
+# kernels/custom_op.py's custom_op / call_op). Absent outputs are empty.
 @custom_op("atelier::fp8_group_fwd")
 def fp8_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None], recipe: str,
                   out_dtype: torch.dtype, need_xgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:

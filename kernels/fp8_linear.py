@@ -66,12 +66,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
-import torch.utils._python_dispatch
 from torch.utils.flop_counter import register_flop_formula
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.fp8_quant import (  # noqa: F401  (AMAX_EPS, FORMATS, Fp8Quantized: part of this API)
     AMAX_EPS,
     E4M3,
@@ -95,27 +94,6 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast disabled for a block (CPU autocast would round the fp32 scales to bf16); a no-op context where it
     is off already (entering torch.autocast costs several µs of host time, and the ops below run per layer)."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
-
-
-_IN_DISPATCH_MODE = getattr(torch.utils._python_dispatch, "is_in_torch_dispatch_mode", None)
-
-
-def custom_op(name: str) -> Callable[[Callable], Any]:
-    """torch.library.custom_op(name, mutates_args=()) that keeps the op's Python body beside it, for call_op."""
-    def register(body: Callable) -> Any:
-        op = torch.library.custom_op(name, mutates_args=())(body)
-        op.atelier_body = body
-        return op
-    return register
-
-
-def call_op(op: Any, *args: Any) -> Any:
-    """op(*args): through the dispatcher under torch.compile or any TorchDispatchMode (FakeTensorMode, FlopCounterMode,
-    selective activation checkpointing: they must see the registered op), else its Python body called directly,
-    the same function without the dispatcher's Python layers (tens of µs of host time per call)."""
-    if _IN_DISPATCH_MODE is None or _IN_DISPATCH_MODE() or torch.compiler.is_compiling():
-        return op(*args)
-    return op.atelier_body(*args)
 
 
 def padded(m: int) -> int:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.adaln import _rowwise
 from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
@@ -67,7 +68,7 @@ def _out_dtype(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.dt
     return torch.promote_types(x.dtype, torch.promote_types(y.dtype, gate.dtype))
 
 
-@torch.library.custom_op("atelier::gated_residual_fwd", mutates_args=())
+@custom_op("atelier::gated_residual_fwd")
 def gated_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x, y [B, T, D], gate [B, D] → x + gate · y [B, T, D] (promoted dtype)."""
     bsz, t, d = x.shape
@@ -84,7 +85,7 @@ def _(x, y, gate):
     return x.new_empty(x.shape, dtype=_out_dtype(x, y, gate))
 
 
-@torch.library.custom_op("atelier::gated_residual_bwd", mutates_args=())
+@custom_op("atelier::gated_residual_bwd")
 def gated_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dout, y [B, T, D], gate [B, D] → (dy [B, T, D] in y.dtype, dgate fp32 [B, D])."""
     bsz, t, d = y.shape
@@ -112,7 +113,7 @@ class GatedResidualFunction(torch.autograd.Function):
     def forward(ctx, x, y, gate):  # noqa: D102
         ctx.save_for_backward(y, gate)
         ctx.x_dtype = x.dtype
-        return gated_residual_fwd(x, y, gate)
+        return call_op(gated_residual_fwd, x, y, gate)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: D102
@@ -122,7 +123,7 @@ class GatedResidualFunction(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype)
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
             return dx, None, None
-        dy, dgate = gated_residual_bwd(dout, y, gate)
+        dy, dgate = call_op(gated_residual_bwd, dout, y, gate)
         return dx, dy, dgate.to(gate.dtype)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")
@@ -80,7 +81,7 @@ def _gated_bwd_kernel(dy_ptr, x_ptr, z_ptr, w_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_
 
 
 # --- launchers ------------------------------------------------------------------------------------
-@torch.library.custom_op("atelier::gated_rmsnorm_fwd", mutates_args=())
+@custom_op("atelier::gated_rmsnorm_fwd")
 def gated_rmsnorm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, z [R, D] contiguous → (y [R, D], rstd fp32 [R])."""
@@ -98,7 +99,7 @@ def _(x, z, weight, eps):
     return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("atelier::gated_rmsnorm_bwd", mutates_args=())
+@custom_op("atelier::gated_rmsnorm_bwd")
 def gated_rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy, x, z [R, D] contiguous → (dx, dz [R, D], dw fp32 [D], or empty when not computed)."""
@@ -123,7 +124,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, z, weight, eps):  # noqa: D102
-        y, rstd = gated_rmsnorm_fwd(x, z, weight, eps)
+        y, rstd = call_op(gated_rmsnorm_fwd, x, z, weight, eps)
         ctx.save_for_backward(x, z, weight, rstd)
         return y
 
@@ -131,7 +132,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         x, z, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[2]
-        dx, dz, dw = gated_rmsnorm_bwd(dy.contiguous(), x, z, weight, rstd, compute_dw)
+        dx, dz, dw = call_op(gated_rmsnorm_bwd, dy.contiguous(), x, z, weight, rstd, compute_dw)
         return dx, dz, (dw.to(weight.dtype) if compute_dw else None), None
 
 

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 IMPLS = ("auto", "fused", "ref")
 
 
@@ -110,7 +112,7 @@ def adapter_backward(dy: torch.Tensor, dx_base: torch.Tensor | None, x: torch.Te
 # torch.library custom ops: under torch.compile the forward and backward stay opaque calls (the addmm
 # epilogue fusions and the skipped dW survive, and the compiled graph cannot reorder or re-derive them).
 # Absent outputs are empty tensors (a custom op cannot return None).
-@torch.library.custom_op("atelier::lora_linear_fwd", mutates_args=())
+@custom_op("atelier::lora_linear_fwd")
 def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                     lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None, p: float, base_dtype: torch.dtype,
                     adapter_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +130,7 @@ def _(x, weight, bias, lora_a, lora_b, scale, mask, p, base_dtype, adapter_dtype
                                                                                     dtype=adapter_dtype)
 
 
-@torch.library.custom_op("atelier::lora_linear_bwd", mutates_args=())
+@custom_op("atelier::lora_linear_bwd")
 def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
                     lora_b: torch.Tensor, u: torch.Tensor, mask: torch.Tensor | None, scale: float, p: float,
                     need_x: bool, need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,7 +230,7 @@ def group_adapter_backward(dys: Sequence[torch.Tensor], dx_base: torch.Tensor | 
     return [dx] + das + dbs
 
 
-@torch.library.custom_op("atelier::lora_group_fwd", mutates_args=())
+@custom_op("atelier::lora_group_fwd")
 def lora_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], scales: list[float], base_dtype: torch.dtype,
                    adapter_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -248,7 +250,7 @@ def _(x, weights, lora_as, lora_bs, scales, base_dtype, adapter_dtype):
         x.new_empty(x.shape[0], r, dtype=adapter_dtype)]
 
 
-@torch.library.custom_op("atelier::lora_group_bwd", mutates_args=())
+@custom_op("atelier::lora_group_bwd")
 def lora_group_bwd(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], lora_as: list[torch.Tensor],
                    lora_bs: list[torch.Tensor], u: torch.Tensor, scales: list[float], need_x: bool,
                    need_adapters: bool) -> list[torch.Tensor]:
@@ -296,7 +298,7 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, mask, p: float):  # noqa: D102
         cb, ca = _compute_dtypes(x, lora_a)
-        y, u = lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale, mask, p, cb, ca)
+        y, u = call_op(lora_linear_fwd, x, weight, bias, lora_a, lora_b, scale, mask, p, cb, ca)
         ctx.save_for_backward(x, weight, lora_a, lora_b, u, mask)
         ctx.scale, ctx.p, ctx.base_dtype = scale, p, cb
         return y
@@ -305,7 +307,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         x, weight, lora_a, lora_b, u, mask = ctx.saved_tensors
         need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx, da, db = lora_linear_bwd(dy.to(ctx.base_dtype).contiguous(), x, weight, lora_a, lora_b, u, mask,
+        dx, da, db = call_op(lora_linear_bwd, dy.to(ctx.base_dtype).contiguous(), x, weight, lora_a, lora_b, u, mask,
                                      ctx.scale, ctx.p, need_x, need_a, need_b)
         return (dx if need_x else None), None, None, (da if need_a else None), (db if need_b else None), None, None, None
 
@@ -318,7 +320,7 @@ class LoRALinearGroupFunction(torch.autograd.Function):
         m = len(scales)
         weights, lora_as, lora_bs = list(params[:m]), list(params[m:2 * m]), list(params[2 * m:])
         cb, ca = _compute_dtypes(x, lora_as[0])
-        *ys, u = lora_group_fwd(x, weights, lora_as, lora_bs, list(scales), cb, ca)
+        *ys, u = call_op(lora_group_fwd, x, weights, lora_as, lora_bs, list(scales), cb, ca)
         ctx.save_for_backward(x, u, *params)
         ctx.scales, ctx.base_dtype = scales, cb
         return tuple(ys)
@@ -331,7 +333,7 @@ class LoRALinearGroupFunction(torch.autograd.Function):
         need_x, need_adapters = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2 + m:])
         dys = [x.new_zeros(x.shape[0], w.shape[0], dtype=ctx.base_dtype) if d is None else
                d.to(ctx.base_dtype).contiguous() for d, w in zip(dys, weights)]  # an output nobody used
-        out = lora_group_bwd(dys, x, list(weights), list(lora_as), list(lora_bs), u, list(ctx.scales), need_x,
+        out = call_op(lora_group_bwd, dys, x, list(weights), list(lora_as), list(lora_bs), u, list(ctx.scales), need_x,
                              need_adapters)
         dx, das, dbs = out[0], out[1:1 + m], out[1 + m:]
         none = [None] * m

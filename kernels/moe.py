@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.swiglu import swiglu_packed
 
 IMPLS = ("auto", "triton", "ref")
@@ -136,7 +137,7 @@ def _block(d: int) -> int:
     return min(BLOCK_D, triton.next_power_of_2(d))
 
 
-@torch.library.custom_op("atelier::moe_gather_sum", mutates_args=())
+@custom_op("atelier::moe_gather_sum")
 def moe_gather_sum(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """src [S, D], pos [N, k] int64, w [N, k] (or empty: weights 1) → out [N, D] in src.dtype."""
     n, k = pos.shape
@@ -153,7 +154,7 @@ def _(src, pos, w):
     return src.new_empty(pos.shape[0], src.shape[1])
 
 
-@torch.library.custom_op("atelier::moe_scatter", mutates_args=())
+@custom_op("atelier::moe_scatter")
 def moe_scatter(src: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
                 slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """src [N, D], pos [N, k] int64 (a permutation of 0..slots−1), w [N, k] (or empty) and y [slots, D] (read only
@@ -182,12 +183,12 @@ class Dispatch(torch.autograd.Function):
     def forward(ctx, x, pos):  # noqa: D102
         ctx.save_for_backward(pos)
         none = x.new_empty(0)
-        return moe_scatter(x, pos, none, none, pos.numel())[0]
+        return call_op(moe_scatter, x, pos, none, none, pos.numel())[0]
 
     @staticmethod
     def backward(ctx, dxs):  # noqa: D102
         (pos,) = ctx.saved_tensors
-        return moe_gather_sum(dxs.contiguous(), pos, dxs.new_empty(0)), None
+        return call_op(moe_gather_sum, dxs.contiguous(), pos, dxs.new_empty(0)), None
 
 
 class Combine(torch.autograd.Function):
@@ -196,12 +197,12 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ys, pos, w):  # noqa: D102
         ctx.save_for_backward(ys, pos, w)
-        return moe_gather_sum(ys, pos, w)
+        return call_op(moe_gather_sum, ys, pos, w)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: D102
         ys, pos, w = ctx.saved_tensors
-        dys, dw = moe_scatter(dout.contiguous(), pos, w, ys, ys.shape[0])
+        dys, dw = call_op(moe_scatter, dout.contiguous(), pos, w, ys, ys.shape[0])
         return dys, None, dw
 
 

@@ -53,7 +53,8 @@ import triton
 import triton.language as tl
 from torch.utils.flop_counter import register_flop_formula
 
-from atelier_studio.kernels.fp8_linear import autocast_off, call_op, custom_op
+from atelier_studio.kernels.custom_op import call_op, custom_op
+from atelier_studio.kernels.fp8_linear import autocast_off
 from atelier_studio.kernels.lora_linear import (
     _compute_dtypes,
     adapter_backward,
@@ -257,7 +258,7 @@ def nf4_matmul_t(dy: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, fa
 
 
 # torch.library custom ops (bodies called directly in eager, through the dispatcher under compile or a dispatch
-# mode: kernels/fp8_linear.py's call_op). Absent outputs are empty tensors.
+# mode: kernels/custom_op.py's call_op). Absent outputs are empty tensors.
 @custom_op("atelier::nf4_linear_fwd")
 def nf4_linear_fwd(x: torch.Tensor, data: torch.Tensor, scalers: torch.Tensor, factor: torch.Tensor,
                    mean: torch.Tensor, code: torch.Tensor, bias: torch.Tensor | None,

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atelier_studio.kernels.fp8_linear import call_op, custom_op
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.moe import grouped_mm
 from atelier_studio.kernels.nf4 import BLOCK, GROUP, NF4Weight, dequantize_nf4, quantize_nf4
 from atelier_studio.kernels.nf4_linear import nf4_dequantize

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 IMPLS = ("auto", "triton", "ref")
 
 
@@ -105,9 +107,10 @@ def _blocks(d: int) -> tuple[int, int, int]:
 
 # The launchers are torch.library custom ops: under torch.compile they stay opaque calls with declared
 # shapes (the register_fake functions) instead of being traced into the graph. Traced directly inside
-# compiled blocks, these kernels gave wrong gradients on the H200 (a LoRA run stopped learning).
+# compiled blocks, these kernels gave wrong gradients on the H200 (a LoRA run stopped learning). Eager code
+# calls them through kernels/custom_op.py's call_op, which skips the dispatcher where nothing needs it.
 # A custom op cannot return None: "absent" outputs are empty tensors and the caller knows which.
-@torch.library.custom_op("atelier::rmsnorm_fwd", mutates_args=())
+@custom_op("atelier::rmsnorm_fwd")
 def rmsnorm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on contiguous x/residual [R, D]. Returns (y [R, D], h [R, D] or empty, rstd fp32 [R])."""
@@ -129,7 +132,7 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), h, x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("atelier::rmsnorm_bwd", mutates_args=())
+@custom_op("atelier::rmsnorm_bwd")
 def rmsnorm_bwd(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
                 rstd: torch.Tensor, compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward. dy, dh_out, h [R, D] contiguous → (dh [R, D] in h.dtype, dw fp32 [D] or empty)."""
@@ -155,7 +158,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):  # noqa: D102
-        y, h, rstd = rmsnorm_fwd(x, residual, weight, eps)
+        y, h, rstd = call_op(rmsnorm_fwd, x, residual, weight, eps)
         has_res = residual is not None
         ctx.save_for_backward(h if has_res else x, weight, rstd)
         ctx.has_res = has_res
@@ -167,7 +170,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):  # noqa: D102
         h, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[2]
-        dx, dw = rmsnorm_bwd(dy.contiguous(), dh_out.contiguous() if dh_out is not None else None, h, weight, rstd,
+        dx, dw = call_op(rmsnorm_bwd, dy.contiguous(), dh_out.contiguous() if dh_out is not None else None, h, weight, rstd,
                              compute_dw)
         dres = dx if ctx.has_res and ctx.needs_input_grad[1] else None
         return dx, dres, (dw.to(weight.dtype) if compute_dw else None), None

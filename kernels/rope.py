@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 IMPLS = ("auto", "triton", "ref")
 
@@ -71,7 +73,7 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, H, HKV, half,
 
 # --- launchers ------------------------------------------------------------------------------------
 # A torch.library custom op: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
-@torch.library.custom_op("atelier::rope_apply", mutates_args=())
+@custom_op("atelier::rope_apply")
 def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, H, Dh], k [N, Hkv, Dh], cos/sin [N, Dh], all contiguous → rotated copies (or the transpose)."""
@@ -98,7 +100,7 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, cos, sin):  # noqa: D102
-        return rope_apply(q, k, cos, sin, backward=False)
+        return call_op(rope_apply, q, k, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):  # noqa: D102
@@ -106,7 +108,7 @@ class RoPEFunction(torch.autograd.Function):
         # An unused output arrives as None: rotate zeros so both grads exist (rare; costs one small tensor).
         dq = dq.contiguous() if dq is not None else torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0], device=cos.device)
         dk = dk.contiguous() if dk is not None else torch.zeros(ctx.shapes[1], dtype=ctx.dtypes[1], device=cos.device)
-        gq, gk = rope_apply(dq, dk, cos, sin, backward=True)
+        gq, gk = call_op(rope_apply, dq, dk, cos, sin, True)
         return gq, gk, None, None
 
     @staticmethod

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 IMPLS = ("auto", "triton", "ref")
 BLOCK = 4096  # elements per program: a 16 B vector per thread at 8 warps for bf16, few tail programs
 
@@ -80,7 +82,7 @@ def _swiglu_packed_bwd_kernel(dy_ptr, h_ptr, dh_ptr, n, F, BLOCK: tl.constexpr):
 
 # --- launchers ------------------------------------------------------------------------------------
 # torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
-@torch.library.custom_op("atelier::swiglu_fwd", mutates_args=())
+@custom_op("atelier::swiglu_fwd")
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up contiguous, same shape → y (gate.dtype)."""
     y = torch.empty_like(gate)
@@ -94,7 +96,7 @@ def _(gate, up):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("atelier::swiglu_bwd", mutates_args=())
+@custom_op("atelier::swiglu_bwd")
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dy, gate, up contiguous, same shape → (dgate, dup) in gate's and up's dtypes."""
     dg, du = torch.empty_like(gate), torch.empty_like(up)
@@ -108,7 +110,7 @@ def _(dy, gate, up):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
-@torch.library.custom_op("atelier::swiglu_packed_fwd", mutates_args=())
+@custom_op("atelier::swiglu_packed_fwd")
 def swiglu_packed_fwd(h: torch.Tensor) -> torch.Tensor:
     """h [..., 2F] contiguous → y [..., F] (h.dtype)."""
     f = h.shape[-1] // 2
@@ -124,7 +126,7 @@ def _(h):
     return h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
 
 
-@torch.library.custom_op("atelier::swiglu_packed_bwd", mutates_args=())
+@custom_op("atelier::swiglu_packed_bwd")
 def swiglu_packed_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """dy [..., F], h [..., 2F] contiguous → dh [..., 2F] in h's dtype."""
     dh = torch.empty_like(h)
@@ -144,24 +146,24 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):  # noqa: D102
         ctx.save_for_backward(gate, up)
-        return swiglu_fwd(gate, up)
+        return call_op(swiglu_fwd, gate, up)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         gate, up = ctx.saved_tensors
-        return swiglu_bwd(dy.contiguous(), gate, up)
+        return call_op(swiglu_bwd, dy.contiguous(), gate, up)
 
 
 class SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):  # noqa: D102
         ctx.save_for_backward(h)
-        return swiglu_packed_fwd(h)
+        return call_op(swiglu_packed_fwd, h)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         (h,) = ctx.saved_tensors
-        return swiglu_packed_bwd(dy.contiguous(), h)
+        return call_op(swiglu_packed_bwd, dy.contiguous(), h)
 
 
 # --- public ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from atelier_studio.kernels.causal_conv1d import causal_conv1d, conv_bwd, conv_fwd, doc_starts
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd
 from atelier_studio.kernels.lora_linear import lora_linear, lora_linear_bwd, lora_linear_fwd
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
@@ -139,3 +140,38 @@ def test_custom_ops_are_opaque_to_dynamo(fn):
     torch.compile(call, backend=backend, fullgraph=True)(x)
     assert any(f"atelier.{fn}_fwd" in t for t in seen), seen
     assert not any("triton" in t.lower() for t in seen), seen
+
+
+# --- kernels/custom_op.py: which calls skip the dispatcher --------------------------------------------
+@custom_op("atelier_test::returns_its_input")
+def _returns_its_input(x: torch.Tensor) -> torch.Tensor:
+    return x  # the dispatcher refuses an output that aliases an input: a call that went through it raises
+
+
+@_returns_its_input.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_call_op_calls_the_body_in_eager_and_the_registered_op_under_a_dispatch_mode():
+    """Eager code outside any mode gets the body itself (here: its input back, which the dispatcher would refuse);
+    inside a TorchDispatchMode (FlopCounterMode, FakeTensorMode, selective checkpointing) the call goes through the
+    dispatcher, so the mode sees the registered op; a plain function in the op's place (a test's spy) is called."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(3)
+    assert call_op(_returns_its_input, x) is x
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names() as mode, pytest.raises(RuntimeError, match="alias"):
+        call_op(_returns_its_input, x)
+    assert any("returns_its_input" in n for n in mode.names)
+    assert call_op(lambda t: t + 1, x).equal(x + 1)
