@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 # Block shapes and the backward grid cap are RMSNorm's (the same row-wise layout: one heuristic for both).
 from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
@@ -98,7 +100,7 @@ def _rowwise(v: torch.Tensor) -> torch.Tensor:
     return v if v.stride(1) == 1 else v.contiguous()
 
 
-@torch.library.custom_op("atelier::adaln_modulate_fwd", mutates_args=())
+@custom_op("atelier::adaln_modulate_fwd")
 def adaln_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, D], shift/scale [B, D] → (y [B, T, D] in x.dtype, mean fp32 [B·T], rstd fp32 [B·T])."""
@@ -123,7 +125,7 @@ def _(x, shift, scale, eps):
         x.new_empty(n, dtype=torch.float32)
 
 
-@torch.library.custom_op("atelier::adaln_modulate_bwd", mutates_args=())
+@custom_op("atelier::adaln_modulate_bwd")
 def adaln_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy, x [B, T, D] → (dx [B, T, D] in x.dtype, dscale fp32 [B, D], dshift fp32 [B, D])."""
@@ -151,7 +153,7 @@ class AdaLNModulateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shift, scale, eps):  # noqa: D102
-        y, mean, rstd = adaln_fwd(x, shift, scale, eps)
+        y, mean, rstd = call_op(adaln_fwd, x, shift, scale, eps)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.dtypes = (shift.dtype, scale.dtype)
         return y
@@ -159,7 +161,7 @@ class AdaLNModulateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         x, scale, mean, rstd = ctx.saved_tensors
-        dx, dscale, dshift = adaln_bwd(dy, x, scale, mean, rstd)
+        dx, dscale, dshift = call_op(adaln_bwd, dy, x, scale, mean, rstd)
         shift_dtype, scale_dtype = ctx.dtypes
         return dx, dshift.to(shift_dtype), dscale.to(scale_dtype), None
 

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atelier_studio.kernels.custom_op import call_op, custom_op
+
 IMPLS = ("auto", "triton", "ref")
 
 
@@ -153,7 +155,7 @@ def _bwd_programs(device: torch.device, n: int, c_blocks: int, compute_dw: bool)
 
 
 # torch.library custom ops: opaque to torch.compile (see kernels/rmsnorm.py's launchers for why).
-@torch.library.custom_op("atelier::causal_conv1d_fwd", mutates_args=())
+@custom_op("atelier::causal_conv1d_fwd")
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """x [N, C] contiguous, weight [C, K] contiguous, starts int32 [N] → y [N, C]."""
     n, c = x.shape
@@ -170,7 +172,7 @@ def _(x, weight, starts):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("atelier::causal_conv1d_bwd", mutates_args=())
+@custom_op("atelier::causal_conv1d_bwd")
 def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor,
              compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dy, x [N, C] contiguous → (dx [N, C] in x.dtype, dw fp32 [C, K], or empty when not computed)."""
@@ -201,13 +203,13 @@ class CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, starts):  # noqa: D102
         ctx.save_for_backward(x, weight, starts)
-        return conv_fwd(x, weight, starts)
+        return call_op(conv_fwd, x, weight, starts)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         x, weight, starts = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[1]
-        dx, dw = conv_bwd(dy.contiguous(), x, weight, starts, compute_dw)
+        dx, dw = call_op(conv_bwd, dy.contiguous(), x, weight, starts, compute_dw)
         return dx, (dw.to(weight.dtype) if compute_dw else None), None
 
 
