@@ -232,12 +232,13 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_pr
 def dispatch_plan(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [N, k] → (pos [N, k] int64, offs [E] int32): slots sorted by expert, stable, counted on the device."""
     flat = experts.reshape(-1)  # [S]
-    order = torch.sort(flat, stable=True).indices  # [S]: the pair in each slot
+    sorted_experts, order = torch.sort(flat, stable=True)  # [S]: each slot's expert, and the pair in it
     pos = torch.empty_like(order)
     pos[order] = torch.arange(flat.numel(), device=flat.device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no bincount: its size syncs
-    return pos.view_as(experts), torch.cumsum(counts, 0, dtype=torch.int32)
+    # offs[g] = the slots whose expert is ≤ g: one search of the sorted experts (no bincount: its size syncs)
+    experts_ids = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    offs = torch.searchsorted(sorted_experts, experts_ids, right=True, out_int32=True)
+    return pos.view_as(experts), offs
 
 
 @dataclass(frozen=True)
