@@ -108,7 +108,7 @@ def components(device: torch.device, n: int, warmup: int = 5) -> dict[str, float
         add(f"quantize {name} ({launches})", lambda rowwise=rowwise, r=r, c=c: quantize(a, E4M3, rowwise, r, c, 16))
     add("fp8_frozen_fwd custom op (quantize + _scaled_mm)",
         lambda: fp8_frozen_fwd(a, frozen.q, frozen.scale, None, "rowwise", torch.bfloat16))
-    body = fp8_frozen_fwd.atelier_body  # what plain eager runs (kernels.fp8_linear.call_op)
+    body = fp8_frozen_fwd.atelier_body  # what plain eager runs (kernels.custom_op.call_op)
     add("the same, its Python body called directly (no dispatcher: eager's path)",
         lambda: body(a, frozen.q, frozen.scale, None, "rowwise", torch.bfloat16))
     x = a.clone().requires_grad_()

@@ -64,8 +64,8 @@ from atelier_studio.kernels.lora_linear import _compute_dtypes, add_group_adapte
 
 
 # --- launchers ------------------------------------------------------------------------------------
-# torch.library custom ops, opaque under torch.compile, their bodies called directly in plain eager (kernels/
-# kernels/custom_op.py's custom_op / call_op). Absent outputs are empty.
+# torch.library custom ops, opaque under torch.compile, their bodies called directly in plain eager
+# (kernels/custom_op.py's custom_op / call_op). Absent outputs are empty.
 @custom_op("atelier::fp8_group_fwd")
 def fp8_group_fwd(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None], recipe: str,
                   out_dtype: torch.dtype, need_xgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
