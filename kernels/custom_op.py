@@ -8,8 +8,12 @@ paid by every op of every layer, in the forward, the backward and any recompute,
 by how fast the host launches kernels. So:
 
   custom_op(name)   registers the body as the custom op `name` (no mutated arguments) and keeps the body beside it;
-  call_op(op, ...)  calls the op through the dispatcher under torch.compile or inside any TorchDispatchMode (they
-                    must see the registered op), else the body directly: the same function, the same results.
+  call_op(op, ...)  calls the body directly on plain tensors in plain eager: the same function, the same results.
+                    It goes through the dispatcher instead where something must see the registered op: under
+                    torch.compile, inside any TorchDispatchMode (FakeTensorMode, FlopCounterMode, selective
+                    activation checkpointing), while the profiler records (its tables then show the op's own row),
+                    and when the first tensor is on the meta device (the op's fake implementation gives the shapes)
+                    or is a tensor subclass such as a DTensor (its own dispatch handles the op).
 """
 from __future__ import annotations
 
@@ -30,10 +34,21 @@ def custom_op(name: str) -> Callable[[Callable], Any]:
     return register
 
 
+def _plain(x: Any) -> bool:
+    """Whether an op's first argument (a tensor, or a list whose first item is one) is a plain tensor off the meta
+    device; a missing tensor (None, an empty list) counts as plain."""
+    if isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    if x is None:
+        return True
+    return type(x) in (torch.Tensor, torch.nn.Parameter) and not x.is_meta
+
+
 def call_op(op: Any, *args: Any) -> Any:
-    """op(*args): through the dispatcher under torch.compile or any TorchDispatchMode, else its Python body called
-    directly (module docstring). Any other callable in the op's place (a test's spy wrapping it) is called as is."""
+    """op(*args): its Python body called directly in plain eager, else through the dispatcher (module docstring).
+    Any other callable in the op's place (a test's spy wrapping it) is called as is."""
     body = getattr(op, "atelier_body", None)
-    if body is None or _IN_DISPATCH_MODE is None or _IN_DISPATCH_MODE() or torch.compiler.is_compiling():
+    if (body is None or _IN_DISPATCH_MODE is None or _IN_DISPATCH_MODE() or torch.compiler.is_compiling()
+            or torch.autograd._profiler_enabled() or not _plain(args[0] if args else None)):
         return op(*args)
     return body(*args)

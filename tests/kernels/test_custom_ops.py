@@ -155,8 +155,9 @@ def _(x):
 
 def test_call_op_calls_the_body_in_eager_and_the_registered_op_under_a_dispatch_mode():
     """Eager code outside any mode gets the body itself (here: its input back, which the dispatcher would refuse);
-    inside a TorchDispatchMode (FlopCounterMode, FakeTensorMode, selective checkpointing) the call goes through the
-    dispatcher, so the mode sees the registered op; a plain function in the op's place (a test's spy) is called."""
+    inside a TorchDispatchMode (FlopCounterMode, FakeTensorMode, selective checkpointing) and while the profiler
+    records, the call goes through the dispatcher, so they see the registered op; a meta tensor reaches the fake
+    implementation; a plain function in the op's place (a test's spy) is called."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     x = torch.randn(3)
@@ -175,3 +176,9 @@ def test_call_op_calls_the_body_in_eager_and_the_registered_op_under_a_dispatch_
         call_op(_returns_its_input, x)
     assert any("returns_its_input" in n for n in mode.names)
     assert call_op(lambda t: t + 1, x).equal(x + 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):  # through the dispatcher
+        with pytest.raises(RuntimeError, match="alias"):
+            call_op(_returns_its_input, x)
+    meta = call_op(_returns_its_input, torch.empty(3, device="meta"))  # the fake implementation: a new tensor
+    assert meta.is_meta and meta.shape == (3,)
+    assert call_op(_returns_its_input, [x][0]) is x
