@@ -106,6 +106,12 @@ class ExpertExchange:
         return AllToAll.apply(rows, plan.send, plan.recv, self.group)
 
 
+def own_rows(full: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`full`'s rows `rows` in storage of their own: a view would keep the whole tensor alive (every expert's
+    weights on every rank) once `full` itself is dropped, as when the model was loaded whole (init = "full")."""
+    return full[rows].clone()
+
+
 def apply_expert_parallel(blocks: Sequence[nn.Module], ctx: DistContext, size: int) -> set[nn.Parameter]:
     """Shard the experts of every block over the world (size must equal it) and route their tokens by all-to-all,
     in place; returns the expert parameters, which FSDP2 must leave alone (fully_shard's ignored_params).
@@ -128,7 +134,7 @@ def apply_expert_parallel(blocks: Sequence[nn.Module], ctx: DistContext, size: i
         exchange = ExpertExchange(host.num_experts)
 
         def shard(full: torch.Tensor, exchange: ExpertExchange = exchange) -> nn.Parameter:
-            local = full.detach()[exchange.experts]
+            local = own_rows(full.detach(), exchange.experts)
             p = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
                                                 stride=full.stride()), requires_grad=full.requires_grad)
             params.add(p)
