@@ -329,6 +329,11 @@ class DesignerTask:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.train_loader.load_state_dict(meta["loader"])
 
+    @property
+    def export_reads_frozen(self) -> bool:
+        """A LoRA run exports its adapter alone (pipeline/task.py): the frozen base is not gathered for it."""
+        return self.lora_args is None
+
     def export(self, out_dir: Path) -> dict[str, Path]:
         out_dir = Path(out_dir)
         if self.lora_args is not None:

@@ -277,13 +277,17 @@ def materialize_(model: nn.Module, device: torch.device, read: Reader) -> nn.Mod
     return model
 
 
-def full_state_dict(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `model` as full CPU tensors on rank 0 (others get {}); a collective."""
+def full_state_dict(model: nn.Module, ctx: DistContext, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` as full CPU tensors on rank 0 (others get {}); a collective.
+    `trainable_only`: the parameters that train, and nothing frozen (a LoRA run's adapters, not its base)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not is_sharded(model):
+        if trainable_only:
+            return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
         return {k: v.detach() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))
 
 
 class consolidated:
@@ -291,20 +295,24 @@ class consolidated:
 
     Lets a task's single-process export (HF model, PEFT adapter, diffusers transformer) run unchanged on the
     consolidated weights, so a W-process export equals a one-process one byte for byte. Every rank must
-    enter it (the gather is a collective); only rank 0 sees the swapped parameters.
+    enter it (the gather is a collective); only rank 0 sees the swapped parameters. `trainable_only`: gather and
+    swap the trainable parameters alone, for an export that writes nothing else (a LoRA adapter): the frozen base,
+    which can be hundreds of GB, is never gathered to rank 0's host.
     """
 
-    def __init__(self, model: nn.Module, ctx: DistContext):
-        self.model, self.ctx = model, ctx
+    def __init__(self, model: nn.Module, ctx: DistContext, trainable_only: bool = False):
+        self.model, self.ctx, self.trainable_only = model, ctx, trainable_only
         self._saved: list[tuple[nn.Module, str, object]] = []
 
     def __enter__(self) -> nn.Module:
         if not is_sharded(self.model):
             return self.model
-        full = full_state_dict(self.model, self.ctx)
+        full = full_state_dict(self.model, self.ctx, self.trainable_only)
         if not self.ctx.is_main:
             return self.model
         for name, p in list(self.model.named_parameters()):
+            if self.trainable_only and not p.requires_grad:
+                continue
             module_name, _, leaf = name.rpartition(".")
             module = self.model.get_submodule(module_name)
             self._saved.append((module, leaf, module._parameters[leaf]))

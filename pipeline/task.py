@@ -85,3 +85,6 @@ class Task(Protocol):
     def export(self, out_dir: Path) -> dict[str, Path]:
         """Write the final artefacts (adapter / model / transformer / ema); returns name → path."""
         ...
+
+    # Optional: `export_reads_frozen: bool` (default True). False when export() writes the trainable weights alone
+    # (a LoRA adapter): under FSDP2 the trainer then gathers only those to rank 0, never the frozen base.

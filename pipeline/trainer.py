@@ -240,9 +240,11 @@ class Trainer:
         return norm
 
     def _export(self) -> dict[str, Path]:
-        """The task's export from rank 0, of the consolidated weights: equal to a one-process export."""
+        """The task's export from rank 0, of the consolidated weights: equal to a one-process export. A task whose
+        export reads only its trainable weights (`export_reads_frozen` False: a LoRA adapter) gets only those."""
         exports: dict[str, Path] = {}
-        with consolidated(self.task.model, self.dist):
+        trainable_only = not getattr(self.task, "export_reads_frozen", True)
+        with consolidated(self.task.model, self.dist, trainable_only=trainable_only):
             if self.dist.is_main:
                 exports = self.task.export(self.out)
         barrier(self.dist)

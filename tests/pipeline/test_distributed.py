@@ -15,6 +15,7 @@ from atelier_studio.pipeline.distributed import (
     DistContext,
     DistributedError,
     all_reduce_sum,
+    full_state_dict,
     init_distributed,
     local_rows,
     materialize_,
@@ -128,6 +129,18 @@ def test_materialize_names_a_tensor_of_the_wrong_shape():
         model = Qwen3(ARGS)
     with pytest.raises(DistributedError, match=r"model.embed_tokens.weight rows 0:97 have shape \(97, 47\)"):
         materialize_(model, torch.device("cpu"), lambda name, rows: torch.randn(97, 47))
+
+
+def test_a_trainable_only_state_dict_holds_the_adapters_and_nothing_frozen(clean_env):
+    """What an adapter export gathers (trainable_only): exactly the LoRA weights, by their parameter names, none of
+    the frozen base; without it, everything. (Under FSDP2 the same choice is torch's ignore_frozen_params; the
+    2-process LoRA runs in tests/designer/test_distributed.py export through it and equal one process.)"""
+    model = apply_lora(Qwen3(ARGS), LoraArgs(rank=2))
+    ctx = init_distributed(TrainConfig(device="cpu"))
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert set(full_state_dict(model, ctx, trainable_only=True)) == adapters
+    assert set(full_state_dict(model, ctx)) == set(model.state_dict())
 
 
 def test_local_rows_of_a_plain_tensor_is_all_of_it():
