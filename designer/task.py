@@ -174,7 +174,7 @@ class DesignerTask:
             self._quantize_bases(model)
             model.to(self.device)
         self._wrap(model)
-        self._log_nf4_shards(model)
+        self._log_shards(model)
         return model
 
     def _quantize_bases(self, model: Model) -> None:
@@ -218,12 +218,20 @@ class DesignerTask:
                 return stored.read(name.replace(".base_layer.", "."), rows)  # a LoRA-wrapped base has the HF name
 
             materialize_(model, self.device, read)
-        self._log_nf4_shards(model)
+        self._log_shards(model)
         return model
 
-    def _log_nf4_shards(self, model: Model) -> None:
-        """Under FSDP2, how much of the NF4 bases this rank holds (1 / world size of it, by rows)."""
-        if not (self.nf4 and self.dist.enabled):
+    def _log_shards(self, model: Model) -> None:
+        """Under torchrun: which experts this rank holds under expert parallelism, and how much of the NF4 bases
+        (1 / world size of them, by rows or by experts)."""
+        if not self.dist.enabled:
+            return
+        exchanges = [m.exchange for m in model.modules() if getattr(m, "exchange", None) is not None]
+        if exchanges:
+            held, total = exchanges[0].experts, exchanges[0].local * exchanges[0].size
+            log(f"expert parallelism: rank {self.dist.rank} of {self.dist.world_size} holds experts "
+                f"{held.start}..{held.stop - 1} of {total} in each of {len(exchanges)} MoE layers")
+        if not self.nf4:
             return
         from torch.distributed.tensor import DTensor
 

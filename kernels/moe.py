@@ -41,6 +41,7 @@ elsewhere).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
@@ -68,7 +69,8 @@ def _gather_configs() -> list[triton.Config]:
     (one program per token, as the scatter runs), or fewer warps. Tuned because one span does not suit every
     shape: in the 30B-A3B LoRA step's H200 profile a gather of 512-column programs took ~296 µs a call, the
     scatter, which moves the same bytes a row per program, ~62 µs (bench/moe_dispatch.py times each candidate)."""
-    shapes = GATHER_SHAPES if torch.cuda.is_available() else GATHER_SHAPES[:1]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at import, as here
+    shapes = GATHER_SHAPES if torch.cuda.is_available() and not interpreted else GATHER_SHAPES[:1]
     return [triton.Config({"BLOCK": b, "CHUNKS": c}, num_warps=w) for b, c, w in shapes]
 
 

@@ -157,6 +157,11 @@ def test_dispatch_plan_sorts_slots_by_expert_stably():
     for x in range(9):  # stable: within an expert, tokens in order
         mine = slot_token[slot_expert == x]
         assert torch.equal(mine, mine.sort().values)
+    # experts no token chose (the first, one between, the last ones) and no tokens at all
+    sparse = torch.tensor([[1, 4], [4, 1], [1, 2], [2, 4]])
+    assert torch.equal(dispatch_plan(sparse, 7)[1], torch.tensor([0, 3, 5, 5, 8, 8, 8], dtype=torch.int32))
+    pos, offs = dispatch_plan(torch.empty(0, 2, dtype=torch.long), 3)
+    assert pos.shape == (0, 2) and torch.equal(offs, torch.zeros(3, dtype=torch.int32))
 
 
 def test_grouped_mm_paths_agree_and_skip_empty_experts():
