@@ -317,28 +317,34 @@ def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs
         of the 8 experts' NF4 bytes (and its rows of the attention bases), all-gathered per block;
       expert parallelism: the same 4 experts' bytes stay on their rank (never all-gathered), the tokens travel to
         them by all-to-all, each rank dequantises only its experts; with activation checkpointing, whose recompute
-        exchanges and dequantises again."""
+        exchanges and dequantises again; and the same run stopped at step 2 and resumed."""
     from tests.designer.test_distributed import LORA, QLORA, args, assert_same_losses, assert_same_safetensors, launch_two
 
     moe = ("--set", f"model.path={moe_runs['model']}", "--set", "model.router_aux_loss=off")
     ep = ("--set", "train.distributed.expert_parallel=2", "--set", "train.distributed.activation_checkpointing=full")
     two = tmp_path / "two"
-    log = launch_two({"qlora": args(world, two / "qlora", *LORA, *QLORA, *moe, "--set", "train.micro_batch=1"),
-                      "qlora_ep": args(world, two / "qlora_ep", *LORA, *QLORA, *moe, *ep,
-                                       "--set", "train.micro_batch=1")},
+    two1 = ("--set", "train.micro_batch=1")
+    log = launch_two({"qlora": args(world, two / "qlora", *LORA, *QLORA, *moe, *two1),
+                      "qlora_ep": args(world, two / "qlora_ep", *LORA, *QLORA, *moe, *ep, *two1),
+                      # stopped at step 2 and resumed: the adapters come back from the sharded checkpoint, the NF4
+                      # experts are quantised again from the HF weights, each rank keeping its own
+                      "qlora_ep_cut": args(world, two / "qlora_ep_cut", *LORA, *QLORA, *moe, *ep, *two1,
+                                           "--set", "train.max_steps=2"),
+                      "qlora_ep_cut_resumed": args(world, two / "qlora_ep_cut", *LORA, *QLORA, *moe, *ep, *two1)},
                      tmp_path)
     one = tmp_path / "one"
     assert main(args(world, one, *LORA, *QLORA, *moe, "--set", "train.micro_batch=2")) == 0
-    for run in ("qlora", "qlora_ep"):
+    for run in ("qlora", "qlora_ep", "qlora_ep_cut"):
         assert_same_losses(one, two / run, range(1, 5))
         assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
                                 two / run / "adapter" / "adapter_model.safetensors")
+    assert_same_losses(two / "qlora_ep", two / "qlora_ep_cut", range(1, 5))  # the resume changes nothing
     # the 88,704 NF4 bytes: 50,688 of expert stacks (8 experts × (2·32·64 + 64·32) weights at 0.516 bytes, two
     # layers) and 38,016 of attention bases; each rank holds half under both plans (the main rank reports it)
     held = [line for line in log.splitlines() if "of the" in line and "NF4" in line]
     assert len(held) >= 2 and all("of the 88,704 bytes" in line for line in held), log[-3000:]
-    # only the expert-parallel run places experts by rank (the main rank reports it): 2 sparse layers of 8 experts
-    assert log.count("expert parallelism: rank 0 of 2 holds experts 0..3 of 8 in each of 2 MoE layers") == 1, log[-3000:]
+    # only the three expert-parallel runs place experts by rank (the main rank reports it): 2 sparse layers of 8
+    assert log.count("expert parallelism: rank 0 of 2 holds experts 0..3 of 8 in each of 2 MoE layers") == 3, log[-3000:]
     for line in held:
         words = line.split()
         mine, total = (int(words[words.index(w) + 1].replace(",", "")) for w in ("holds", "the"))
