@@ -344,7 +344,8 @@ def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs
     held = [line for line in log.splitlines() if "of the" in line and "NF4" in line]
     assert len(held) >= 2 and all("of the 88,704 bytes" in line for line in held), log[-3000:]
     # only the three expert-parallel runs place experts by rank (the main rank reports it): 2 sparse layers of 8
-    assert log.count("expert parallelism: rank 0 of 2 holds experts 0..3 of 8 in each of 2 MoE layers") == 3, log[-3000:]
+    placed = "expert parallelism: rank 0 of 2 holds experts 0..3 of 8 in each of 2 MoE layers"
+    assert log.count(placed) == 3, log[-3000:]
     for line in held:
         words = line.split()
         mine, total = (int(words[words.index(w) + 1].replace(",", "")) for w in ("holds", "the"))
