@@ -577,6 +577,12 @@ class ImagegenTask:
                                f"evaluation of step train.max_steps = {self.cfg.train.max_steps})")
         return self._ema_export
 
+    @property
+    def export_reads_frozen(self) -> bool:
+        """A LoRA run exports its adapters (and their EMA, gathered separately) and takes the base transformer from
+        model.path, so the frozen weights are not gathered for it (pipeline/task.py)."""
+        return self.lora is None
+
     def export(self, out_dir: Path) -> dict[str, Path]:
         """Full fine-tuning: transformer/ (and ema/) in diffusers layout. LoRA: lora/ (and lora_ema/), each a
         pytorch_lora_weights.safetensors that `StableDiffusion3Pipeline.load_lora_weights` reads. Both: imagegen.json
