@@ -120,7 +120,7 @@ class DesignerTask:
             raise ConfigError(f"model.router_aux_loss = 'on': {self.family.name} models have no auxiliary loss "
                               f"(model.path {model_dir}); leave it 'auto' or 'off'")
         _preflight(cfg, args, device)
-        check_precision(cfg.train, device, self.dist.enabled)
+        check_precision(cfg.train, device, self.dist.enabled, frozen_bases=not full)
         sharded_init = self.dist.enabled and cfg.train.distributed.init == "sharded"
         self.model = self._build_sharded(model_dir, base_dtype) if sharded_init else self._build(model_dir, base_dtype)
         self.autocast = (not exact)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atelier_studio.kernels.fp8_group import fp8_frozen_linear_group, fp8_linear_group
 from atelier_studio.kernels.fp8_linear import (
@@ -124,20 +125,26 @@ def shared_input_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[
 
 
 def _after_load(module, incompatible_keys) -> None:
-    """load_state_dict post hook (a module-level function, so the model still pickles): new weights, new copies."""
+    """load_state_dict post hook (a module-level function, so the model still pickles): new weights, new copies.
+    A sharded weight (FSDP2's DTensor) holds only this rank's rows: its copies are made at the first forward, from
+    the weight FSDP2 has gathered whole."""
     module.drop_fp8_weight()
-    if not module.weight.requires_grad and module.impl != "ref":
+    if not module.weight.requires_grad and module.impl != "ref" and not isinstance(module.weight, DTensor):
         module.refresh_fp8_weight()
 
 
-def check_precision(train: TrainConfig, device: torch.device, distributed: bool) -> None:
+def check_precision(train: TrainConfig, device: torch.device, distributed: bool, frozen_bases: bool = False) -> None:
     """Refuse, before anything is loaded, a `train.precision = "fp8"` run that cannot happen (ConfigError, naming
-    the key): a GPU without FP8 tensor cores, or several processes (the frozen bases' fp8 copies are built from the
-    whole weight, which a sharded rank does not hold; FP8 under FSDP2 is not done yet)."""
+    the key): a GPU without FP8 tensor cores, or several processes over frozen FP8 bases (`frozen_bases`: a LoRA
+    run, whose bases' fp8 copies are built once from each whole weight, which a sharded rank does not hold). Full
+    fine-tuning runs under FSDP2: each block's weights are gathered whole before its forward, and every trainable
+    FP8 linear quantises the gathered weight each step, as one process does."""
     if train.precision != "fp8":
         return
-    if distributed:
-        raise ConfigError(f"{PRECISION_KEY} runs on one process; under torchrun use train.precision = \"bf16\"")
+    if distributed and frozen_bases:
+        raise ConfigError(f"{PRECISION_KEY} with LoRA runs on one process (the frozen bases' fp8 copies are built "
+                          f"from each whole weight, which a sharded rank does not hold); under torchrun use "
+                          f"train.precision = \"bf16\", or full fine-tuning (lora.rank = 0) in FP8")
     try:
         check_fp8_device(device)
     except Fp8UnsupportedError as e:

@@ -5,6 +5,8 @@ One torchrun launch (the `two_process_runs` fixture) trains, with 2 ranks x micr
   lora_cut  the same run stopped at step 2, then resumed with 2 processes to step 4
   full      full fine-tuning, 4 steps, async sharded checkpoints
   lora_full_init  as lora, but every rank loads the whole model before sharding (init = "full")
+  qlora     LoRA over NF4 bases, sharded
+  full_fp8  full fine-tuning with train.precision = "fp8" (rowwise), sharded init
 and the tests run the one-process twins here (1 rank x micro_batch 2: the same rows each step) and compare
 losses (fp32, 1e-5), exports, and resumes of the 2-process checkpoint with 1 and with 2 processes.
 
@@ -70,6 +72,7 @@ def args(world: Path, out: Path, *extra: str) -> list[str]:
 LORA = ("--set", "lora.rank=4")
 QLORA = ("--set", "lora.base_dtype=nf4")
 FULL = ("--set", "lora.rank=0")
+FP8 = ("--set", "train.precision=fp8", "--set", "train.fp8_recipe=rowwise")
 
 
 def launch_two(runs: dict[str, list[str]], tmp: Path) -> str:
@@ -98,6 +101,7 @@ def two(world, tmp_path_factory) -> Path:
         "lora_full_init": args(world, d / "lora_full_init", *LORA, *two1, "--set", "train.distributed.init=full",
                                "--set", "train.distributed.balance=false"),
         "qlora": args(world, d / "qlora", *LORA, *QLORA, *two1),
+        "full_fp8": args(world, d / "full_fp8", *FULL, *FP8, *two1),
     }, d)
     (d / "launch.log").write_text(out)
     return d
@@ -171,6 +175,34 @@ def test_full_two_processes_equal_one(world, two, tmp_path):
     assert_same_safetensors(one / "model" / "model.safetensors", two / "full" / "model" / "model.safetensors")
     # async saves were finalised: both checkpoints complete, no temporary directory left behind
     assert sorted(p.name for p in (two / "full" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_full_fp8_two_processes_equal_one(world, two, tmp_path):
+    """FP8 full fine-tuning under FSDP2 (meta-device init): each block's weights gathered whole and quantised as one
+    process quantises them. The twin runs one row per micro-batch (grad_accum 4), as each rank does: the recipe's
+    scales are taken over a micro-batch's tokens, so only the same micro-batches quantise the same.
+
+    Bounds. Step 1 starts from the same weights: its loss and gradient norm are the bf16 runs' (TOL); a missing
+    all-reduce shows here, in the gradient norm. From step 2 the weights differ by the rounding of the gradients'
+    sums, and now and then that moves a weight across an E4M3 rounding boundary, which changes it by an eighth of
+    its size in the forward: the losses then differ by more than rounding (measured 8.8e-5 and 1.1e-4 at steps 3
+    and 4 on AVX-512, 2.4e-7 on DEFAULT kernels), bounded here by 1e-3, ten times under what a missing all-reduce
+    does (1e-2); and each step after the first can move a weight by at most about lr = 1e-3 (Adam), so the exported
+    weights differ by at most 3 lr (measured 8.2e-4)."""
+    one = tmp_path / "full_fp8_1"
+    assert main(args(world, one, *FULL, *FP8, "--set", "train.micro_batch=1", "--set", "train.grad_accum=4")) == 0
+    assert_same_losses(one, two / "full_fp8", range(1, 2))
+    ra, rb = records(one), records(two / "full_fp8")
+    for step in range(2, 5):
+        assert ra[step]["loss_weight"] == rb[step]["loss_weight"], f"step {step}: different global batches"
+        assert abs(ra[step]["loss"] - rb[step]["loss"]) <= 1e-3, (step, ra[step]["loss"], rb[step]["loss"])
+    ta = load_file(str(one / "model" / "model.safetensors"))
+    tb = load_file(str(two / "full_fp8" / "model" / "model.safetensors"))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=3e-3, msg=lambda m: f"{k}: {m}")
+    assert "fp8 (rowwise):" in (two / "launch.log").read_text()
 
 
 def test_full_init_and_unbalanced_rows_train_the_same(two):

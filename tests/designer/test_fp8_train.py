@@ -51,8 +51,9 @@ def test_fp8_resume_is_exact(world, tmp_path):
     assert [s for s, _ in train_losses(straight)] == [1, 2, 3, 4]
 
 
-def test_fp8_refused_under_torchrun_names_the_key(world, tmp_path, monkeypatch, capsys):
-    """Several processes: exit 2 with one line naming train.precision (checked before any model is loaded)."""
+def test_fp8_lora_refused_under_torchrun_names_the_key(world, tmp_path, monkeypatch, capsys):
+    """LoRA over FP8 bases on several processes: exit 2 with one line naming train.precision and the way out
+    (checked before any model is loaded). Full fine-tuning in FP8 runs there (tests/designer/test_distributed.py)."""
     from atelier_studio.designer import task as designer_task
     from atelier_studio.pipeline.distributed import DistContext
 
@@ -62,6 +63,8 @@ def test_fp8_refused_under_torchrun_names_the_key(world, tmp_path, monkeypatch, 
         real(self, cfg, device, DistContext(device=device, rank=0, world_size=2, enabled=True))
 
     monkeypatch.setattr(designer_task.DesignerTask, "__init__", as_rank)
-    code = main(train_args(world, tmp_path / "dist", "--set", "train.precision=fp8", "--set", "train.max_steps=1"))
+    code = main(train_args(world, tmp_path / "dist", "--set", "train.precision=fp8", "--set", "train.max_steps=1",
+                           "--set", "lora.rank=4"))
     assert code == 2
-    assert 'train.precision = "fp8"' in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'train.precision = "fp8" with LoRA runs on one process' in err and "lora.rank = 0" in err

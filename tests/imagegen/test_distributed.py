@@ -7,6 +7,7 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   cut        the same run stopped at step 2, then resumed with 2 processes to step 4
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
   streams4   as run, with the data read as 4 streams: each rank holds 2 and runs their chunks one by one
+  fp8        as run, train.precision = "fp8" (full fine-tuning, rowwise)
   lora       as run, LoRA rank 4 on a frozen base (meta-device init: every rank draws the adapters as one
              process does and keeps its rows); the base is the world's model with every weight perturbed, since
              AdaLN-Zero's zero gates would keep the attention, and so the adapters, out of the loss
@@ -47,6 +48,7 @@ COMMON = ("train.max_steps=4", "train.save_every=2", "train.eval_every=0", "trai
 TWO = ("train.micro_batch=4",)
 ONE = ("train.micro_batch=8",)
 LORA = ("lora.rank=4", "lora.alpha=8")
+FP8 = ("train.precision=fp8", "train.fp8_recipe=rowwise")
 
 
 def lora_base(world: Path) -> Path:
@@ -92,6 +94,7 @@ def two(world, tmp_path_factory) -> Path:
         "full_init": cli_args(world, d / "full_init", *COMMON, *TWO, "train.distributed.init=full"),
         "streams4": cli_args(world, d / "streams4", *COMMON, *TWO, "data.streams=4"),
         "lora": cli_args(world, d / "lora", *COMMON, *TWO, *LORA, f"model.path={lora_base(world)}"),
+        "fp8": cli_args(world, d / "fp8", *COMMON, *TWO, *FP8),
     }, d)
     return d
 
@@ -205,3 +208,22 @@ def test_lora_on_two_processes_equals_one(world, two, tmp_path):
         for k in ta:  # the module docstring's weight bound
             torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=TOL, msg=lambda m: f"{name} {k}: {m}")
     assert not (two / "lora" / "transformer").exists()
+
+
+def test_fp8_on_two_processes_equals_one(world, two, tmp_path):
+    """FP8 full fine-tuning under FSDP2: the blocks' weights gathered whole and quantised as one process quantises
+    them; one process runs the step as the same 2 chunks of 4 (data.streams = 2), so the recipe's scales, taken
+    over a chunk's tokens, are the same. Step 1 within TOL; then a weight that the gradients' rounding moved across
+    an E4M3 rounding boundary can move the losses by more than rounding (tests/designer/test_distributed.py's
+    full_fp8 test derives the bounds: losses 1e-3, weights 3 lr)."""
+    out = tmp_path / "one-fp8"
+    assert main(cli_args(world, out, *COMMON, *ONE, *FP8)) == 0
+    assert_same_losses(out, two / "fp8", range(1, 2))
+    ra, rb = records(out), records(two / "fp8")
+    for step in range(2, 5):
+        assert abs(ra[step]["loss"] - rb[step]["loss"]) <= 1e-3, (step, ra[step]["loss"], rb[step]["loss"])
+    ta = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+    tb = load_file(str(two / "fp8" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=3 * 2e-3, msg=lambda m: f"{k}: {m}")

@@ -184,8 +184,9 @@ def test_precision_bf16_changes_nothing():
 
 def test_precision_fp8_refusals_name_the_key(monkeypatch):
     cfg = TrainConfig(precision="fp8")
-    with pytest.raises(ConfigError, match=r'train\.precision = "fp8".*one process'):
-        check_precision(cfg, torch.device("cpu"), distributed=True)
+    with pytest.raises(ConfigError, match=r'train\.precision = "fp8" with LoRA runs on one process.*lora\.rank = 0'):
+        check_precision(cfg, torch.device("cpu"), distributed=True, frozen_bases=True)
+    check_precision(cfg, torch.device("cpu"), distributed=True)  # full fine-tuning runs under FSDP2
     fp8._capability.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
