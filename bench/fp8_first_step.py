@@ -10,9 +10,9 @@ law over 64 ids. For each init (the weights drawn in fp32 and rounded to bf16, o
 (the bf16 forward's, or train.precision = "fp8" rowwise's): one AdamW step from the same weights on batch 0, then the
 loss of batch 1 under the bf16 and the FP8 forward of the stepped weights (2 × 2 × 2 losses), and how much of the
 step on the block linears each forward's view of the weights carries (its bf16 rounding, its rowwise E4M3
-quantisation: <ΔV, Δw> / <Δw, Δw>, 1 for a view that sees all of it). Adam's first step moves every element by about lr; a weight on bf16's grid whose half-ulp is larger
-than that rounds back to itself, so the bf16 forward sees none of the step, while the FP8 grid (a scale per row) is
-not aligned with bf16's. On a CPU the FP8 forward is the fake-quantised reference (kernels/fp8_linear.py's "ref").
+quantisation: <ΔV, Δw> / <Δw, Δw>, 1 for a view that sees all of it). Adam's first step moves every element by
+about lr; a weight on bf16's grid whose half-ulp is larger than that rounds back to itself, so the bf16 forward
+sees none of the step, while the FP8 grid (a scale per row) is not aligned with bf16's. On a CPU the FP8 forward is the fake-quantised reference (kernels/fp8_linear.py's "ref").
 --tiny: the tiny Qwen3 model, 32 tokens (the same code, for tests).
 """
 from __future__ import annotations
@@ -64,8 +64,8 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     cu = torch.tensor([0, t], dtype=torch.int32, device=ids.device)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         hidden = model(ids, pos, cu, t).reshape(t, -1)
-        total = linear_cross_entropy(hidden[:-1], model.lm_head_weight, ids[0, 1:])
-    return total.mean() if total.dim() else total / (t - 1)
+        total = linear_cross_entropy(hidden[:-1], model.lm_head_weight, ids[0, 1:])  # a sum over the t - 1 tokens
+    return total / (t - 1)
 
 
 def linear_weights(weights: dict[str, torch.Tensor]) -> list[str]:
@@ -124,8 +124,9 @@ def markdown(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [f"## FP8 vs bf16 after one AdamW step (lr {c['lr']:g}) — {c['size']} widths, {c['layers']} blocks, "
              f"{c['tokens']} tokens, {report['device']}", "",
-             "| init | gradients | loss before, bf16 / fp8 forward | loss after, bf16 forward | loss after, fp8 forward "
-             "| share of the step seen: bf16 / fp8 forward | bf16 elements changed |", "|---|---|---|---|---|---|---|"]
+             "| init | gradients | loss before, bf16 / fp8 forward | loss after, bf16 forward "
+             "| loss after, fp8 forward | share of the step seen: bf16 / fp8 forward | bf16 elements changed |",
+             "|---|---|---|---|---|---|---|"]
     for init, res in report["result"].items():
         b = res["loss_before_step"]
         for grads, r in res["after_step"].items():

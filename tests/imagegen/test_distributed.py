@@ -8,6 +8,7 @@ every 2 steps (its forwards are collectives: every rank samples, rank 0 writes):
   full_init  as run, but every rank loads the whole model before sharding (init = "full")
   streams4   as run, with the data read as 4 streams: each rank holds 2 and runs their chunks one by one
   fp8        as run, train.precision = "fp8" (full fine-tuning, rowwise)
+  fp8_cut    the same stopped at step 2, then resumed with 2 processes to step 4
   lora       as run, LoRA rank 4 on a frozen base (meta-device init: every rank draws the adapters as one
              process does and keeps its rows); the base is the world's model with every weight perturbed, since
              AdaLN-Zero's zero gates would keep the attention, and so the adapters, out of the loss
@@ -95,6 +96,8 @@ def two(world, tmp_path_factory) -> Path:
         "streams4": cli_args(world, d / "streams4", *COMMON, *TWO, "data.streams=4"),
         "lora": cli_args(world, d / "lora", *COMMON, *TWO, *LORA, f"model.path={lora_base(world)}"),
         "fp8": cli_args(world, d / "fp8", *COMMON, *TWO, *FP8),
+        "fp8_cut": cli_args(world, d / "fp8_cut", *COMMON, *TWO, *FP8, "train.max_steps=2"),
+        "fp8_cut_resumed": cli_args(world, d / "fp8_cut", *COMMON, *TWO, *FP8),
     }, d)
     return d
 
@@ -227,3 +230,11 @@ def test_fp8_on_two_processes_equals_one(world, two, tmp_path):
     assert sorted(ta) == sorted(tb)
     for k in ta:
         torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=3 * 2e-3, msg=lambda m: f"{k}: {m}")
+
+
+def test_fp8_resume_with_two_processes_is_exact(two):
+    """Stopped at step 2 and resumed on 2 processes: the sharded checkpoint loads into the FP8 linears (the frozen
+    one, the last block's text-query projection, makes its fp8 copies from the gathered weight, not its shard) and
+    the run equals the uninterrupted one."""
+    assert_same_losses(two / "fp8", two / "fp8_cut", range(1, 5))
+    assert_same_export(two / "fp8", two / "fp8_cut", "transformer")
