@@ -12,7 +12,8 @@ loss of batch 1 under the bf16 and the FP8 forward of the stepped weights (2 × 
 step on the block linears each forward's view of the weights carries (its bf16 rounding, its rowwise E4M3
 quantisation: <ΔV, Δw> / <Δw, Δw>, 1 for a view that sees all of it). Adam's first step moves every element by
 about lr; a weight on bf16's grid whose half-ulp is larger than that rounds back to itself, so the bf16 forward
-sees none of the step, while the FP8 grid (a scale per row) is not aligned with bf16's. On a CPU the FP8 forward is the fake-quantised reference (kernels/fp8_linear.py's "ref").
+sees none of the step, while the FP8 grid (a scale per row) is not aligned with bf16's. On a CPU the FP8 forward
+is the fake-quantised reference (kernels/fp8_linear.py's "ref").
 --tiny: the tiny Qwen3 model, 32 tokens (the same code, for tests).
 """
 from __future__ import annotations
