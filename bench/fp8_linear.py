@@ -520,7 +520,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m bench.fp8_linear", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--models", default=",".join(MODELS))
@@ -532,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="5 repeats, 2 warm-ups, nothing compiled, 130 s budget")
     p.add_argument("--compile-all", action="store_true", help="time torchao compiled at every shape")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, nothing compiled (tests)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
     variants = [v for v in a.variants.split(",") if v]

@@ -36,7 +36,11 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
   j  moe-30b-parity      Qwen3-30B-A3B LoRA on one-document rows (fp32 adapters under autocast) against transformers
                          + PEFT the same way under activation checkpointing, on the same rows: the loss difference
                          (target ≤ 3e-3)
-Parts h, i and j run only when --parts names them.
+  k  fp8-linear         bf16 vs Atelier's FP8 vs torchao's Float8Linear (tensorwise and rowwise, eager, and
+                         torch.compile'd at each model's largest shape as torchao recommends) on the real projection
+                         shapes of Qwen3-8B, Qwen3-1.7B and SD3-medium 1024, with whole blocks and the shared-input
+                         groups (bench/fp8_linear.py, 5 repeats)
+Parts h, i, j and k run only when --parts names them.
 
 Time: each step gets min(time left − a 10 s reserve, 1.5 × its estimate); a step whose minimum no longer fits is
 skipped (the summary says so, with its command, for a later session). A bench is told to start no run after its
@@ -155,6 +159,9 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Part("j", "moe-30b-parity", (
                 Step("designer", _designer("--config", "qwen3-30b-a3b-lora-1doc", *run, "--micro-batches", "1",
                                            "--lora-dtype", "mixed", "--peers", "hf-amp-gc@1"), 60, 5, 20),)),
+            Part("k", "fp8-linear", (Step("fp8-linear", ("-m", "atelier_studio.bench.fp8_linear", "--tiny",
+                                                         "--repeats", "1", "--sections", "linears", "--models",
+                                                         "qwen3-1.7b"), 60, 5, 20),)),
         ]
     run = ("--steps", "6", "--warmup", "3")
     return [
@@ -207,6 +214,9 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Step("designer", _designer(
                 "--config", "qwen3-30b-a3b-lora-1doc", "--compile", "off", "--micro-batches", "1", "--lora-dtype",
                 "mixed", "--peers", "hf-amp-gc@1", "--steps", "8", "--warmup", "3", *tok), 180, 90, 80, ("peft",)),)),
+        Part("k", "fp8-linear", (Step("fp8-linear", (
+            "-m", "atelier_studio.bench.fp8_linear", "--repeats", "5", "--sections", "linears,blocks,groups"),
+            200, 90, 60, ("torchao",)),)),
     ]
 
 
