@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch and torchvision first, from the local 2.14.1 build (a CUDA wheel that runs on the CPU);
-# then the package itself in editable mode with the dev extra.
+# torch first, from the local 2.14.1 build (a CUDA wheel that runs on the CPU); then the package itself in editable
+# mode with the dev extra (nothing in it needs torchvision, which would pin torch to its own release).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q torch==2.14.1
 	$(PY) -m pip uninstall -q -y atelier 2>/dev/null || true  # the distribution's name before atelier-studio
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)

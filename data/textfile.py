@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from atelier_studio.pipeline.errors import AtelierError, DataError
+from atelier_studio.pipeline.errors import AtelierError, DataError, decode_utf8
 
 BOM = b"\xef\xbb\xbf"
 
@@ -58,15 +58,6 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     return [text for _, text in iter_lines(path)]
 
 
-def decode_utf8(data: bytes, path: str | os.PathLike, error: type[AtelierError] = DataError) -> str:
-    """``data`` (the contents of ``path``) as text; a byte that is not UTF-8 is ``error`` naming path:line."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise error(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-
-
 def read_json(path: str | os.PathLike, error: type[AtelierError] = DataError) -> Any:
     """The JSON value in ``path``; bytes that are not UTF-8 or text that is not JSON are ``error`` naming the file."""
     path = Path(path)
@@ -77,4 +68,4 @@ def read_json(path: str | os.PathLike, error: type[AtelierError] = DataError) ->
         raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
 
 
-__all__ = ["iter_lines", "iter_json_lines", "read_lines", "decode_utf8", "read_json"]
+__all__ = ["iter_lines", "iter_json_lines", "read_lines", "read_json"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
 
-from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.errors import AtelierError, decode_utf8
 
 T = TypeVar("T")
 
@@ -154,8 +154,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        from atelier_studio.data.textfile import decode_utf8
-
         text = decode_utf8(path.read_bytes(), path, ConfigError)  # a non-UTF-8 byte is named path:line
         try:
             data = tomllib.loads(text)

@@ -9,7 +9,8 @@ the ones shared by several packages live here.
 OS errors are converted where the path is known (`write_error`, used by pipeline/atomic.py): a write
 that fails for lack of space says so and names the file it was writing. `user_os_error` is the CLI's
 last resort for the OS errors a user can fix that reach it unconverted (a missing file, a file where a
-directory should be, no permission); any other exception is a bug and keeps its traceback.
+directory should be, no permission); any other exception is a bug and keeps its traceback. `decode_utf8` turns
+a byte that is not UTF-8 into the caller's error naming `file:line` (config files here, data files in data/textfile.py).
 """
 
 from __future__ import annotations
@@ -90,10 +91,19 @@ def user_os_error(e: OSError) -> str | None:
     return f"{where}: {os_error_reason(e)}"
 
 
+def decode_utf8(data: bytes, path: str | os.PathLike, error: type[AtelierError] = DataError) -> str:
+    """``data`` (the contents of ``path``) as text; a byte that is not UTF-8 is ``error`` naming path:line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise error(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
+
+
 def one_line(message: str) -> str:
     """The message on one line: the CLI prints exactly one line per error."""
     return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 __all__ = ["AtelierError", "DataError", "ModelLoadError", "UsageError", "WriteError", "NO_SPACE", "os_error_reason",
-           "write_error", "user_os_error", "one_line"]
+           "write_error", "user_os_error", "decode_utf8", "one_line"]

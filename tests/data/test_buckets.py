@@ -62,7 +62,7 @@ def test_resize_and_crop_covers_and_centres():
 
 
 def test_resize_matches_pillow_to_one_level():
-    """torchvision's antialiased bicubic against Pillow's on a real photo: the same image, within one 8-bit level
+    """torch's antialiased uint8 bicubic against Pillow's on a real photo: the same image, within one 8-bit level
     in almost every pixel (the two round their filter taps differently)."""
     photo = Image.fromarray(skimage.data.astronaut()).resize((300, 200))  # [200, 300] RGB
     ours = resize_and_crop(image_to_uint8(photo), (96, 96)).int()
