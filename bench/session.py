@@ -4,8 +4,8 @@ order within a time budget, and leave every finished result under the output fol
     python3 bench/session.py --budget-s 500 [--parts a,b,c,d] [--wheels .whl] [--out $OUT] [--plan] [--tiny]
     python3 bench/session.py pack --out .whl/site-NAME.tar.xz WHEEL...      (on a machine with pip and the wheels)
 
-It runs from the checkout's root with nothing of Atelier installed: the folders are reached through a namespace
-shim (a temporary `atelier_studio/` of links to them, first on PYTHONPATH), and every measurement is its own
+It runs from the checkout's root with nothing of Atelier installed: the checkout's root goes first on PYTHONPATH,
+where `atelier_studio/` links to the package folders, and every measurement is its own
 process (`python3 -m atelier_studio.bench.<name>`), so a crash, an out-of-memory or a patched library never
 reaches the next one.
 
@@ -78,7 +78,6 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("bench", "data", "designer", "flows", "imagegen", "kernels", "pipeline")
 RESERVE_S = 10.0  # kept back from the budget for the last bundle
 SLACK = 1.25  # a step may run this many times its estimate while time is left
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -256,19 +255,6 @@ def install(wheels: Path, site: Path) -> dict[str, Any]:
     return out
 
 
-def namespace_shim(folder: Path) -> Path:
-    """`folder`/atelier_studio/<package> → this checkout's folders (the package-dir mapping of pyproject.toml),
-    so `python3 -m atelier_studio.bench.X` runs this checkout's code with nothing installed."""
-    ns = folder / "atelier_studio"
-    ns.mkdir(parents=True, exist_ok=True)
-    for name in PACKAGES:
-        link = ns / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(ROOT / name, target_is_directory=True)
-    return folder
-
-
 def pth_paths(site: Path) -> list[Path]:
     """The folders the *.pth files of `site` add (what site.addsitedir would do for a site-packages folder; a folder
     on PYTHONPATH gets no .pth processing, and some packages, e.g. nvidia-cutlass-dsl, put their modules there)."""
@@ -407,7 +393,7 @@ def run_session(make_parts: Callable[[str | None], list[Part]], budget_s: float,
     r = session.record
     r.update(budget_s=budget_s, date=time.strftime("%Y-%m-%d %H:%M:%S"), steps=[])
     r["install"] = install(wheels, work / "site")
-    env = child_env([namespace_shim(work / "ns"), work / "site", *pth_paths(work / "site")])
+    env = child_env([ROOT, work / "site", *pth_paths(work / "site")])
     needs = sorted({m for p in make_parts(None) for s in p.steps for m in s.needs} | {"torch", "atelier_studio.bench"})
     found = probe(env, needs)
     r["modules"] = found["modules"]
