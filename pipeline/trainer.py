@@ -85,6 +85,7 @@ class Trainer:
                                         device)
         self.step = 0
         self._stop_signal: int | None = None
+        self._resumed: tuple[Path | None] | None = None  # set by resume(): (the checkpoint or None,)
 
     # ------------------------------------------------------------------ setup
 
@@ -97,6 +98,13 @@ class Trainer:
         fused = self.device.type == "cuda"
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
 
+    def _set_hyperparameters(self) -> None:
+        """This run's weight decay, betas and eps on the optimizer's groups: a checkpoint's load restores the saved
+        ones, and a resume that changed them (with a warning, pipeline/config_diff.py) must train with the new."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            group.update(weight_decay=self.cfg.weight_decay if i == 0 else 0.0, betas=self.cfg.betas,
+                         eps=self.cfg.adam_eps)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
@@ -104,6 +112,18 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         self.step = self.checkpoints.load(path)
+        self._set_hyperparameters()
+
+    def resume(self) -> Path | None:
+        """Restore the checkpoint `train.resume` names, if any (once; fit() calls it when it has not been called):
+        the CLI calls it first, to write the run's config only once the checkpoint has loaded. Returns its path."""
+        if self._resumed is None:
+            path = self.checkpoints.resume_path()
+            if path is not None:
+                self.load(path)
+                log(f"resumed from {path} at step {self.step}")
+            self._resumed = (path,)
+        return self._resumed[0]
 
     # ------------------------------------------------------------------ signals
 
@@ -118,10 +138,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         ensure_dir(self.out, "output.dir")
-        resume = self.checkpoints.resume_path()
-        if resume is not None:
-            self.load(resume)
-            log(f"resumed from {resume} at step {self.step}")
+        resume = self.resume()
         report = RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
                         main=self.dist.is_main)
         meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
