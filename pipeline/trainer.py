@@ -149,6 +149,8 @@ class Trainer:
         per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
         render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
+        skipped = getattr(self.task, "skipped", None)  # optional: what the data skipped so far
+        reported_skips: dict[str, dict[str, int]] = {}
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
         evaluated_step = -1
@@ -197,7 +199,13 @@ class Trainer:
                                        "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
                     if self.device.type == "cuda":
                         record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    skips = skipped() if skipped is not None else None
+                    if skips is not None:
+                        record["skipped"] = skips.total
                     report.train(record)
+                    if skips is not None and skips.by_source != reported_skips:  # which shards, when it changes
+                        report.skipped(self.step, skips)
+                        reported_skips = skips.by_source
 
                 rendered = render(self.step) if render is not None else None
                 if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
@@ -214,6 +222,7 @@ class Trainer:
                     meter.restart_clock()
 
             interrupted = self._stop_signal is not None
+            final_skips = skipped() if skipped is not None else None  # every rank: a task may gather its counts
             if saved_step != self.step:
                 path = self.save()
                 report.message(f"saved {path}")
@@ -230,6 +239,8 @@ class Trainer:
                 signal.signal(s, h)
             report.close()
         summary = meter.summary()
+        if final_skips is not None:
+            summary["skipped"] = final_skips.as_dict()
         if self.device.type == "cuda":
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,
