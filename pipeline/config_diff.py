@@ -11,7 +11,7 @@ them), which sorts every key into one of three lists:
 - free: where and how the run is started, never what it computes (train.resume, output.dir, the MFU peak).
 
 An entry names a key (`train.lr`) or a whole section (`sample`, `train.distributed`); the longest match decides.
-A key in no list is refused, so a new key is placed deliberately (tests/pipeline/test_resume_config.py checks
+A key in no list is refused, so a new key is placed deliberately (tests/pipeline/test_config_diff.py checks
 that both trainers place every key).
 
 History. The config a checkpoint was trained under is the run's `config.toml`, unless a later resume changed it:
