@@ -127,8 +127,8 @@ def check_resume(cfg: Any, policy: ResumePolicy, out_dir: Path) -> ResumeCheck:
     """Compare `cfg` with the config of the checkpoint `cfg.train.resume` continues from: a `ConfigError` naming
     every refused change, else the changes to warn about (printed here). Reads files only; writes nothing."""
     checkpoint = resumed_checkpoint(out_dir, cfg.train.resume)
-    if checkpoint is None:
-        return ResumeCheck(None, None)
+    if checkpoint is None or not checkpoint.exists():  # a path that is not there: the Checkpointer names it
+        return ResumeCheck(checkpoint, None)
     previous = trained_under(checkpoint)
     if not previous.is_file():
         log(f"resuming {checkpoint}: no {previous.name} beside it, so the settings it was trained under are unknown "
@@ -140,6 +140,10 @@ def check_resume(cfg: Any, policy: ResumePolicy, out_dir: Path) -> ResumeCheck:
         raise ConfigError(f"{previous}: invalid TOML ({e}), so the settings {checkpoint} was trained under cannot "
                           f"be compared with this run's; restore the file, or resume into another output.dir") from None
     new = flatten(tomllib.loads(config_to_toml(cfg)))
+    # written by another version: a key it lacks was added since, and its default is what that run did; a key this
+    # version no longer has cannot be set either way
+    defaults = flatten(tomllib.loads(config_to_toml(type(cfg)())))
+    old = {**defaults, **{k: v for k, v in old.items() if k in defaults or k in new}}
     changes = [c for c in diff(old, new) if policy.rule(c.key) != "free"]
     refused = [c for c in changes if policy.rule(c.key) in ("refuse", None)]
     if refused:

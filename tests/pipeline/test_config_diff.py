@@ -9,8 +9,9 @@ import torch
 
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.imagegen.config import ImagegenConfig
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig, config_to_dict, load_config
-from atelier_studio.pipeline.config_diff import ResumePolicy, flatten, trained_under
+from atelier_studio.pipeline.config import (ConfigError, OutputConfig, TrainConfig, config_to_dict, config_to_toml,
+                                            load_config)
+from atelier_studio.pipeline.config_diff import ResumePolicy, check_resume, flatten, trained_under
 from atelier_studio.pipeline.trainer import Trainer, seed_everything
 from tests.pipeline.toy_task import ToyTask
 
@@ -66,3 +67,16 @@ def test_rank_0_with_adapter_keys_is_an_error(cls, sets, adapter):
                                           rf"set lora\.rank > 0"):
         load_config(cls, None, [*sets, "lora.rank=0", adapter])
     load_config(cls, None, [*sets, "lora.rank=4", adapter])  # with adapters, the same key is fine
+
+
+def test_a_config_of_another_version_compares_by_defaults(tmp_path):
+    """The checkpoint's config.toml lacks a key added since (it ran with the default) and has one removed since:
+    neither is a change; a real change still is."""
+    cfg = load_config(DesignerConfig, None, ["model.path=m", "data.train=t.jsonl", f"output.dir={tmp_path}"])
+    (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
+    old = config_to_toml(cfg).replace("grad_clip = 1.0\n", "").replace("[train]\n", "[train]\nremoved_key = 5\n")
+    (tmp_path / "config.toml").write_text(old)
+    assert check_resume(cfg, DesignerConfig.resume_policy, tmp_path).changes == ()
+    (tmp_path / "config.toml").write_text(old.replace("lr = 0.0001", "lr = 0.001"))
+    changes = check_resume(cfg, DesignerConfig.resume_policy, tmp_path).changes
+    assert [str(c) for c in changes] == ["train.lr 0.001 → 0.0001"]
