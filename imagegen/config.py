@@ -245,19 +245,20 @@ class SampleConfig:
 class ImagegenConfig:
     # what a resume may change (pipeline/config_diff.py; docs/training.md). Refused: the model and its dtype, the
     # latent space (autoencoder) and the text conditioning the latents were cached with, the data stream (shards,
-    # buckets, streams, shuffle), the adapters' shapes and meaning, and the EMA (its average is defined by its
+    # buckets, shuffle), the adapters' shapes and meaning, and the EMA (its average is defined by its
     # settings, and turning it on or off changes what a checkpoint holds). Warned: kernels and attention backend
     # (the same math), caption dropout and the flow objective (training hyper-parameters), the eval set, the cache
     # settings, the loader threads, the bad-sample tolerance, lora.dropout and the sample grid.
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
         refuse=("model.path", "model.dtype", "autoencoder", "text", "data.shards", "data.resolution",
-                "data.min_ratio", "data.max_ratio", "data.streams", "data.shuffle_buffer", "lora", "ema",
-                *TRAIN_REFUSE),
+                "data.min_ratio", "data.max_ratio", "data.shuffle_buffer", "lora", "ema", *TRAIN_REFUSE),
         warn=("model.kernels", "model.attention", "text.caption_dropout", "text.caption_dropout_fill",
               "text.caption_dropout_encoders", "data.eval_shards", "data.image_shards", "data.eval_image_shards",
               "data.max_bad_fraction", "data.num_workers", "data.cache_batch", "data.max_eval_images",
               "data.loader_workers", "flow", "lora.dropout", "sample", *TRAIN_WARN),
-        free=TRAIN_FREE)
+        # 0 means one stream per process: a resume on another number of processes may set it to the checkpoint's
+        # number, which the saved stream position checks (its error names the number)
+        free=("data.streams", *TRAIN_FREE))
 
     model: ModelConfig = field(default_factory=ModelConfig)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)

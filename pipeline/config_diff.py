@@ -4,11 +4,12 @@ Each trainer's config class declares a `ResumePolicy` (`resume_policy`, per conf
 them), which sorts every key into one of three lists:
 
 - refuse: a change makes the checkpoint something else: the model, the trainable parameters' shapes or meaning
-  (LoRA rank, targets, alpha), the data stream (files, row length, micro-batch, seed). The resume stops before
+  (LoRA rank, targets, alpha), the data stream (files, row length, seed). The resume stops before
   anything is loaded, naming every such key with old -> new and the fix (another output.dir, or the old value).
 - warn: hyper-parameters, cadences and logging (lr, schedule, max_steps, eval and checkpoint cadence). The run
   goes on with the new values after a warning naming every changed key with old -> new.
-- free: where and how the run is started, never what it computes (train.resume, output.dir, the MFU peak).
+- free: where and how the run is started, never what it computes (train.resume, output.dir, the MFU peak, the
+  per-process micro-batch and imagegen's data.streams, whose global value the saved data position checks).
 
 An entry names a key (`train.lr`) or a whole section (`sample`, `train.distributed`); the longest match decides.
 A key in no list is refused, so a new key is placed deliberately (tests/pipeline/test_config_diff.py checks
@@ -37,12 +38,14 @@ CONFIG_NAME = "config.toml"
 _HISTORY = re.compile(r"^config\.step-(\d+)\.toml$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
-# [train] and [output], shared by both trainers: what changes the data stream is refused (the micro-batch fixes
-# the rows or images of each micro-batch, the seed their order); everything else is a hyper-parameter, a cadence,
-# logging or an execution choice, taken with a warning.
-TRAIN_REFUSE = ("train.micro_batch", "train.seed")
+# [train] and [output], shared by both trainers: the seed orders the data stream, so its change is refused;
+# train.micro_batch is per process, and a checkpoint resumes on another number of processes with the same global
+# micro-batch (2 x 4 as 1 x 8, exactly), so it is free here: the saved data position refuses another global batch
+# with its own error. Everything else is a hyper-parameter, a cadence, logging or an execution choice, taken with
+# a warning.
+TRAIN_REFUSE = ("train.seed",)
 TRAIN_WARN = ("train", "output.tensorboard")
-TRAIN_FREE = ("train.resume", "train.peak_tflops", "output.dir")
+TRAIN_FREE = ("train.resume", "train.peak_tflops", "train.micro_batch", "output.dir")
 
 
 @dataclass(frozen=True)

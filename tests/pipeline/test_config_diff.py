@@ -38,12 +38,12 @@ def test_every_key_has_a_resume_rule(cls):
     keys = flatten(config_to_dict(cls()))
     assert [k for k in keys if policy.rule(k) is None] == []
     for key in ("model.path", "data.seq_len", "data.train", "data.shards", "data.resolution", "lora.rank",
-                "lora.targets", "lora.alpha", "train.seed", "train.micro_batch"):
+                "lora.targets", "lora.alpha", "train.seed"):
         assert policy.rule(key) == ("refuse" if key in keys else None), key
     for key in ("train.lr", "train.schedule", "train.max_steps", "train.eval_every", "train.save_every",
                 "train.log_every", "output.tensorboard", "lora.dropout"):
         assert policy.rule(key) == "warn", key
-    assert policy.rule("train.resume") == policy.rule("output.dir") == "free"
+    assert policy.rule("train.resume") == policy.rule("output.dir") == policy.rule("train.micro_batch") == "free"
 
 
 def test_the_config_a_checkpoint_was_trained_under(tmp_path):
