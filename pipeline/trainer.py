@@ -3,7 +3,8 @@
 Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
 each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
 of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
-step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard),
+step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard; with what
+the task's data skipped so far, pipeline/task.py's Skipped),
 evaluation, checkpoints on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position,
 RNG, data cursor; pipeline/checkpointer.py's Checkpointer does the saving and restoring).
 
@@ -85,7 +86,8 @@ class Trainer:
                                         device)
         self.step = 0
         self._stop_signal: int | None = None
-        self._resumed: tuple[Path | None] | None = None  # set by resume(): (the checkpoint or None,)
+        self._resume_done = False  # resume() ran (it restores a checkpoint once)
+        self._resumed_from: Path | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -117,13 +119,13 @@ class Trainer:
     def resume(self) -> Path | None:
         """Restore the checkpoint `train.resume` names, if any (once; fit() calls it when it has not been called):
         the CLI calls it first, to write the run's config only once the checkpoint has loaded. Returns its path."""
-        if self._resumed is None:
-            path = self.checkpoints.resume_path()
-            if path is not None:
-                self.load(path)
-                log(f"resumed from {path} at step {self.step}")
-            self._resumed = (path,)
-        return self._resumed[0]
+        if not self._resume_done:
+            self._resumed_from = self.checkpoints.resume_path()
+            if self._resumed_from is not None:
+                self.load(self._resumed_from)
+                log(f"resumed from {self._resumed_from} at step {self.step}")
+            self._resume_done = True
+        return self._resumed_from
 
     # ------------------------------------------------------------------ signals
 
