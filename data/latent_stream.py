@@ -38,8 +38,9 @@ index counts, file sizes); other shards, another seed, another V or c are refuse
 
 Corrupt samples follow data/shards.py's policy, counted per stream while planning: a missing member, an
 undecodable or malformed latent, a duplicate member, a truncated tar (once per stream pass; a tar with fewer
-samples than its index says counts as truncated) are skipped; past `max_bad_fraction` a `ShardError`
-names the worst shard. Shards are local files (random access to a sample's tensors).
+samples than its index says counts as truncated) are skipped; a tar cut short counts every listed sample it
+lacks, on every pass (each pass skips them again). Past `max_bad_fraction` a `ShardError` names the worst shard.
+`LatentStream.skipped()` is what was skipped so far, per shard and reason (the trainer reports it). Shards are local files (random access to a sample's tensors).
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ class StreamPlan:
         if lost > 0:  # cut off, or fewer samples than the index lists: the rest of this share is gone
             self.offset += lost
             detail = broken[0] if broken else f"ends after {index} of the {listed} samples its index lists"
-            yield BadSample("truncated tar", path, "?", detail)
+            yield BadSample("truncated tar", path, "?", detail, count=lost)  # each missing sample counts
 
     def next_ref(self) -> LatentRef:
         """The next good sample's reference (bad ones are counted and skipped)."""
@@ -383,8 +384,8 @@ class StreamPlan:
         return {"epoch": self.epoch, "offset": self.offset, "chunks": self.chunks, "rng": self.rng.bit_generator.state,
                 "shuffle": [r.to_json() for r in self.shuffle],
                 "buckets": [[*b, [r.to_json() for r in refs]] for b, refs in self.buckets.items()],
-                "counter": {"good": c.good, "by_reason": dict(c.by_reason), "by_shard": dict(c.by_shard),
-                            "last_bad": [last.reason, last.shard, last.key, last.detail] if last else None}}
+                "counter": {**c.as_dict(),
+                            "last_bad": [last.reason, last.shard, last.key, last.detail, last.count] if last else None}}
 
     def _load(self, s: dict) -> None:
         try:
@@ -393,9 +394,7 @@ class StreamPlan:
             self.shuffle = [LatentRef.from_json(r) for r in s["shuffle"]]
             self.buckets = {(int(h), int(w)): [LatentRef.from_json(r) for r in refs] for h, w, refs in s["buckets"]}
             c = s["counter"]
-            self.counter.good = int(c["good"])
-            self.counter.by_reason.update(c["by_reason"])
-            self.counter.by_shard.update(c["by_shard"])
+            self.counter.load(c)
             self.counter.last_bad = BadSample(*c["last_bad"]) if c["last_bad"] else None
         except (KeyError, TypeError, ValueError) as exn:
             raise StreamStateError(f"stream {self.stream}'s saved position is malformed ({type(exn).__name__}: "
@@ -568,6 +567,16 @@ class LatentStream:
         if rare:
             log(f"{self.shards.source}: {len(rare)} buckets hold fewer samples than a global micro-batch of "
                 f"{self.chunk * self.streams}: they fill across epochs and a batch of them can repeat a sample ({rare})")
+
+    def skipped(self) -> dict[str, dict[str, int]]:
+        """This rank's streams' skipped samples up to what the trainer consumed: shard path -> reason -> samples."""
+        out: dict[str, dict[str, int]] = {}
+        for plan in self.plans.values():
+            for shard, reasons in plan.counter.by_shard_reason.items():
+                mine = out.setdefault(shard, {})
+                for reason, n in reasons.items():
+                    mine[reason] = mine.get(reason, 0) + n
+        return out
 
     @property
     def chunks_per_micro_batch(self) -> int:

@@ -21,8 +21,9 @@ Corrupt samples (policy): a truncated or unreadable tar, an undecodable
 image or latent, a sample without caption, an image whose shorter side is below `min_side` are
 skipped and counted by reason and shard in a `BadSampleCounter`. Once bad / seen exceeds
 `max_bad_fraction` (checked after `min_samples_for_check` samples, and always at the end of a finite
-pass) a `ShardError` names the worst shard and the last bad key. A truncated tar counts as one bad
-sample (the samples it lost cannot be known). With DataLoader workers each worker counts its own
+pass) a `ShardError` names the worst shard and the last bad key. Here a truncated tar counts as one bad
+sample (a webdataset pass cannot know the samples it lost); the training stream (data/latent_stream.py) counts
+the samples its index lists that a cut tar lacks. With DataLoader workers each worker counts its own
 share. Images are converted to 8-bit RGB: CMYK and YCbCr by Pillow, palette and alpha modes are
 composited over white (dropping alpha would expose undefined colours under transparent pixels),
 16-bit ("I;16*", and "I" which Pillow's PNG loader produces for 16-bit grey) is scaled by 255/65535
@@ -73,11 +74,12 @@ class ShardError(AtelierError, RuntimeError):
 
 
 class BadSample(Exception):
-    """One skipped sample; raised inside the pipeline and caught by `BadSampleCounter.handler`."""
+    """One skipped sample, or `count` of them (a tar cut short: the samples its index lists that it lacks); raised
+    inside the pipeline and caught by `BadSampleCounter.handler`."""
 
-    def __init__(self, reason: str, shard: str, key: str, detail: str = ""):
+    def __init__(self, reason: str, shard: str, key: str, detail: str = "", count: int = 1):
         super().__init__(f"{shard}: key {key}: {reason}" + (f" ({detail})" if detail else ""))
-        self.reason, self.shard, self.key, self.detail = reason, shard, key, detail
+        self.reason, self.shard, self.key, self.detail, self.count = reason, shard, key, detail, count
 
 
 @dataclass
@@ -89,6 +91,7 @@ class BadSampleCounter:
     good: int = 0
     by_reason: Counter = field(default_factory=Counter)
     by_shard: Counter = field(default_factory=Counter)
+    by_shard_reason: dict[str, Counter] = field(default_factory=dict)  # shard -> reason -> samples
     last_bad: BadSample | None = None
     current_shard: str = "<unknown shard>"
     _truncated: set = field(default_factory=set)
@@ -106,8 +109,9 @@ class BadSampleCounter:
         self.check(final=False)
 
     def record(self, exn: BadSample) -> None:
-        self.by_reason[exn.reason] += 1
-        self.by_shard[exn.shard] += 1
+        self.by_reason[exn.reason] += exn.count
+        self.by_shard[exn.shard] += exn.count
+        self.by_shard_reason.setdefault(exn.shard, Counter())[exn.reason] += exn.count
         self.last_bad = exn
         self.check(final=False)
 
@@ -146,7 +150,18 @@ class BadSampleCounter:
         return True
 
     def as_dict(self) -> dict:
-        return {"good": self.good, "bad": self.bad, "by_reason": dict(self.by_reason), "by_shard": dict(self.by_shard)}
+        return {"good": self.good, "bad": self.bad, "by_reason": dict(self.by_reason), "by_shard": dict(self.by_shard),
+                "by_shard_reason": {s: dict(c) for s, c in self.by_shard_reason.items()}}
+
+    def load(self, state: dict) -> None:
+        """Continue counting from `as_dict()` (a checkpoint's; one without by_shard_reason counts its shards' bad
+        samples under "bad sample")."""
+        self.good = int(state["good"])
+        self.by_reason.update(state["by_reason"])
+        self.by_shard.update(state["by_shard"])
+        per = state.get("by_shard_reason") or {s: {"bad sample": n} for s, n in state["by_shard"].items()}
+        for shard, reasons in per.items():
+            self.by_shard_reason.setdefault(shard, Counter()).update(reasons)
 
 
 @dataclass(frozen=True)

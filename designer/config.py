@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig, check_full_finetuning
+from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class LoraConfig:
             raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+        check_full_finetuning(self)
         if self.base_dtype == "nf4" and self.rank == 0:
             raise ConfigError('base_dtype: "nf4" stores the frozen base of a LoRA run in 4 bits, but rank = 0 is full '
                               'fine-tuning, whose weights all train; set lora.rank > 0 for QLoRA, or lora.base_dtype = '
@@ -82,6 +84,16 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DesignerConfig:
+    # what a resume may change (pipeline/config_diff.py; docs/training.md): the model and its dtype, the data stream
+    # (the train file, row length, overflow policy) and everything that fixes the adapters' shapes and meaning are
+    # refused; kernels, attention and delta-rule paths (the same math), the MoE auxiliary loss, the eval set and
+    # lora.dropout are hyper-parameters or execution choices, taken with a warning
+    resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
+        refuse=("model.path", "model.dtype", "data.train", "data.seq_len", "data.overflow", "lora", *TRAIN_REFUSE),
+        warn=("model.attention", "model.kernels", "model.delta_rule", "model.router_aux_loss", "data.eval",
+              "data.max_eval_batches", "lora.dropout", *TRAIN_WARN),
+        free=TRAIN_FREE)
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -69,6 +69,7 @@ from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, mat
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
+from atelier_studio.pipeline.task import Skipped
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -99,6 +100,7 @@ class DesignerTask:
         self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
+        self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
 
         exact = cfg.model.dtype == "float32"
@@ -257,6 +259,16 @@ class DesignerTask:
             f"{s.padding_fraction:.1%} padding, split {s.num_split}, truncated {s.num_truncated}, dropped {s.num_dropped}")
         return BalancedPackedLoader(packed, self.cfg.train.micro_batch, self.cfg.train.seed, rank, world_size,
                                     drop_last=drop_last, balance=self.cfg.train.distributed.balance)
+
+    def skipped(self) -> Skipped | None:
+        """The documents longer than data.seq_len that data.overflow = "drop" leaves out, once for every epoch begun
+        (the whole data set is packed on every rank, so the count is every rank's); None with another overflow policy:
+        a JSONL line that cannot be used is an error, never skipped."""
+        if self.cfg.data.overflow != "drop":
+            return None
+        epochs = self.train_loader.epoch + 1
+        return Skipped({self.cfg.data.train: {"longer than data.seq_len (data.overflow = drop)": self._dropped * epochs}}
+                       if self._dropped else {})
 
     def _to_device(self, batch: Batch) -> DeviceBatch:
         if self.cfg.train.distributed.compile:

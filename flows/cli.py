@@ -70,8 +70,9 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import inspect
     import os
 
-    from atelier_studio.pipeline.atomic import check_dir_path, ensure_dir
-    from atelier_studio.pipeline.config import load_config, save_config
+    from atelier_studio.pipeline.atomic import check_dir_path
+    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.config_diff import check_resume, record_run_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
@@ -91,16 +92,38 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             raise DistributedError(f"{task_cls.__name__} does not support several processes yet (it takes no "
                                    f"`dist` context); run it with --nproc 1")
         with quiet:
-            # the task reads and checks the data and the model; the run's files are written only after that
+            # a resume that changes what the checkpoint is trained on stops here, before anything loads (rank 0
+            # decides for all); the task then reads and checks the data and the model, the trainer restores the
+            # checkpoint, and only then are the run's files written
+            resume_check = _on_rank_0(dist, lambda: check_resume(cfg, config_cls.resume_policy, out))
             task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
+            trainer = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist)
+            trainer.resume()
             if dist.is_main:
-                save_config(cfg, ensure_dir(out, "output.dir") / "config.toml")
-            result = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist).fit()
+                record_run_config(cfg, out, resume_check, trainer.step)
+            result = trainer.fit()
         if dist.is_main:
             _write_summary(out, result)
         return exit_code(result)
     finally:
         shutdown(dist)
+
+
+def _on_rank_0(dist, fn: Callable):
+    """fn() run by rank 0 only, its result (or its AtelierError, raised) on every rank."""
+    from atelier_studio.pipeline.distributed import broadcast_object
+    from atelier_studio.pipeline.errors import AtelierError
+
+    if not dist.enabled:
+        return fn()
+    try:
+        result = fn() if dist.is_main else None
+    except AtelierError as e:
+        result = e
+    result = broadcast_object(dist, result)
+    if isinstance(result, AtelierError):
+        raise result
+    return result
 
 
 def designer_train(args: argparse.Namespace) -> int:

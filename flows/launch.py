@@ -46,6 +46,7 @@ STEP_LINE = re.compile(
     r"(?: lr (?P<lr>[-+0-9.eE]+))?"
     r"(?: (?P<unit>tok/s|img/s) (?P<rate>[0-9.eE+]+))?"
     r"(?: mfu (?P<mfu>[0-9.]+)%)?"
+    r"(?: skipped (?P<skipped>\d+))?"
     r"(?: eta (?P<eta>[0-9:]+(?:\.\d+)?|\d+ days?, [0-9:]+))?\s*$"
 )
 
@@ -64,7 +65,8 @@ class TrainerFailed(RuntimeError):
 
 
 def parse_step_line(line: str) -> dict[str, Any] | None:
-    """One trainer step line → {step, total, loss, lr, unit, rate, mfu (fraction), eta}; None for other lines."""
+    """One trainer step line → {step, total, loss, lr, unit, rate, mfu (fraction), skipped, eta}; None for other
+    lines."""
     m = STEP_LINE.match(line.strip())
     if m is None:
         return None
@@ -75,6 +77,8 @@ def parse_step_line(line: str) -> dict[str, Any] | None:
         out["unit"], out["rate"] = m["unit"], float(m["rate"])
     if m["mfu"] is not None:
         out["mfu"] = float(m["mfu"]) / 100.0
+    if m["skipped"] is not None:
+        out["skipped"] = int(m["skipped"])
     if m["eta"] is not None:
         out["eta"] = m["eta"]
     return out
@@ -229,6 +233,8 @@ def describe_step(rec: dict[str, Any]) -> str:
         parts.append(f"{rec['rate']:.1f} {rec['unit']}")
     if "mfu" in rec:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    if rec.get("skipped"):
+        parts.append(f"{rec['skipped']} samples skipped")
     if "eta" in rec:
         parts.append(f"eta {rec['eta']}")
     return ", ".join(parts)

@@ -76,9 +76,9 @@ def _fmt(v: Any) -> str:
 
 def metrics_rows(run_dir: Path) -> list[dict[str, str]]:
     """Train and eval records merged by step, formatted for a table."""
-    cols = ("step", "kind", "loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "mfu")
+    cols = ("step", "kind", "loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "mfu", "skipped")
     rows = []
-    for rec in thin(read_metrics(run_dir)):
+    for rec in thin([r for r in read_metrics(run_dir) if r.get("kind") in ("train", "eval")]):
         rows.append({c: _fmt(rec.get(c)) for c in cols if c in rec or c in ("step", "kind", "loss")})
     return rows
 
@@ -90,7 +90,8 @@ def summary_markdown(run_dir: Path, title: str) -> str:
     lines = [f"# {title}", "", f"Run directory: `{Path(run_dir).resolve()}`", ""]
     if not s:
         lines.append("No summary.json: the run did not finish (see the logs).")
-        return "\n".join(lines)
+        skips = read_metrics(run_dir, "skipped")  # the last counts it logged
+        return "\n".join(lines + skipped_markdown(skips[-1] if skips else None))
     rate = s.get("units_per_s")
     unit = "images/s" if any("images_per_s" in r for r in read_metrics(run_dir, "train")) else "tokens/s"
     mfu = s.get("mfu")
@@ -101,9 +102,24 @@ def summary_markdown(run_dir: Path, title: str) -> str:
             ("MFU", f"{100 * mfu:.2f}%" if mfu is not None else "n/a (no peak for this device)"),
             ("step time (s, median)", s.get("step_time")), ("peak memory (GiB)", s.get("peak_gb"))]
     lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows if v is not None]
+    lines += skipped_markdown(s.get("skipped"))
     if s.get("exports"):
         lines += ["", "Exports:", ""] + [f"- {k}: `{v}`" for k, v in s["exports"].items()]
     return "\n".join(lines)
+
+
+def skipped_markdown(skipped: dict[str, Any] | None) -> list[str]:
+    """The summary's skipped training samples (pipeline.task.Skipped.as_dict) as a table by source and reason."""
+    if not skipped:
+        return []
+    if not skipped.get("total"):
+        return ["", "Skipped training samples: none."]
+    lines = ["", f"## Skipped training samples: {skipped['total']}", "",
+             "Unreadable samples, and the samples a tar cut short lacks (its index lists them), counted on every pass "
+             "that skipped them.", "", "| source | reason | samples |", "|---|---|---|"]
+    for source, reasons in skipped.get("by_source", {}).items():
+        lines += [f"| `{source}` | {reason} | {n} |" for reason, n in sorted(reasons.items())]
+    return lines
 
 
 # ----------------------------------------------------------------------------- images

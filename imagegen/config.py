@@ -17,10 +17,11 @@ SD3 / SD3.5 transformers' dims. With `model.path` a diffusers SD3 pipeline direc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig, check_full_finetuning
+from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,7 @@ class LoraConfig:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
         if any(not t.strip() for t in self.targets):
             raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
-        if self.init_adapter and self.rank == 0:
-            raise ConfigError("init_adapter: set lora.rank to the adapter's rank (rank 0 is full fine-tuning)")
+        check_full_finetuning(self)
 
     def args(self):  # -> pipeline.lora.LoraArgs (the targets as given; the task resolves them against the family)
         from atelier_studio.pipeline.lora import LoraArgs
@@ -243,6 +243,23 @@ class SampleConfig:
 
 @dataclass(frozen=True)
 class ImagegenConfig:
+    # what a resume may change (pipeline/config_diff.py; docs/training.md). Refused: the model and its dtype, the
+    # latent space (autoencoder) and the text conditioning the latents were cached with, the data stream (shards,
+    # buckets, shuffle), the adapters' shapes and meaning, and the EMA (its average is defined by its
+    # settings, and turning it on or off changes what a checkpoint holds). Warned: kernels and attention backend
+    # (the same math), caption dropout and the flow objective (training hyper-parameters), the eval set, the cache
+    # settings, the loader threads, the bad-sample tolerance, lora.dropout and the sample grid.
+    resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
+        refuse=("model.path", "model.dtype", "autoencoder", "text", "data.shards", "data.resolution",
+                "data.min_ratio", "data.max_ratio", "data.shuffle_buffer", "lora", "ema", *TRAIN_REFUSE),
+        warn=("model.kernels", "model.attention", "text.caption_dropout", "text.caption_dropout_fill",
+              "text.caption_dropout_encoders", "data.eval_shards", "data.image_shards", "data.eval_image_shards",
+              "data.max_bad_fraction", "data.num_workers", "data.cache_batch", "data.max_eval_images",
+              "data.loader_workers", "flow", "lora.dropout", "sample", *TRAIN_WARN),
+        # 0 means one stream per process: a resume on another number of processes may set it to the checkpoint's
+        # number, which the saved stream position checks (its error names the number)
+        free=("data.streams", *TRAIN_FREE))
+
     model: ModelConfig = field(default_factory=ModelConfig)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     text: TextConfig = field(default_factory=TextConfig)

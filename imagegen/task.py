@@ -89,7 +89,7 @@ from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects
 from atelier_studio.pipeline.float8 import PRECISION_KEY, apply_precision, check_precision
 from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
 from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Samples
+from atelier_studio.pipeline.task import Samples, Skipped
 
 NUM_BINS = 4
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
@@ -561,6 +561,17 @@ class ImagegenTask:
         """The step and every stream's data position (gathered from the ranks: every rank calls this on a save)."""
         states = all_gather_objects(self.dist, self.stream.state_dict())
         return {"sampler": LatentStream.merge_states(states), "step": self._step}
+
+    def skipped(self) -> Skipped:
+        """The training stream's skipped samples so far (bad ones, and those a tar cut short lacks), by shard and
+        reason, summed over the ranks' streams (gathered: every rank calls this)."""
+        merged: dict[str, dict[str, int]] = {}
+        for part in all_gather_objects(self.dist, self.stream.skipped()):
+            for shard, reasons in part.items():
+                mine = merged.setdefault(shard, {})
+                for reason, n in reasons.items():
+                    mine[reason] = mine.get(reason, 0) + n
+        return Skipped(merged)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.stream.load_state_dict(meta["sampler"])

@@ -132,6 +132,20 @@ class OutputConfig:
             raise ConfigError("dir: must not be empty")
 
 
+def check_full_finetuning(lora: Any) -> None:
+    """A `[lora]` section with rank 0 (full fine-tuning: every weight trains, no adapters) must set no adapter key
+    (targets, dropout, rslora, init_adapter): they would be ignored, and a run that trains every weight instead of
+    the adapters asked for is found out only from its size. Both trainers' LoRA sections call this."""
+    if lora.rank != 0:
+        return
+    defaults = {"targets": (), "dropout": 0.0, "rslora": False, "init_adapter": ""}
+    given = [f"{k} = {getattr(lora, k)!r}" for k, default in defaults.items() if getattr(lora, k) != default]
+    if given:
+        raise ConfigError(f"rank: 0 is full fine-tuning (every weight trains, no adapters), but {', '.join(given)} "
+                          f"configures adapters; set lora.rank > 0 to train adapters, or leave "
+                          f"{', '.join('lora.' + g.split(' = ')[0] for g in given)} unset for full fine-tuning")
+
+
 def _positive(cfg: Any, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
@@ -255,7 +269,7 @@ def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
     node_cls: Any = cls
     node = data
     for i, part in enumerate(parts):
-        hints = typing.get_type_hints(node_cls) if is_dataclass(node_cls) else {}
+        hints = _field_types(node_cls) if is_dataclass(node_cls) else {}
         if part not in hints:
             where = ".".join(parts[:i]) or "the top level"
             allowed = ", ".join(sorted(hints)) if hints else "none (not a section)"
@@ -270,6 +284,12 @@ def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
             if is_dataclass(tp):
                 raise ConfigError(f"{key}: is a section; set one of its keys (--set {item})")
             node[part] = _parse_override_value(tp, raw.strip())
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """A config dataclass's fields and their types (class-level settings, a ClassVar, are not keys)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
 
 
 def _parse_override_value(tp: Any, raw: str) -> Any:
@@ -340,6 +360,7 @@ def save_config(cfg: Any, path: str | Path) -> None:
 
 __all__ = [
     "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict",
+    "check_full_finetuning",
     "config_to_dict",
     "config_to_toml", "save_config", "field",
 ]

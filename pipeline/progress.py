@@ -4,14 +4,18 @@ On a terminal the bar shows step, loss, throughput, MFU and ETA. Off a terminal 
 the trainer's stdout, CI logs) it prints one plain line per logged step instead, in a fixed format that
 `flows/` parses:
 
-    step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% eta 0:01:30
+    step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% skipped 8 eta 0:01:30
+
+(`skipped N`: samples the training data skipped so far, shown once there are any; a line of its own names their
+shards and reasons whenever the counts change, `data step 12: 8 samples skipped so far (shard-000001.tar: 8
+truncated tar)`, and they go to metrics.jsonl as `"kind": "skipped"` records.)
 
 Validation images a task renders during training (imagegen's sample grid) get a line of their own, which the
 flows turn into a Prefect image artifact (flows/launch.py), and go to TensorBoard as images:
 
     samples step 20/100: runs/i1/samples/step-20.png (8 prompts, EMA weights)
 
-Every logged record also goes to `metrics.jsonl` (one JSON object per line, `"kind": "train" | "eval"`)
+Every logged record also goes to `metrics.jsonl` (one JSON object per line, `"kind": "train" | "eval" | "skipped"`)
 and, when enabled and installed, to TensorBoard.
 """
 
@@ -159,6 +163,8 @@ def format_step_line(step: int, total: int, record: dict[str, Any], unit: str, e
         parts.append(f"{_UNIT_LABEL.get(unit, unit)} {record[rate_key]:.1f}")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if record.get("skipped"):  # samples the data skipped so far (RunLog.skipped says which)
+        parts.append(f"skipped {record['skipped']}")
     if eta is not None:
         parts.append(f"eta {timedelta(seconds=int(eta))}")
     return " ".join(parts)
@@ -207,6 +213,17 @@ class RunLog:
         if self.main:
             self.tensorboard.image("samples", samples.path, step)
             self.bar.message(format_samples_line(step, total, samples))
+
+    def skipped(self, step: int, skipped: Any) -> None:
+        """What the training data skipped so far (a pipeline.task.Skipped), when it changed: a `"kind": "skipped"`
+        record (total, by reason, by source and reason), TensorBoard scalars `skipped/total` and
+        `skipped/<source>`, and a line naming each source."""
+        if self.main:
+            record = {"kind": "skipped", "step": step, **skipped.as_dict()}
+            self.metrics.write(record)
+            self.tensorboard.write({"kind": "skipped", "step": step, "total": skipped.total,
+                                    **{source: sum(r.values()) for source, r in skipped.by_source.items()}})
+            self.bar.message(f"data step {step}: {skipped.describe()}")
 
     def message(self, text: str) -> None:
         if self.main:

@@ -30,6 +30,36 @@ class Samples:
     weights: str  # which weights rendered it, e.g. "EMA"
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """Training samples the data skipped so far (unreadable, or missing from a tar cut short), over every rank:
+    by source (a shard or a data file, named as the user gave it) and reason. A sample skipped on each of several
+    passes counts each time. Reported on the progress line, in metrics.jsonl, TensorBoard and the run summary."""
+
+    by_source: dict[str, dict[str, int]]  # source -> reason -> samples
+
+    @property
+    def total(self) -> int:
+        return sum(n for reasons in self.by_source.values() for n in reasons.values())
+
+    def by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for reasons in self.by_source.values():
+            for reason, n in reasons.items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "by_reason": self.by_reason(),
+                "by_source": {s: dict(r) for s, r in sorted(self.by_source.items())}}
+
+    def describe(self) -> str:
+        """One line: the total, then each source's counts by reason."""
+        per = "; ".join(f"{s}: " + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
+                        for s, reasons in sorted(self.by_source.items()))
+        return f"{self.total} sample{'s' if self.total != 1 else ''} skipped so far" + (f" ({per})" if per else "")
+
+
 class Task(Protocol):
     #: the module whose trainable parameters the optimizer updates
     model: nn.Module
@@ -67,6 +97,10 @@ class Task(Protocol):
     def after_optimizer_step(self, step: int) -> None:
         """Hook after each optimizer step (EMA update)."""
         ...
+
+    # Optional: `skipped() -> Skipped | None`, called on every rank at each logged step and at the end (a task may
+    # gather its ranks' counts in it): what the training data skipped so far, which the trainer reports (progress
+    # line, metrics.jsonl, TensorBoard, the run summary); None when this run's data cannot skip anything.
 
     # Optional: `samples(step) -> Samples | None`, called after every optimizer step: the validation images when
     # they are due (imagegen's sample.every), which the trainer logs to TensorBoard and names on the progress line.

@@ -3,7 +3,8 @@
 Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
 each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
 of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
-step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard),
+step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard; with what
+the task's data skipped so far, pipeline/task.py's Skipped),
 evaluation, checkpoints on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position,
 RNG, data cursor; pipeline/checkpointer.py's Checkpointer does the saving and restoring).
 
@@ -85,6 +86,8 @@ class Trainer:
                                         device)
         self.step = 0
         self._stop_signal: int | None = None
+        self._resume_done = False  # resume() ran (it restores a checkpoint once)
+        self._resumed_from: Path | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -97,6 +100,13 @@ class Trainer:
         fused = self.device.type == "cuda"
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
 
+    def _set_hyperparameters(self) -> None:
+        """This run's weight decay, betas and eps on the optimizer's groups: a checkpoint's load restores the saved
+        ones, and a resume that changed them (with a warning, pipeline/config_diff.py) must train with the new."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            group.update(weight_decay=self.cfg.weight_decay if i == 0 else 0.0, betas=self.cfg.betas,
+                         eps=self.cfg.adam_eps)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
@@ -104,6 +114,18 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         self.step = self.checkpoints.load(path)
+        self._set_hyperparameters()
+
+    def resume(self) -> Path | None:
+        """Restore the checkpoint `train.resume` names, if any (once; fit() calls it when it has not been called):
+        the CLI calls it first, to write the run's config only once the checkpoint has loaded. Returns its path."""
+        if not self._resume_done:
+            self._resumed_from = self.checkpoints.resume_path()
+            if self._resumed_from is not None:
+                self.load(self._resumed_from)
+                log(f"resumed from {self._resumed_from} at step {self.step}")
+            self._resume_done = True
+        return self._resumed_from
 
     # ------------------------------------------------------------------ signals
 
@@ -118,10 +140,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         ensure_dir(self.out, "output.dir")
-        resume = self.checkpoints.resume_path()
-        if resume is not None:
-            self.load(resume)
-            log(f"resumed from {resume} at step {self.step}")
+        resume = self.resume()
         report = RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
                         main=self.dist.is_main)
         meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
@@ -132,6 +151,8 @@ class Trainer:
         per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
         params = [p for _, p in self.named_params]
         render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
+        skipped = getattr(self.task, "skipped", None)  # optional: what the data skipped so far
+        reported_skips: dict[str, dict[str, int]] = {}
         last_loss: float | None = None
         saved_step = self.step if resume is not None else -1
         evaluated_step = -1
@@ -180,7 +201,13 @@ class Trainer:
                                        "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
                     if self.device.type == "cuda":
                         record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    skips = skipped() if skipped is not None else None
+                    if skips is not None:
+                        record["skipped"] = skips.total
                     report.train(record)
+                    if skips is not None and skips.by_source != reported_skips:  # which shards, when it changes
+                        report.skipped(self.step, skips)
+                        reported_skips = skips.by_source
 
                 rendered = render(self.step) if render is not None else None
                 if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
@@ -197,6 +224,7 @@ class Trainer:
                     meter.restart_clock()
 
             interrupted = self._stop_signal is not None
+            final_skips = skipped() if skipped is not None else None  # every rank: a task may gather its counts
             if saved_step != self.step:
                 path = self.save()
                 report.message(f"saved {path}")
@@ -213,6 +241,8 @@ class Trainer:
                 signal.signal(s, h)
             report.close()
         summary = meter.summary()
+        if final_skips is not None:
+            summary["skipped"] = final_skips.as_dict()
         if self.device.type == "cuda":
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,

@@ -244,10 +244,12 @@ def test_index_count_larger_than_the_tar_counts_as_truncated(tmp_path):
     index = json.loads((d / "index.json").read_text())
     index["shards"][1]["count"] = 14  # 4 more than the tar holds
     (d / "index.json").write_text(json.dumps(index))
-    s = stream(d, micro_batch=2, shuffle_buffer=1)
-    take(s, 25)
-    assert s.plans[0].counter.by_reason["truncated tar"] >= 2  # once per epoch pass
-    assert "index lists" in s.plans[0].counter.last_bad.detail
+    plan = stream(d, micro_batch=2, shuffle_buffer=1).plans[0]
+    while plan.epoch < 2:  # two passes (each ends with a good sample: the next pass's first)
+        plan.next_ref()
+    assert plan.counter.by_reason["truncated tar"] == 2 * 4  # the 4 listed samples it lacks, on each pass
+    assert plan.counter.by_shard_reason == {str(d / "shard-000001.tar"): {"truncated tar": 8}}
+    assert "index lists" in plan.counter.last_bad.detail
 
 
 def test_remote_shards_are_refused():

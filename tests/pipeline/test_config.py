@@ -36,10 +36,10 @@ def test_loads_file_and_defaults(toml_file):
 
 def test_overrides_are_typed(toml_file):
     cfg = load_config(DesignerConfig, toml_file, [
-        "lora.rank=0", "train.lr=1e-3", "output.dir=runs/x", "lora.targets=q,v", "train.betas=[0.9, 0.99]",
+        "lora.rank=8", "train.lr=1e-3", "output.dir=runs/x", "lora.targets=q,v", "train.betas=[0.9, 0.99]",
         "model.dtype=float32", "output.tensorboard=false",
     ])
-    assert cfg.lora.rank == 0
+    assert cfg.lora.rank == 8
     assert cfg.train.lr == 1e-3
     assert cfg.output.dir == "runs/x"
     assert cfg.lora.targets == ("q", "v")
