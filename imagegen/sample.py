@@ -90,8 +90,11 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
 def _latent_hw(model, autoencoder, resolution: int | tuple[int, int], who: str) -> tuple[int, int]:
     H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
     f, p = autoencoder.downsample_factor, model.args.patch_size
-    if H % (f * p) or W % (f * p):
-        raise ValueError(f"{who}: resolution {H}x{W} must be a multiple of autoencoder factor {f} x patch {p}")
+    step = f * p
+    if H <= 0 or W <= 0 or H % step or W % step:
+        near = sorted({max(step, H // step * step), (H // step + 1) * step})
+        raise UsageError(f"{who}: resolution {H}x{W} must be a positive multiple of {step} (the autoencoder's factor "
+                         f"{f} x the patch size {p}), e.g. {' or '.join(map(str, near))}")
     return H // f, W // f
 
 
@@ -256,10 +259,12 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
         text, autoencoder, flow, default, model_dtype = _pipeline_settings(model_dir, meta, device)
     else:
         meta = _read_run_meta(model_dir, config_path)
-        text = text_encoder_from_meta(meta["text"], device)
         autoencoder = load_autoencoder(meta["autoencoder"])
         flow, default, model_dtype = FlowArgs(**meta.get("flow", {})), meta["resolution"], meta.get("model_dtype")
+        text = None  # loaded once the resolution is known to fit
     model = load_for_sampling(model_dir, meta, device)
+    _latent_hw(model, autoencoder, resolution or default, "--resolution")  # before the text encoder loads
+    text = text if text is not None else text_encoder_from_meta(meta["text"], device)
     autoencoder = autoencoder.to(device)
     amp = torch.bfloat16 if model_dtype == "bfloat16" and device.type == "cuda" else None
     images = sample_images(model, text, autoencoder, captions, resolution or default, steps, guidance, seed, flow,

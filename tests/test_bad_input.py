@@ -292,6 +292,31 @@ def shards_into_other_files(tmp: Path, w: World) -> list[str]:
     return image_set(tmp)
 
 
+LONG_BRIEF = "a calm circle " * 7500  # 105 KB on one line: far past the tiny designer's context
+
+
+def long_brief_file(tmp: Path) -> Path:
+    return write(tmp / "briefs.txt", "a calm circle\n" + LONG_BRIEF + "\n")
+
+
+def render_args(tmp: Path, w: World) -> list[str]:
+    write(tmp / "mmdit" / "config.json", "{}")  # only its presence is checked before the designer runs
+    return ["render", "--designer", str(w.model), "--imagegen", str(tmp / "mmdit"), "--briefs",
+            str(long_brief_file(tmp)), "--out", str(tmp / "render")]
+
+
+def sample_at(tmp: Path, resolution: int) -> list[str]:
+    """`imagegen sample` of a tiny random MMDiT with the demo config's settings at `resolution` pixels."""
+    import torch
+
+    from atelier_studio.imagegen.hf import init_random
+
+    init_random("tiny", tmp / "mmdit", dtype=torch.float32)
+    return ["imagegen", "sample", "--model", str(tmp / "mmdit"), "--config", str(IMAGEGEN_DEMO), "--captions",
+            str(write(tmp / "c.txt", "a red square\n")), "--out", str(tmp / "samples"), "--resolution",
+            str(resolution)]
+
+
 EMPTY_CAPTION = '{"brief": "a calm circle", "caption": ""}\n'
 
 CASES = [
@@ -463,6 +488,17 @@ CASES = [
     Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
     Case("eval-zero-sampling-steps", lambda t, w: eval_args(t, w) + ["--steps", "0"],
          ("--steps 0", "must be >= 1", "Euler steps"), absent=("eval",)),
+    # a brief longer than the designer's context: named by file:line with the limit, and (render, eval) the output
+    # folder the command had started is gone
+    Case("generate-brief-too-long", lambda t, w: generate(t, w, long_brief_file(t), t / "c.jsonl"),
+         ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"), absent=("c.jsonl",)),
+    Case("render-brief-too-long", render_args, ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"),
+         absent=("render",)),
+    Case("eval-brief-too-long",
+         lambda t, w: eval_args(t, w)[:-4] + ["--briefs", str(long_brief_file(t)), "--out", str(t / "eval")],
+         ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"), absent=("eval",)),
+    Case("sample-resolution-not-a-multiple", lambda t, w: sample_at(t, 33),
+         ("--resolution", "33x33", "multiple of 4", "32 or 36"), absent=("samples",)),
     Case("eval-clip-not-a-clip-directory", lambda t, w: eval_args(t, w) + ["--clip", str(t / "clip")],
          ("clip {tmp}/clip", "not a local transformers CLIP directory"), absent=("eval",)),
 ]
