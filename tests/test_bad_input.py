@@ -166,6 +166,11 @@ def truncated_checkpoint(tmp: Path, w: World) -> list[str]:
     return designer_train(tmp, w, "train.save_every=1", "train.max_steps=4")
 
 
+def resume_with_another_seq_len(tmp: Path, w: World) -> list[str]:
+    assert main(designer_train(tmp, w, "train.save_every=1")) == 0
+    return designer_train(tmp, w, "train.save_every=1", "train.max_steps=4", "data.seq_len=256")
+
+
 def shard_with_undecodable_image(tmp: Path, w: World) -> list[str]:
     shards = good_shards(tmp)
     with tarfile.open(shards / "shard-000001.tar") as tar:
@@ -431,6 +436,8 @@ CASES = [
          absent=("run/checkpoints/step-*", "run/checkpoints/.step-*"), file_size_limit=DISK_LIMIT),
     Case("truncated-checkpoint-on-resume", truncated_checkpoint,
          ("{tmp}/run/checkpoints/step-2/model.safetensors", "truncated"), unchanged=("run/checkpoints/*/*",)),
+    Case("resume-with-another-seq-len", resume_with_another_seq_len, ("data.seq_len", "128", "256"),
+         unchanged=("run/checkpoints/*/*",)),
     Case("nproc-zero", lambda t, w: designer_train(t, w) + ["--nproc", "0"], ("--nproc 0",), absent=("run",)),
     # ---------------------------------------------------------------- designer generate / init, tokenizer, synth
     Case("briefs-not-utf8",
