@@ -22,6 +22,7 @@ from atelier_studio.designer.lora import load_peft_adapter
 from atelier_studio.designer.model import CausalLM
 from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
 from atelier_studio.pipeline.errors import ModelLoadError, WriteError
+from atelier_studio.pipeline.hf_files import check_vocab_size
 
 
 def read_briefs(path: Path) -> list[str]:
@@ -80,7 +81,9 @@ def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.f
         model = load_pretrained(path, dtype=dtype, device=device)
         tokenizer_dir = path
     model.eval()
-    return model, load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    check_vocab_size(tokenizer, tokenizer_dir, model.args.vocab_size, path)  # a tokenizer without its vocabulary
+    return model, tokenizer
 
 
 def generate_captions(model_dir: Path, adapter_dir: Path | None, briefs_file: Path, out_file: Path,

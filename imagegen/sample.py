@@ -198,12 +198,14 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     """(text encoder, autoencoder, flow, resolution, model_dtype) for sampling an SD3 pipeline directory: its parts
     and scheduler; a run's imagegen.json (when one is next to it) gives the text settings and the resolution."""
     from atelier_studio.imagegen.autoencoder import SD3VAE
-    from atelier_studio.imagegen.sd3_dir import default_resolution, has_part, read_model_index, scheduler_flow
+    from atelier_studio.imagegen.sd3_dir import (check_pipeline_files, default_resolution, has_part, read_model_index,
+                                                 scheduler_flow)
     from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 
     index = read_model_index(pipeline_dir)
     flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})  # the cheap checks first
     resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
+    check_pipeline_files(pipeline_dir)  # every part's files, before the first is loaded
     if meta is not None and meta.get("text", {}).get("kind") == "sd3":
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)

@@ -229,6 +229,31 @@ def sd3_cache(tmp: Path, *sets: str) -> list[str]:
     return argv + [a for s in sets for a in ("--set", s)]
 
 
+def sd3_copy(tmp: Path, w: World, damage: Callable[[Path], object]) -> Path:
+    """A copy at tmp/pipe of a tiny random SD3 pipeline (built once beside the world), `damage`d."""
+    from tests.imagegen._sd3 import build_pipeline
+
+    shutil.copytree(build_pipeline(w.model.parent / "sd3-pipe"), tmp / "pipe")
+    damage(tmp / "pipe")
+    return tmp / "pipe"
+
+
+def cut(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def garbage_header(path: Path) -> None:
+    """The 8-byte length intact, the JSON header overwritten with bytes that are not UTF-8."""
+    data = bytearray(path.read_bytes())
+    data[8:40] = NOT_UTF8 * 2 + NOT_UTF8[:4]
+    path.write_bytes(bytes(data))
+
+
+def sd3_sample(tmp: Path, pipe: Path) -> list[str]:
+    return ["imagegen", "sample", "--model", str(pipe), "--captions", str(write(tmp / "c.txt", "a red square\n")),
+            "--out", str(tmp / "samples")]
+
+
 def sd3_sample_with_karras_sigmas(tmp: Path, w: World) -> list[str]:
     pipe = sd3_index(tmp, scheduler={"use_karras_sigmas": True})
     return ["imagegen", "sample", "--model", str(pipe), "--captions", str(write(tmp / "c.txt", "a red square\n")),
@@ -400,6 +425,26 @@ CASES = [
          absent=("latents",)),
     Case("sd3-spec-model-without-vae", lambda t, w: sd3_cache(t, f"model.path={t / 'plain'}"),
          ("no AutoencoderKL found at {tmp}/plain", "vae"), absent=("latents",)),
+    # the parts of a pipeline, each checked before transformers / diffusers read it (pipeline/hf_files.py)
+    Case("sd3-tokenizer-without-its-vocabulary",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: (p / "tokenizer_2" / "tokenizer.json").unlink())),
+         ("{tmp}/pipe/tokenizer_2", "no tokenizer vocabulary", "vocab.json + merges.txt"), absent=("samples",)),
+    Case("sd3-t5-weights-truncated",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: cut(p / "text_encoder_3" / "model.safetensors", 5000))),
+         ("{tmp}/pipe/text_encoder_3/model.safetensors", "truncated"), absent=("samples",)),
+    Case("sd3-transformer-weights-truncated",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: cut(
+             p / "transformer" / "diffusion_pytorch_model.safetensors", 20000))),
+         ("{tmp}/pipe/transformer/diffusion_pytorch_model.safetensors", "truncated"), absent=("samples",)),
+    Case("sd3-transformer-garbage-header",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: garbage_header(
+             p / "transformer" / "diffusion_pytorch_model.safetensors"))),
+         ("{tmp}/pipe/transformer/diffusion_pytorch_model.safetensors", "corrupt safetensors header"),
+         absent=("samples",)),
+    Case("sd3-vae-without-weights",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: (p / "vae" / "diffusion_pytorch_model.safetensors")
+                                             .unlink())),
+         ("vae {tmp}/pipe/vae", "no safetensors weights"), absent=("samples",)),
     Case("sd3-max-sequence-length-too-long",
          lambda t, w: sd3_cache(t, "model.path=x", "text.max_sequence_length=600"),
          ("text.max_sequence_length", "[1, 512]", "600"), absent=("latents",)),
