@@ -74,11 +74,13 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     from atelier_studio.pipeline.atomic import check_dir_path, ensure_dir
     from atelier_studio.pipeline.config import load_config, save_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
+    from atelier_studio.pipeline.progress import reset_fallbacks
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
     if launched is not None:
         return launched
+    reset_fallbacks()  # this run's own, for its summary
     cfg = load_config(config_cls, args.config, args.set)
     out = Path(cfg.output.dir)
     check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
