@@ -147,6 +147,8 @@ def imagegen_train(args: argparse.Namespace) -> int:
 def imagegen_init(args: argparse.Namespace) -> int:
     import torch
 
+    from atelier_studio.pipeline.errors import AtelierError, UsageError
+
     from atelier_studio.imagegen.hf import init_random
     from atelier_studio.imagegen.registry import family_of_size
 
@@ -154,7 +156,13 @@ def imagegen_init(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
                                                          "joint_attention_dim", "pooled_projection_dim")
                  if getattr(args, name)}
-    path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
+    try:
+        path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
+    except AtelierError:
+        raise
+    except ValueError as e:  # the args' own checks (MMDiTArgs.sample_size=...: why), for the options given
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
+        raise UsageError(f"imagegen init --size {args.size} {given}: {e}") from None
     print(f"wrote a random-init {family.name} {args.size} to {path}")
     return 0
 
