@@ -108,7 +108,7 @@ class SD3VAE(nn.Module):
         vae_dir = find_vae_dir(path)
         check_weights_dir(vae_dir, "vae")  # weights there, headers whole: named here, not a diffusers OSError
         try:
-            vae = AutoencoderKL.from_pretrained(vae_dir, torch_dtype=dtype, local_files_only=True,
+            vae = AutoencoderKL.from_pretrained(vae_dir, dtype=dtype, local_files_only=True,
                                                 use_safetensors=True)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"vae {vae_dir}: cannot load it ({type(e).__name__}: {one_line(str(e))})") from e
