@@ -376,6 +376,8 @@ CASES = [
     Case("lora-dropout-on-experts",
          lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.dropout=0.1"),
          ("lora.dropout = 0.1", "gate, up, down adapters are one per expert", "lora.dropout = 0"), absent=("run",)),
+    Case("lora-alpha-zero", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.alpha=0"),
+         ("lora.alpha: must be > 0", "alpha / rank"), absent=("run",)),
     Case("qlora-with-full-finetuning", lambda t, w: designer_train(t, w, "lora.rank=0", "lora.base_dtype=nf4"),
          ('lora.base_dtype: "nf4"', "rank = 0 is full fine-tuning", "lora.rank > 0"), absent=("run",)),
     Case("qlora-with-fp8", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
