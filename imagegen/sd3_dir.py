@@ -145,6 +145,6 @@ def default_resolution(path: str | os.PathLike) -> int:
     return int(transformer_config(path).get("sample_size", 128)) * 2 ** (len(vae_cfg["block_out_channels"]) - 1)
 
 
-__all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files", "scheduler_config", "scheduler_flow",
-           "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS",
+__all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files", "scheduler_config",
+           "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS",
            "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]
