@@ -329,8 +329,16 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             raise UsageError(f"{action.option_strings[0]} {value}: {bounds.describe()}{meaning}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing option, a word where a number goes) are one line too, as
+    every other error of the CLI, instead of the usage text and the error; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"atelier: error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atelier", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="atelier", description=__doc__.split("\n")[0])
     groups = p.add_subparsers(dest="group", required=True)
 
     def command(group: argparse._SubParsersAction, name: str, fn: Callable, help: str) -> argparse.ArgumentParser:

@@ -702,6 +702,18 @@ def test_every_numeric_option_refuses_values_outside_its_range(words, action, va
     assert not list(tmp_path.iterdir()), "nothing is written before the numbers are checked"
 
 
+@pytest.mark.parametrize("words, action", [(w, a) for w, a in numeric_options() if not a.required][:1] +
+                         [(w, a) for w, a in numeric_options() if a.type is float][:1],
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v.option_strings[0])
+def test_a_word_where_a_number_goes_is_one_line(words, action, tmp_path, capsys, monkeypatch):
+    """argparse's own errors are one line as well (flows/cli.py's OneLineParser), naming the option."""
+    status, out, err = run_in_process(required_argv(words) + [action.option_strings[0], "many"], tmp_path, capsys,
+                                      monkeypatch)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("atelier: error: "), err
+    assert action.option_strings[0] in lines[0] and "'many'" in lines[0], lines[0]
+
+
 def test_the_walk_finds_the_options_of_the_issue():
     """The cases found by hand (issue 27) are among the walked ones, so the walk itself cannot go empty."""
     walked = {(" ".join(w), a.option_strings[0]) for w, a, _ in NUMERIC}
