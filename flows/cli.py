@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 
@@ -147,10 +147,9 @@ def imagegen_train(args: argparse.Namespace) -> int:
 def imagegen_init(args: argparse.Namespace) -> int:
     import torch
 
-    from atelier_studio.pipeline.errors import AtelierError, UsageError
-
     from atelier_studio.imagegen.hf import init_random
     from atelier_studio.imagegen.registry import family_of_size
+    from atelier_studio.pipeline.errors import AtelierError, UsageError
 
     family = family_of_size(args.size)  # an unknown size lists the registered ones
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
@@ -299,7 +298,7 @@ def number(sp: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, t
            **kwargs) -> argparse.Action:
     """A numeric option with the values it accepts; `check_numbers` turns any other into a UsageError naming it.
 
-    Every int or float option of the parser is declared through here (tests/test_cli_arguments.py walks them all
+    Every int or float option of the parser is declared through here (tests/test_bad_input.py walks them all
     through 0, negative and out-of-range values, and fails on a numeric option without bounds).
     """
     action = sp.add_argument(*flags, type=type, **kwargs)
