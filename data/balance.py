@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from atelier_studio.data.packing import PackedLoader
+from atelier_studio.data.packing import LoaderStateError, PackedLoader
 
 
 def row_cost(doc_lens: Sequence[int]) -> int:
@@ -87,8 +87,8 @@ class BalancedPackedLoader(PackedLoader):
             saved = state["world_size"] * state["micro_batch"]
             mine = self.world_size * self.micro_batch
             if saved != mine:
-                raise ValueError(
-                    f"BalancedPackedLoader.load_state_dict: the checkpoint's global micro-batch is "
+                raise LoaderStateError(
+                    f"the checkpoint's global micro-batch is "
                     f"{state['world_size']} ranks x {state['micro_batch']} rows = {saved} rows, this run's is "
                     f"{self.world_size} x {self.micro_batch} = {mine}; set train.micro_batch so that "
                     f"processes x micro_batch = {saved} to resume exactly")

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_vocab_size, check_weights_dir
 
 
 class ClipScorer:
@@ -30,11 +31,15 @@ class ClipScorer:
         if not (self.path / "config.json").is_file():
             raise ModelLoadError(f"CLIP directory {self.path}: no config.json (a local transformers CLIP directory: "
                                  f"CLIPModel + CLIPProcessor files)")
+        check_weights_dir(self.path, "CLIP directory")
+        check_tokenizer_dir(self.path, "clip")
         try:
-            self.model = CLIPModel.from_pretrained(self.path, local_files_only=True).to(device).eval()
+            self.model = CLIPModel.from_pretrained(self.path, local_files_only=True, use_safetensors=True)
+            self.model = self.model.to(device).eval()
             self.processor = CLIPProcessor.from_pretrained(self.path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"CLIP directory {self.path}: {str(e).splitlines()[0]}") from None
+        check_vocab_size(self.processor.tokenizer, self.path, int(self.model.config.text_config.vocab_size), self.path)
         self.device, self.batch_size = torch.device(device), batch_size
 
     def scores(self, images: Sequence[str | os.PathLike], texts: Sequence[str]) -> list[float]:

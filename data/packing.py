@@ -33,10 +33,22 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from atelier_studio.data.chat import EncodedDoc
+from atelier_studio.pipeline.errors import DataError
 
 IGNORE_INDEX = -100
 SEGMENT_BUCKET = 64  # compile_shape rounds a batch's segment count up to a multiple of this
 Overflow = Literal["split", "truncate", "drop"]
+
+
+class LoaderStateError(DataError):
+    """A saved loader position that does not fit this run's data or settings; names the setting that changed."""
+
+
+# the setting behind each key of PackedLoader.state_dict, as the trainer's config names it, and what else moves it
+_STATE_SETTING = {"seed": "train.seed", "seq_len": "data.seq_len", "num_rows": "the number of packed rows",
+                  "micro_batch": "train.micro_batch", "world_size": "the number of processes"}
+_STATE_FIX = {"seed": "", "seq_len": "", "micro_batch": "", "world_size": " (--nproc)",
+              "num_rows": " (data.seq_len, data.train or the tokenizer changed since the checkpoint)"}
 
 
 @dataclass(frozen=True)
@@ -371,19 +383,26 @@ class PackedLoader:
     def state_dict(self) -> dict[str, int]:
         """Position of the next batch, plus the settings it is only valid for (all plain ints)."""
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_rows": len(self.packed),
-                "micro_batch": self.micro_batch, "world_size": self.world_size}
+                "seq_len": int(self.packed.input_ids.shape[1]), "micro_batch": self.micro_batch,
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; one saved under other settings is a LoaderStateError naming the setting
+        (a user-facing error: the trainer's config keys, since the loader is built from them)."""
         for key in ("epoch", "cursor"):
             if not isinstance(state.get(key), int) or state[key] < 0:
-                raise ValueError(f"PackedLoader.load_state_dict: '{key}' must be a non-negative int, got {state.get(key)!r}")
+                raise LoaderStateError(f"the saved data position is not a loader position: '{key}' must be a "
+                                       f"non-negative int, got {state.get(key)!r} (written by another trainer?)")
         mine = self.state_dict()
-        for key in ("seed", "num_rows", "micro_batch", "world_size"):
+        for key in ("seed", "seq_len", "num_rows", "micro_batch", "world_size"):
             if key in state and state[key] != mine[key]:
-                raise ValueError(f"PackedLoader.load_state_dict: '{key}' is {state[key]} in the state but {mine[key]} "
-                                 "in this loader; the saved position means nothing here")
+                raise LoaderStateError(f"{_STATE_SETTING[key]} is {state[key]} in the checkpoint but {mine[key]} "
+                                       f"now{_STATE_FIX[key]}; the saved data position ('{key}') means nothing here: "
+                                       f"resume with the checkpoint's settings, or start a new run in another "
+                                       f"output.dir")
         if state["cursor"] > self._len_epoch:
-            raise ValueError(f"PackedLoader.load_state_dict: cursor {state['cursor']} is past len_epoch {self._len_epoch}")
+            raise LoaderStateError(f"the saved data position (cursor {state['cursor']}) is past this run's epoch of "
+                                   f"{self._len_epoch} micro-batches: the training data changed since the checkpoint")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
     def iter_eval_batches(self) -> Iterator[Batch]:

@@ -49,6 +49,8 @@ from typing import Sequence
 
 from PIL import Image, ImageDraw
 
+from atelier_studio.pipeline.errors import UsageError
+
 # ---------------------------------------------------------------------------------------------
 # Vocabulary. RGB values are exact: the judge classifies against these same tables.
 # ---------------------------------------------------------------------------------------------
@@ -390,13 +392,13 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
     """Write a world of `n` samples with images (train + eval) and `n_text` text-only train samples to out_dir;
     deterministic in all arguments."""
     if n < 2:
-        raise ValueError(f"n={n}: need at least 2 samples (one train, one eval)")
+        raise UsageError(f"n={n}: need at least 2 samples (one train, one eval)")
     if n_text < 0:
-        raise ValueError(f"n_text={n_text}: the number of text-only samples cannot be negative")
+        raise UsageError(f"n_text={n_text}: the number of text-only samples cannot be negative")
     if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction={eval_fraction} must lie in (0, 1)")
+        raise UsageError(f"eval_fraction={eval_fraction} must lie in (0, 1)")
     if image_size < 24:
-        raise ValueError(f"image_size={image_size} is too small for the shapes world; use >= 24 (32 or 64)")
+        raise UsageError(f"image_size={image_size} is too small for the shapes world; use >= 24 (32 or 64)")
     held_out = frozenset(tuple(p) for p in held_out)
     _check_held_out(held_out)
     n_eval = min(n - 1, max(1, round(n * eval_fraction)))

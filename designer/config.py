@@ -70,6 +70,8 @@ class LoraConfig:
     def validate(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
+        if self.rank > 0 and self.alpha <= 0:  # the adapters' scale is alpha / rank: 0 trains nothing
+            raise ConfigError(f"alpha: must be > 0 (the adapters' output is scaled by alpha / rank), got {self.alpha}")
         bad = [t for t in self.targets if not t.strip()]
         if bad:
             raise ConfigError(f"targets: {list(self.targets)} holds an empty name")

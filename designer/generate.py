@@ -14,6 +14,7 @@ import torch
 
 from atelier_studio.designer.model import CausalLM
 from atelier_studio.designer.registry import family_of_args
+from atelier_studio.pipeline.errors import UsageError
 
 
 def _encode(tokenizer, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
@@ -52,9 +53,9 @@ def generate(
     """
     decode_batch = family_of_args(model.args).decode_batch  # TypeError for a model of no registered family
     if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"generate: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
+        raise UsageError(f"generate: max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        raise UsageError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     ids = _encode(tokenizer, prompts)
     if eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -62,7 +63,7 @@ def generate(
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     longest = max(len(p) for p in ids)
     if longest + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"generate: a prompt of {longest} tokens + {max_new_tokens} new exceeds max_seq_len "
+        raise UsageError(f"generate: a prompt of {longest} tokens + {max_new_tokens} new exceeds max_seq_len "
                          f"{model.args.max_seq_len}")
     device = model.lm_head_weight.device
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -11,7 +11,8 @@ Directory layout written and read (the one transformers uses for every family):
 A family may store some state-dict tensors as several tensors (its Family.hf_layout: Qwen3-MoE's stacked experts
 are one tensor per expert in the released checkpoints): both forms are read, the split one is written.
 Weights load from safetensors only (nothing is unpickled). Every file's header is checked against its
-size before any tensor is read, so a truncated or mismatched file fails with its path and key.
+size before any tensor is read (pipeline/hf_files.py, shared with imagegen), so a truncated or mismatched file
+fails with its path and key.
 Directories are written by pipeline/atomic.py (a temporary sibling, then renamed into place). A file that
 cannot be loaded is a ModelLoadError (or FileNotFoundError) naming it.
 """
@@ -34,44 +35,12 @@ from atelier_studio.designer.model import CausalLM
 from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.hf_files import read_safetensors_header
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 VLM_TEXT = "model.language_model."  # Qwen3_5ForConditionalGeneration's text model
 VLM_SKIP = ("model.visual.", "mtp.")  # its vision tower and multi-token-prediction head
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Tensor entries of a safetensors header, after checking every tensor lies inside the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: safetensors file not found")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-        n = int.from_bytes(raw, "little")
-        if 8 + n > size:
-            raise ModelLoadError(f"{path}: truncated safetensors file (header claims {n} bytes, file has {size})")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from None
-    data_bytes = size - 8 - n
-    header.pop("__metadata__", None)
-    for key, info in header.items():
-        start, end = info["data_offsets"]
-        want = math.prod(info["shape"]) * _ITEMSIZE.get(info["dtype"], 0)
-        if end - start != want:
-            raise ModelLoadError(f"{path}: tensor {key!r} {info['dtype']}{info['shape']} needs {want} bytes, "
-                             f"header gives {end - start}")
-        if end > data_bytes:
-            raise ModelLoadError(f"{path}: tensor {key!r} ends at data byte {end} but the file holds {data_bytes} "
-                             f"(truncated file?)")
-    return header
 
 
 def _read_json(path: Path) -> dict:

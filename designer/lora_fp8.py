@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from atelier_studio.designer.lora import LoRALinear, SharedInputOperands
-from atelier_studio.kernels.fp8_linear import RECIPES, Fp8FrozenWeight, fp8_lora_linear, quantize_frozen_weight
+from atelier_studio.kernels.fp8_linear import (RECIPES, Fp8FrozenWeight, fp8_copies_used, fp8_lora_linear,
+                                               quantize_frozen_weight)
 
 _BUFFERS = ("fp8_q", "fp8_scale", "fp8_qt", "fp8_scale_t")
 # LoRALinear's kernel names → kernels.fp8_linear's: "fused" is the fast path there
@@ -44,7 +45,8 @@ class Float8LoRALinear(LoRALinear):
         for name in _BUFFERS:
             new.register_buffer(name, None, persistent=False)
         new.register_load_state_dict_post_hook(_after_load)
-        new.refresh_fp8_weight()
+        if fp8_copies_used(_IMPL[new.impl], new.base_layer.weight):  # the reference path (a CPU) reads none
+            new.refresh_fp8_weight()
         return new
 
     def refresh_fp8_weight(self) -> Fp8FrozenWeight:
@@ -53,7 +55,10 @@ class Float8LoRALinear(LoRALinear):
         self.fp8_q, self.fp8_scale, self.fp8_qt, self.fp8_scale_t = f.q, f.scale, f.qt, f.scale_t
         return f
 
-    def fp8_weight(self) -> Fp8FrozenWeight:
+    def fp8_weight(self) -> Fp8FrozenWeight | None:
+        """The base's fp8 copies, or None where the reference path runs (it quantises from the weight itself)."""
+        if not fp8_copies_used(_IMPL[self.impl], self.base_layer.weight):
+            return None
         if self.fp8_q is None or self.fp8_q.device != self.base_layer.weight.device:
             return self.refresh_fp8_weight()  # moved to another device without its buffers (never in this trainer)
         return Fp8FrozenWeight(self.recipe, self.fp8_q, self.fp8_scale, self.fp8_qt, self.fp8_scale_t)
@@ -67,7 +72,7 @@ class Float8LoRALinear(LoRALinear):
     def shared_input_operands(self) -> SharedInputOperands | None:
         """This layer's part in an FP8 shared-input group, or None when it must run alone (a bias, dropout)."""
         ops = super().shared_input_operands()
-        if ops is None or not self.shared_input:
+        if ops is None or not self.shared_input or self.fp8_weight() is None:  # the reference path runs alone
             return None
         return SharedInputOperands(ops.weight, ops.lora_a, ops.lora_b, ops.scale, _IMPL[self.impl], self.fp8_weight())
 
@@ -77,7 +82,8 @@ class Float8LoRALinear(LoRALinear):
 
 def _after_load(module, incompatible_keys) -> None:
     """load_state_dict post hook (a module-level function, so the model still pickles)."""
-    module.refresh_fp8_weight()
+    if fp8_copies_used(_IMPL[module.impl], module.base_layer.weight):
+        module.refresh_fp8_weight()
 
 
 # What train.precision = "fp8" turns a LoRA layer into (pipeline.float8.apply_fp8's `conversions`).

@@ -67,6 +67,7 @@ from atelier_studio.kernels.nf4_moe import NF4Experts, quantize_experts
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
+from atelier_studio.pipeline.hf_files import check_vocab_size
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Skipped
@@ -99,6 +100,7 @@ class DesignerTask:
         args = read_args(model_dir)  # config.json first: the tokenizer reads it too, and would report it less clearly
         self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
+        check_vocab_size(self.tokenizer, model_dir, args.vocab_size, model_dir)  # a tokenizer without its vocabulary
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None

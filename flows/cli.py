@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -74,11 +75,13 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     from atelier_studio.pipeline.config import load_config
     from atelier_studio.pipeline.config_diff import check_resume, record_run_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
+    from atelier_studio.pipeline.progress import reset_fallbacks
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
     if launched is not None:
         return launched
+    reset_fallbacks()  # this run's own, for its summary
     cfg = load_config(config_cls, args.config, args.set)
     out = Path(cfg.output.dir)
     check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
@@ -169,12 +172,19 @@ def imagegen_init(args: argparse.Namespace) -> int:
 
     from atelier_studio.imagegen.hf import init_random
     from atelier_studio.imagegen.registry import family_of_size
+    from atelier_studio.pipeline.errors import AtelierError, UsageError
 
     family = family_of_size(args.size)  # an unknown size lists the registered ones
     overrides = {name: getattr(args, name) for name in ("in_channels", "out_channels", "sample_size",
                                                          "joint_attention_dim", "pooled_projection_dim")
                  if getattr(args, name)}
-    path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
+    try:
+        path = init_random(args.size, Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype), **overrides)
+    except AtelierError:
+        raise
+    except ValueError as e:  # the args' own checks (MMDiTArgs.sample_size=...: why), for the options given
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
+        raise UsageError(f"imagegen init --size {args.size} {given}: {e}") from None
     print(f"wrote a random-init {family.name} {args.size} to {path}")
     return 0
 
@@ -282,8 +292,75 @@ def _write_summary(out: Path, result) -> None:
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1), what="run summary")
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric option accepts: ``low`` (excluded when ``low_open``) to ``high`` (None: no limit)."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    meaning: str = ""  # what the number is, for the error line
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
+        return f"must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+SEED = Bounds(0, 2**63 - 1, meaning="the random seed")
+STEPS = Bounds(1, meaning="Euler steps per image")
+GUIDANCE = Bounds(0, meaning="classifier-free guidance scale")
+SHARD_SIZE = Bounds(1, meaning="samples per shard")
+
+
+def number(sp: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, type: type, bounds: Bounds,
+           **kwargs) -> argparse.Action:
+    """A numeric option with the values it accepts; `check_numbers` turns any other into a UsageError naming it.
+
+    Every int or float option of the parser is declared through here (tests/test_bad_input.py walks them all
+    through 0, negative and out-of-range values, and fails on a numeric option without bounds).
+    """
+    action = sp.add_argument(*flags, type=type, **kwargs)
+    action.bounds = bounds
+    return action
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The sub-parser that parsed ``args`` (`designer generate`'s, `eval`'s, ...)."""
+    for dest in ("group", "command"):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, dest, None) is None:
+            break
+        parser = sub.choices[getattr(args, dest)]
+    return parser
+
+
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A UsageError naming the first numeric option whose value is outside its Bounds."""
+    from atelier_studio.pipeline.errors import UsageError
+
+    for action in command_parser(parser, args)._actions:
+        bounds: Bounds | None = getattr(action, "bounds", None)
+        value = getattr(args, action.dest, None)
+        if bounds is not None and value is not None and not bounds.holds(value):
+            meaning = f" ({bounds.meaning})" if bounds.meaning else ""
+            raise UsageError(f"{action.option_strings[0]} {value}: {bounds.describe()}{meaning}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing option, a word where a number goes) are one line too, as
+    every other error of the CLI, instead of the usage text and the error; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"atelier: error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atelier", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="atelier", description=__doc__.split("\n")[0])
     groups = p.add_subparsers(dest="group", required=True)
 
     def command(group: argparse._SubParsersAction, name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
@@ -298,11 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     def launch_args(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group("several processes (torchrun; see docs/distributed.md)")
-        g.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
-        g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-        g.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+        number(g, "--nproc", type=int, bounds=Bounds(1, meaning="processes on this node"), default=1,
+               help="processes on this node, one per GPU (default 1)")
+        number(g, "--nnodes", type=int, bounds=Bounds(1, meaning="number of nodes"), default=1,
+               help="number of nodes (default 1)")
+        number(g, "--node-rank", type=int, bounds=Bounds(0, meaning="this node's index, below --nnodes"), default=0,
+               help="this node's index, 0..nnodes-1")
         g.add_argument("--master-addr", default="", help="address of node 0 (several nodes)")
-        g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
+        number(g, "--master-port", type=int, bounds=Bounds(1, 65535, meaning="a TCP port"), default=29500,
+               help="a free port on node 0 (default 29500)")
 
     d = groups.add_parser("designer", help="the caption LM").add_subparsers(dest="command", required=True)
     sp = command(d, "train", designer_train, "fine-tune the designer (LoRA or full)")
@@ -315,18 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     sp = command(d, "generate", designer_generate, "write captions for briefs (one per line)")
     sp.add_argument("--model", required=True, help="HF model directory (base or fully fine-tuned)")
     sp.add_argument("--adapter", default="", help="PEFT adapter directory to apply")
     sp.add_argument("--briefs", required=True)
     sp.add_argument("--out", required=True, help="JSONL of {brief, caption}")
-    sp.add_argument("--max-new-tokens", type=int, default=64)
-    sp.add_argument("--temperature", type=float, default=0.0)
-    sp.add_argument("--top-p", type=float, default=1.0)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--batch-size", type=int, default=16)
+    number(sp, "--max-new-tokens", type=int, bounds=Bounds(1, meaning="tokens each caption may have"), default=64)
+    number(sp, "--temperature", type=float, bounds=Bounds(0, meaning="0 is greedy decoding"), default=0.0)
+    number(sp, "--top-p", type=float, bounds=Bounds(0, 1, low_open=True, meaning="nucleus sampling's mass"),
+           default=1.0)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
+    number(sp, "--batch-size", type=int, bounds=Bounds(1, meaning="briefs decoded together"), default=16)
 
     i = groups.add_parser("imagegen", help="the MMDiT").add_subparsers(dest="command", required=True)
     sp = command(i, "train", imagegen_train, "train the MMDiT with rectified flow")
@@ -337,48 +419,52 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, sd3-medium, "
                          "sd3.5-medium, sd3.5-large; an unknown size lists them all")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    sp.add_argument("--in-channels", type=int, default=0, help="latent channels (default: the size's)")
-    sp.add_argument("--out-channels", type=int, default=0, help="output channels (default: in-channels)")
-    sp.add_argument("--sample-size", type=int, default=0, help="latent side the model is built for")
-    sp.add_argument("--joint-attention-dim", type=int, default=0,
-                    help="text encoder hidden size (e.g. 384 for MiniLM, 4096 for T5-XXL)")
-    sp.add_argument("--pooled-projection-dim", "--pooled-dim", type=int, default=0, dest="pooled_projection_dim",
-                    help="pooled text vector size")
+    size = Bounds(0, meaning="0 keeps the size's own")
+    number(sp, "--in-channels", type=int, bounds=size, default=0, help="latent channels (default: the size's)")
+    number(sp, "--out-channels", type=int, bounds=size, default=0, help="output channels (default: in-channels)")
+    number(sp, "--sample-size", type=int, bounds=size, default=0, help="latent side the model is built for")
+    number(sp, "--joint-attention-dim", type=int, bounds=size, default=0,
+           help="text encoder hidden size (e.g. 384 for MiniLM, 4096 for T5-XXL)")
+    number(sp, "--pooled-projection-dim", "--pooled-dim", type=int, bounds=size, default=0,
+           dest="pooled_projection_dim", help="pooled text vector size")
     sp = command(i, "cache", imagegen_cache, "encode image shards into latent shards (once, offline)")
     train_args(sp)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--shard-size", type=int, default=1000)
+    number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(i, "sample", imagegen_sample, "render images for captions (one per line)")
     sp.add_argument("--model", required=True,
                     help="a transformer/ or ema/ directory from a run, or a diffusers SD3 pipeline directory")
     sp.add_argument("--captions", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--config", default=None, help="the run's config.toml (default: next to the model dir)")
-    sp.add_argument("--steps", type=int, default=28)
-    sp.add_argument("--guidance", type=float, default=4.0)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--resolution", type=int, default=0,
+    number(sp, "--steps", type=int, bounds=STEPS, default=28)
+    number(sp, "--guidance", type=float, bounds=GUIDANCE, default=4.0)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
+    number(sp, "--resolution", type=int, bounds=Bounds(0, meaning="image side in pixels, 0 = the model's default"),
+           default=0,
                     help="image side in pixels (default: the run's data.resolution, or the pipeline's default size)")
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")
     sp.add_argument("--corpus", nargs="+", required=True)
-    sp.add_argument("--vocab-size", type=int, required=True)
+    number(sp, "--vocab-size", type=int, bounds=Bounds(1, meaning="tokens, specials included"), required=True)
     sp.add_argument("--out", required=True)
     sp = command(dd, "synth", data_synth, "generate the shapes world")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--n", type=int, default=2000)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--image-size", type=int, default=32)
-    sp.add_argument("--n-text", type=int, default=0,
+    number(sp, "--n", type=int, bounds=Bounds(2, meaning="samples with images: at least one train, one eval"),
+           default=2000)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
+    number(sp, "--image-size", type=int, bounds=Bounds(24, meaning="image side in pixels (the shapes need 24)"),
+           default=32)
+    number(sp, "--n-text", type=int, bounds=Bounds(0, meaning="text-only samples"), default=0,
                     help="text-only train samples (brief + caption, no image) added to designer_train.jsonl")
     sp = command(dd, "shards", data_shards, "write WebDataset image shards")
     sp.add_argument("--images", required=True)
     sp.add_argument("--captions", required=True)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--shard-size", type=int, default=1000)
+    number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
 
@@ -390,9 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of --designer and --briefs: {\"brief\", \"caption\"} JSONL rows to judge (e.g. the "
                          "world's eval.jsonl); without --imagegen the images the rows name are judged")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--steps", type=int, default=20, help="Euler steps per image (default 20)")
-    sp.add_argument("--guidance", type=float, default=4.0,
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
+    number(sp, "--steps", type=int, bounds=STEPS, default=20, help="Euler steps per image (default 20)")
+    number(sp, "--guidance", type=float, bounds=GUIDANCE, default=4.0,
                     help="classifier-free guidance scale (default 4.0; the shapes-world demo uses its config's "
                          "sample.guidance)")
     sp.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image "
@@ -402,17 +488,50 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--imagegen", required=True, help="what `imagegen sample --model` takes, or a run directory")
     sp.add_argument("--briefs", required=True, help=".txt (one brief per line) or .jsonl ({\"brief\": ...})")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--steps", type=int, default=28)
-    sp.add_argument("--guidance", type=float, default=4.0)
+    number(sp, "--seed", type=int, bounds=SEED, default=0)
+    number(sp, "--steps", type=int, bounds=STEPS, default=28)
+    number(sp, "--guidance", type=float, bounds=GUIDANCE, default=4.0)
     return p
+
+
+# Log lines that libraries print while they are imported, about their own internals, which no Atelier user can act
+# on: (logger, start of the message). Each is dropped by message, so every other warning of the logger still shows.
+# Without this, `imagegen cache` on a bad SD3 pipeline prints torch's two lines about torchao's enums (diffusers
+# imports torchao when it is installed) before the one error line.
+_LIBRARY_NOISE = (
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported by torch.compile"),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
+)
+
+
+class _DropLibraryNoise:
+    """A logging filter: drops a record whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_library_noise() -> None:
+    """Drop the import-time log lines of _LIBRARY_NOISE (idempotent: one filter per logger)."""
+    import logging
+
+    for name, text in _LIBRARY_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLibraryNoise) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropLibraryNoise(text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from atelier_studio.pipeline.errors import AtelierError, one_line, user_os_error
 
-    args = build_parser().parse_args(argv)
+    quiet_library_noise()
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        check_numbers(parser, args)
         return args.fn(args)
     except AtelierError as e:
         message = str(e)

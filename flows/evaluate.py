@@ -45,7 +45,7 @@ from prefect import flow, task
 from atelier_studio.data.textfile import iter_json_lines, iter_lines, read_json
 from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
 from atelier_studio.flows.training import FlowInputError
-from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text, ensure_dir
+from atelier_studio.pipeline.atomic import atomic_file, atomic_write_text, new_output_dir
 
 GRID_MAX_IMAGES = 64
 
@@ -56,6 +56,11 @@ GRID_MAX_IMAGES = 64
 def read_briefs(path: str | Path) -> list[str]:
     """Briefs (any text) from a .txt (one per line) or .jsonl ({"brief": ...}) file; blank lines skipped; errors name
     file:line."""
+    return [brief for _, brief in read_brief_lines(path)]
+
+
+def read_brief_lines(path: str | Path) -> list[tuple[str, str]]:
+    """("file:line", brief) for each brief of read_briefs: where a brief found too long later is named."""
     path = Path(path)
     if not path.is_file():
         raise FlowInputError(f"briefs file {path} does not exist")
@@ -74,7 +79,7 @@ def read_briefs(path: str | Path) -> list[str]:
             if not isinstance(obj, dict) or not isinstance(obj.get("brief"), str) or not obj["brief"].strip():
                 raise FlowInputError(f"{where}: expected an object with a non-empty string field 'brief'")
             brief = obj["brief"].strip()
-        briefs.append(" ".join(brief.split()))  # one line: the designer's briefs file has one brief per line
+        briefs.append((where, " ".join(brief.split())))  # one line: the designer's briefs file has one per line
     if not briefs:
         raise FlowInputError(f"briefs file {path} has no briefs")
     return briefs
@@ -154,8 +159,9 @@ def resolve_imagegen(path: str | Path) -> Path:
 
 def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | Path, seed: int = 0,
                    max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                   batch_size: int = 16) -> Path:
-    """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order."""
+                   batch_size: int = 16, sources: Sequence[str] | None = None) -> Path:
+    """Designer captions for the briefs → <out>/captions.jsonl with {brief, caption} per line, in brief order.
+    `sources` ("file:line" of each brief in the user's file) names a brief the designer cannot take."""
     from atelier_studio.designer.captions import generate_captions
 
     model_dir, adapter_dir = resolve_designer(designer)
@@ -166,7 +172,7 @@ def write_captions(designer: str | Path, briefs: Sequence[str], out_dir: str | P
     captions_file = out / "captions.jsonl"
     generate_captions(model_dir=model_dir, adapter_dir=adapter_dir, briefs_file=briefs_file, out_file=captions_file,
                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                      batch_size=batch_size)
+                      batch_size=batch_size, sources=list(sources) if sources is not None else None)
     return captions_file
 
 
@@ -379,10 +385,12 @@ def evaluate_brief_to_image(designer: str | Path, imagegen: str | Path, briefs: 
     """The whole evaluation without Prefect (`atelier eval`): returns aggregate scores, which scores ran, caption
     stats, file paths."""
     _check_inputs(designer, imagegen, clip, steps)
-    brief_list = read_briefs(briefs)
-    captions = write_captions(designer, brief_list, out_dir, seed, max_new_tokens, temperature, top_p)
-    images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
-    return judge(captions, images, out_dir, clip)
+    lines = read_brief_lines(briefs)
+    with new_output_dir(out_dir, "--out"):  # a failure mid-way leaves no output folder
+        captions = write_captions(designer, [b for _, b in lines], out_dir, seed, max_new_tokens, temperature, top_p,
+                                  sources=[where for where, _ in lines])
+        images = render_images(imagegen, captions, out_dir, seed, steps, guidance)
+        return judge(captions, images, out_dir, clip)
 
 
 def evaluate_captions(captions: str | Path, out_dir: str | Path, imagegen: str | Path | None = None, seed: int = 0,
@@ -407,15 +415,15 @@ def evaluate_captions(captions: str | Path, out_dir: str | Path, imagegen: str |
         absent = next((p for p in images if not p.is_file()), None)
         if absent is not None:
             raise FlowInputError(f"{captions}: image {absent} does not exist")
-    ensure_dir(out, "--out")
-    captions_file = atomic_write_text(out / "captions.jsonl", "".join(
-        json.dumps({"brief": r["brief"], "caption": r["caption"]}) + "\n" for r in rows), what="captions")
-    if imagegen is None:
-        index = atomic_write_text(out / "images.json", json.dumps([str(p) for p in images], indent=0),
-                                  what="image index")
-    else:
-        index = render_images(imagegen, captions_file, out, seed, steps, guidance)
-    return judge(captions_file, index, out)
+    with new_output_dir(out, "--out"):  # a failure mid-way leaves no output folder
+        captions_file = atomic_write_text(out / "captions.jsonl", "".join(
+            json.dumps({"brief": r["brief"], "caption": r["caption"]}) + "\n" for r in rows), what="captions")
+        if imagegen is None:
+            index = atomic_write_text(out / "images.json", json.dumps([str(p) for p in images], indent=0),
+                                      what="image index")
+        else:
+            index = render_images(imagegen, captions_file, out, seed, steps, guidance)
+        return judge(captions_file, index, out)
 
 
 def _check_steps(steps: int) -> None:
@@ -436,8 +444,8 @@ def _check_inputs(designer: str | Path, imagegen: str | Path, clip: str | Path |
 
 @task(name="generate-captions")
 def captions_task(designer: str, briefs: list[str], out_dir: str, seed: int, max_new_tokens: int, temperature: float,
-                  top_p: float) -> str:
-    return str(write_captions(designer, briefs, out_dir, seed, max_new_tokens, temperature, top_p))
+                  top_p: float, sources: list[str] | None = None) -> str:
+    return str(write_captions(designer, briefs, out_dir, seed, max_new_tokens, temperature, top_p, sources=sources))
 
 
 @task(name="sample-images")
@@ -462,8 +470,9 @@ def brief_to_image_eval(designer: str, imagegen: str, briefs: str, out_dir: str 
     """briefs (any text) → captions → images → scores; every step's output is a path under out_dir. `clip`: a local
     transformers CLIP directory, for CLIP scores (the only ones a brief outside the shapes world gets)."""
     _check_inputs(designer, imagegen, clip, steps)
-    brief_list = read_briefs(briefs)
-    captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
+    lines = read_brief_lines(briefs)
+    captions = captions_task(str(designer), [b for _, b in lines], str(out_dir), seed, max_new_tokens, temperature,
+                             top_p, sources=[where for where, _ in lines])
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
     return judge_task(captions, images, str(out_dir), str(clip or ""))
 

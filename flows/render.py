@@ -21,11 +21,11 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from atelier_studio.flows.evaluate import (GRID_MAX_IMAGES, captions_task, chain_parser, images_task, read_briefs,
+from atelier_studio.flows.evaluate import (GRID_MAX_IMAGES, captions_task, chain_parser, images_task, read_brief_lines,
                                            read_captions, render_images, resolve_designer, resolve_imagegen,
                                            write_captions)
 from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
-from atelier_studio.pipeline.atomic import atomic_write_text
+from atelier_studio.pipeline.atomic import atomic_write_text, new_output_dir
 
 
 def collect(captions_file: str | Path, images_index: str | Path, out_dir: str | Path) -> dict[str, Any]:
@@ -65,8 +65,11 @@ def render_briefs_plain(designer: str | Path, imagegen: str | Path, briefs: str 
     """The flow's work without Prefect (`atelier render`)."""
     resolve_designer(designer)  # fail before the designer runs, not after
     resolve_imagegen(imagegen)
-    captions = write_captions(designer, read_briefs(briefs), out_dir, seed, max_new_tokens, temperature, top_p)
-    return collect(captions, render_images(imagegen, captions, out_dir, seed, steps, guidance), out_dir)
+    lines = read_brief_lines(briefs)
+    with new_output_dir(out_dir, "--out"):  # a failure mid-way leaves no output folder
+        captions = write_captions(designer, [b for _, b in lines], out_dir, seed, max_new_tokens, temperature, top_p,
+                                  sources=[where for where, _ in lines])
+        return collect(captions, render_images(imagegen, captions, out_dir, seed, steps, guidance), out_dir)
 
 
 @task(name="collect")
@@ -83,8 +86,9 @@ def render_briefs(designer: str, imagegen: str, briefs: str, out_dir: str = "run
     """briefs (any text) → captions → images; every step's output is a path under out_dir."""
     resolve_designer(designer)
     resolve_imagegen(imagegen)
-    brief_list = read_briefs(briefs)
-    captions = captions_task(str(designer), brief_list, str(out_dir), seed, max_new_tokens, temperature, top_p)
+    lines = read_brief_lines(briefs)
+    captions = captions_task(str(designer), [b for _, b in lines], str(out_dir), seed, max_new_tokens, temperature,
+                             top_p, sources=[where for where, _ in lines])
     images = images_task(str(imagegen), captions, str(out_dir), seed, steps, guidance)
     return collect_task(captions, images, str(out_dir))
 

@@ -105,6 +105,8 @@ def summary_markdown(run_dir: Path, title: str) -> str:
     lines += skipped_markdown(s.get("skipped"))
     if s.get("exports"):
         lines += ["", "Exports:", ""] + [f"- {k}: `{v}`" for k, v in s["exports"].items()]
+    if s.get("fallbacks"):  # an emulated precision, reference kernels: never only in the log
+        lines += ["", "Fallbacks:", ""] + [f"- {v}" for v in s["fallbacks"].values()]
     return "\n".join(lines)
 
 

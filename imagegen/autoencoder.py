@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atelier_studio.pipeline.errors import ModelLoadError, one_line
+from atelier_studio.pipeline.hf_files import check_weights_dir
+
 
 def _check_images(images: torch.Tensor, factor: int, who: str) -> None:
     if images.ndim != 4 or images.shape[1] != 3:
@@ -103,7 +106,12 @@ class SD3VAE(nn.Module):
         from diffusers import AutoencoderKL  # heavy import, only when a VAE is really used
 
         vae_dir = find_vae_dir(path)
-        vae = AutoencoderKL.from_pretrained(vae_dir, torch_dtype=dtype, local_files_only=True, use_safetensors=True)
+        check_weights_dir(vae_dir, "vae")  # weights there, headers whole: named here, not a diffusers OSError
+        try:
+            vae = AutoencoderKL.from_pretrained(vae_dir, dtype=dtype, local_files_only=True,
+                                                use_safetensors=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"vae {vae_dir}: cannot load it ({type(e).__name__}: {one_line(str(e))})") from e
         return cls(vae, sample=sample)
 
     @torch.no_grad()

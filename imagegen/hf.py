@@ -23,6 +23,7 @@ from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.imagegen.registry import family_of_args, family_of_class_name, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.hf_files import read_safetensors_header
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -61,9 +62,8 @@ def read_args(path: str | os.PathLike, kernels: str = "auto", attention: str = "
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
     """{file path: [keys]} for the single file or the sharded index."""
     single, index = model_dir / WEIGHTS_NAME, model_dir / INDEX_NAME
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return {str(single): list(f.keys())}
+    if single.is_file():  # header checked against the file size: a cut or garbage file is named, not a traceback
+        return {str(single): list(read_safetensors_header(single))}
     if index.is_file():
         try:
             weight_map = read_json(index, ModelLoadError)["weight_map"]
@@ -75,6 +75,7 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
         for name in files:
             if not Path(name).is_file():
                 raise FileNotFoundError(f"{index}: shard {name} is listed but missing")
+            read_safetensors_header(name)
         return files
     pickled = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
     hint = f" (found {pickled}: pickle files are never loaded; convert them to safetensors)" if pickled else ""

@@ -104,6 +104,8 @@ class MMDiTArgs:
         for i in self.dual_attention_layers:
             if not isinstance(i, int) or not 0 <= i < self.num_layers:
                 raise bad("dual_attention_layers", f"layer index {i!r} not in [0, {self.num_layers})")
+        if self.sample_size % self.patch_size:
+            raise bad("sample_size", f"must be a multiple of patch_size = {self.patch_size} (whole patches)")
         if self.sample_size // self.patch_size > self.pos_embed_max_size:
             raise bad("sample_size", f"sample_size/patch_size exceeds pos_embed_max_size={self.pos_embed_max_size}")
 

@@ -90,8 +90,11 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
 def _latent_hw(model, autoencoder, resolution: int | tuple[int, int], who: str) -> tuple[int, int]:
     H, W = (resolution, resolution) if isinstance(resolution, int) else resolution
     f, p = autoencoder.downsample_factor, model.args.patch_size
-    if H % (f * p) or W % (f * p):
-        raise ValueError(f"{who}: resolution {H}x{W} must be a multiple of autoencoder factor {f} x patch {p}")
+    step = f * p
+    if H <= 0 or W <= 0 or H % step or W % step:
+        near = sorted({max(step, H // step * step), (H // step + 1) * step})
+        raise UsageError(f"{who}: resolution {H}x{W} must be a positive multiple of {step} (the autoencoder's factor "
+                         f"{f} x the patch size {p}), e.g. {' or '.join(map(str, near))}")
     return H // f, W // f
 
 
@@ -195,12 +198,14 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     """(text encoder, autoencoder, flow, resolution, model_dtype) for sampling an SD3 pipeline directory: its parts
     and scheduler; a run's imagegen.json (when one is next to it) gives the text settings and the resolution."""
     from atelier_studio.imagegen.autoencoder import SD3VAE
-    from atelier_studio.imagegen.sd3_dir import default_resolution, has_part, read_model_index, scheduler_flow
+    from atelier_studio.imagegen.sd3_dir import (check_pipeline_files, default_resolution, has_part, read_model_index,
+                                                 scheduler_flow)
     from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 
     index = read_model_index(pipeline_dir)
     flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})  # the cheap checks first
     resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
+    check_pipeline_files(pipeline_dir)  # every part's files, before the first is loaded
     if meta is not None and meta.get("text", {}).get("kind") == "sd3":
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
@@ -256,10 +261,12 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
         text, autoencoder, flow, default, model_dtype = _pipeline_settings(model_dir, meta, device)
     else:
         meta = _read_run_meta(model_dir, config_path)
-        text = text_encoder_from_meta(meta["text"], device)
         autoencoder = load_autoencoder(meta["autoencoder"])
         flow, default, model_dtype = FlowArgs(**meta.get("flow", {})), meta["resolution"], meta.get("model_dtype")
+        text = None  # loaded once the resolution is known to fit
     model = load_for_sampling(model_dir, meta, device)
+    _latent_hw(model, autoencoder, resolution or default, "--resolution")  # before the text encoder loads
+    text = text if text is not None else text_encoder_from_meta(meta["text"], device)
     autoencoder = autoencoder.to(device)
     amp = torch.bfloat16 if model_dtype == "bfloat16" and device.type == "cuda" else None
     images = sample_images(model, text, autoencoder, captions, resolution or default, steps, guidance, seed, flow,

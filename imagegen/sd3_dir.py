@@ -11,7 +11,8 @@ The layout `StableDiffusion3Pipeline.save_pretrained` writes (and the stabilitya
     scheduler/            FlowMatchEulerDiscreteScheduler (scheduler_config.json)
 
 A part saved as None (the pipeline loaded with `text_encoder_3=None`, SD3's T5-less mode) is `[null, null]` in
-model_index.json and has no folder. Every problem is a `ModelLoadError` naming the file or folder.
+model_index.json and has no folder. Every problem is a `ModelLoadError` naming the file or folder;
+`check_pipeline_files` checks every part's files before any part is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from atelier_studio.data.textfile import read_json
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_weights_dir
 
 MODEL_INDEX = "model_index.json"
 PIPELINE_CLASS = "StableDiffusion3Pipeline"
@@ -81,6 +83,23 @@ def part_dir(path: str | os.PathLike, name: str) -> Path:
     return folder
 
 
+WEIGHT_PARTS = ("transformer", "vae") + TEXT_PARTS
+TOKENIZER_KINDS = {"tokenizer": "clip", "tokenizer_2": "clip", "tokenizer_3": "t5"}
+
+
+def check_pipeline_files(path: str | os.PathLike) -> None:
+    """Every part model_index.json lists holds what loading it needs, checked before any is loaded (so the error is
+    the only line, not the last after the load progress of the parts before it): whole safetensors files in each
+    model folder, a vocabulary in each tokenizer folder (pipeline/hf_files.py)."""
+    index = read_model_index(path)
+    for name in WEIGHT_PARTS:
+        if has_part(index, name):
+            check_weights_dir(part_dir(path, name), name)
+    for name, kind in TOKENIZER_KINDS.items():
+        if has_part(index, name):
+            check_tokenizer_dir(part_dir(path, name), kind)
+
+
 def scheduler_config(path: str | os.PathLike) -> dict:
     """The pipeline's scheduler/scheduler_config.json, checked to be a scheduler imagegen/flow.py samples exactly."""
     cfg_path = part_dir(path, "scheduler") / SCHEDULER_CONFIG
@@ -126,6 +145,6 @@ def default_resolution(path: str | os.PathLike) -> int:
     return int(transformer_config(path).get("sample_size", 128)) * 2 ** (len(vae_cfg["block_out_channels"]) - 1)
 
 
-__all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "scheduler_config", "scheduler_flow",
-           "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS",
+__all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files", "scheduler_config",
+           "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS",
            "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]

@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS, has_part, part_dir, read_model_index, transformer_config
+from atelier_studio.imagegen.sd3_dir import (MAX_T5_TOKENS, check_pipeline_files, has_part, part_dir, read_model_index,
+                                             transformer_config)
 from atelier_studio.imagegen.text import TextEncoder, TextEncoderError, TextPart, text_encoder_dir
+from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_vocab_size, check_weights_dir
 from atelier_studio.pipeline.progress import log
 
 def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Tensor) -> torch.Tensor:
@@ -66,20 +68,32 @@ class SD3TextEncoders(nn.Module):
         if use_t5 and not has_part(index, "text_encoder_3"):
             raise TextEncoderError(f"{self.path}: this pipeline has no text_encoder_3 (T5); set text.use_t5 = false "
                                    f"to train with T5's part as zeros")
+        check_pipeline_files(self.path)  # every part's files, before the first is loaded
         self.max_sequence_length, self.clip_skip, self.use_t5 = max_sequence_length, clip_skip, use_t5
         self.device, self.dtype = torch.device(device), dtype
 
-        def load(what: str, fn):
+        def load(what: str, fn, tokenizer: str = ""):
+            """Part `what` through `fn`, its files checked first (pipeline/hf_files.py): a tokenizer folder of kind
+            `tokenizer` holds its vocabulary, an encoder folder whole safetensors files."""
             folder = part_dir(self.path, what)  # a missing part is named by sd3_dir
+            if tokenizer:
+                check_tokenizer_dir(folder, tokenizer)
+            else:
+                check_weights_dir(folder, what)
             try:
                 return fn(str(folder))
             except (OSError, ValueError) as e:
                 raise TextEncoderError(f"{folder}: cannot load it ({type(e).__name__}: {e})") from e
 
-        self.tokenizers = [load(n, lambda p: CLIPTokenizer.from_pretrained(p, local_files_only=True))
+        def encoder(cls):
+            return lambda p: cls.from_pretrained(p, local_files_only=True, dtype=dtype, use_safetensors=True)
+
+        self.tokenizers = [load(n, lambda p: CLIPTokenizer.from_pretrained(p, local_files_only=True), "clip")
                            for n in ("tokenizer", "tokenizer_2")]
-        clips = [load(n, lambda p: CLIPTextModelWithProjection.from_pretrained(p, local_files_only=True, dtype=dtype))
-                 for n in ("text_encoder", "text_encoder_2")]
+        clips = [load(n, encoder(CLIPTextModelWithProjection)) for n in ("text_encoder", "text_encoder_2")]
+        for t, e, tok, m in zip(("tokenizer", "tokenizer_2"), ("text_encoder", "text_encoder_2"), self.tokenizers,
+                                clips):
+            check_vocab_size(tok, self.path / t, int(m.config.vocab_size), self.path / e)
         self.clips = nn.ModuleList(m.to(self.device).eval().requires_grad_(False) for m in clips)
         # diffusers' tokenizer_max_length: the CLIP-L tokenizer's model_max_length, for both CLIPs
         self.clip_length = int(self.tokenizers[0].model_max_length)
@@ -93,8 +107,11 @@ class SD3TextEncoders(nn.Module):
                                        f"{m.config.num_hidden_layers - 1})")
         self.t5_tokenizer = self.t5 = None
         if use_t5:
-            self.t5_tokenizer = load("tokenizer_3", lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True))
-            t5 = load("text_encoder_3", lambda p: T5EncoderModel.from_pretrained(p, local_files_only=True, dtype=dtype))
+            self.t5_tokenizer = load("tokenizer_3", lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True),
+                                     "t5")
+            t5 = load("text_encoder_3", encoder(T5EncoderModel))
+            check_vocab_size(self.t5_tokenizer, self.path / "tokenizer_3", int(t5.config.vocab_size),
+                             self.path / "text_encoder_3")
             self.t5 = t5.to(self.device).eval().requires_grad_(False)
             width = int(self.t5.config.d_model)
         else:  # diffusers' zeros have the transformer's joint_attention_dim

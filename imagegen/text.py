@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from atelier_studio.pipeline.errors import AtelierError
+from atelier_studio.pipeline.hf_files import check_vocab_size, check_weights_dir
 
 KINDS = ("causal-lm", "encoder")
 POOLINGS = ("mean", "last", "cls")
@@ -103,11 +104,14 @@ class TextEncoder(nn.Module):
         if not (self.path / "config.json").is_file():
             raise TextEncoderError(f"{self.path}: no config.json — not a Hugging Face model directory (text.encoder)")
         self.kind, self.max_length, self.layer, self.pooled = kind, max_length, layer, pooled
+        check_weights_dir(self.path, "text.encoder")  # whole safetensors files, or named here
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            model = AutoModel.from_pretrained(str(self.path), local_files_only=True, dtype=dtype)
+            model = AutoModel.from_pretrained(str(self.path), local_files_only=True, dtype=dtype, use_safetensors=True)
         except (OSError, ValueError) as e:
             raise TextEncoderError(f"{self.path}: cannot load the text encoder ({type(e).__name__}: {e})") from e
+        if getattr(model.config, "vocab_size", None):
+            check_vocab_size(self.tokenizer, self.path, int(model.config.vocab_size), self.path)
         if self.tokenizer.pad_token_id is None:  # a causal LM's tokenizer may lack one; right padding is masked
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"

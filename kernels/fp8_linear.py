@@ -465,6 +465,12 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def fp8_copies_used(impl: str, weight: torch.Tensor) -> bool:
+    """Whether a frozen weight's fp8 copies (quantize_frozen_weight, a Triton pass) are read: by the fast path only,
+    which "auto" takes on CUDA; the reference path (a CPU, impl "ref") quantises in fp32 from the weight itself."""
+    return impl != "ref" and (impl != "auto" or weight.is_cuda)
+
+
 def _use_scaled_mm(impl: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The fast path, unless asked for the reference or the shape does not fit _scaled_mm (K, N multiples of 16)."""
     if impl == "ref" or (impl == "auto" and not x.is_cuda):

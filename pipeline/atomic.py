@@ -124,6 +124,26 @@ def ensure_dir(path: str | os.PathLike, what: str = "") -> Path:
     return path
 
 
+@contextlib.contextmanager
+def new_output_dir(path: str | os.PathLike, what: str = "") -> Iterator[Path]:
+    """A command's output folder that is there in full or not at all: created by the block, removed if it fails.
+
+    For commands whose files record their own absolute paths (an evaluation's index of images), so they cannot be
+    built under a temporary name and renamed: each file is still written atomically, and a folder this block
+    created is deleted whole when the block raises. A folder that existed before keeps what it had (files the
+    command replaced are complete old or new ones). A file in the way is refused before anything runs.
+    """
+    final = Path(path)
+    check_dir_path(final, what)
+    created = not final.exists()
+    try:
+        yield ensure_dir(final, what)
+    except BaseException:
+        if created:
+            _remove(final)
+        raise
+
+
 def _write_failure(final: Path, e: OSError, tmp: Path, what: str) -> WriteError:
     """The WriteError for an OSError raised while writing under ``tmp``; the file is named at its final place."""
     if e.filename:

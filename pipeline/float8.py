@@ -34,12 +34,13 @@ from atelier_studio.kernels.fp8_linear import (
     Fp8FrozenWeight,
     Fp8UnsupportedError,
     check_fp8_device,
+    fp8_copies_used,
     fp8_frozen_linear,
     fp8_linear,
     quantize_frozen_weight,
 )
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
-from atelier_studio.pipeline.progress import log
+from atelier_studio.pipeline.progress import announce_fallback, log
 
 _BUFFERS = ("fp8_q", "fp8_scale", "fp8_qt", "fp8_scale_t")
 
@@ -69,7 +70,7 @@ class Float8Linear(nn.Linear):
         for name in _BUFFERS:
             new.register_buffer(name, None, persistent=False)
         new.register_load_state_dict_post_hook(_after_load)
-        if not new.weight.requires_grad and impl != "ref":
+        if not new.weight.requires_grad and fp8_copies_used(impl, new.weight):
             new.refresh_fp8_weight()  # now, not inside a first (perhaps compiled) forward
         return new
 
@@ -93,7 +94,7 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.requires_grad:
             return fp8_linear(x, self.weight, self.bias, self.recipe, self.impl)
-        frozen = self.fp8_weight() if self.impl != "ref" else None
+        frozen = self.fp8_weight() if fp8_copies_used(self.impl, self.weight) else None
         return fp8_frozen_linear(x, self.weight, self.bias, frozen, self.recipe, self.impl)
 
     def extra_repr(self) -> str:
@@ -114,7 +115,7 @@ def float8_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Te
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     if w0.requires_grad:
         return fp8_linear_group(x, weights, biases, first.recipe, first.impl)
-    frozens = [m.fp8_weight() if m.impl != "ref" else None for m in linears]
+    frozens = [m.fp8_weight() if fp8_copies_used(m.impl, m.weight) else None for m in linears]
     return fp8_frozen_linear_group(x, weights, biases, frozens, first.recipe, first.impl)
 
 
@@ -129,7 +130,8 @@ def _after_load(module, incompatible_keys) -> None:
     A sharded weight (FSDP2's DTensor) holds only this rank's rows: its copies are made at the first forward, from
     the weight FSDP2 has gathered whole."""
     module.drop_fp8_weight()
-    if not module.weight.requires_grad and module.impl != "ref" and not isinstance(module.weight, DTensor):
+    if (not module.weight.requires_grad and fp8_copies_used(module.impl, module.weight)
+            and not isinstance(module.weight, DTensor)):
         module.refresh_fp8_weight()
 
 
@@ -149,6 +151,9 @@ def check_precision(train: TrainConfig, device: torch.device, distributed: bool,
         check_fp8_device(device)
     except Fp8UnsupportedError as e:
         raise ConfigError(str(e)) from None
+    if device.type != "cuda":  # the fake-quantised references (kernels/fp8_linear.py): the same numerics, no speed
+        announce_fallback("precision", f"{PRECISION_KEY}: emulated (no FP8 hardware): for tests only; every FP8 "
+                                       f"matmul runs as fp32 fake quantisation on {device}")
 
 
 # The LM head stays in bf16 until a measurement says otherwise; callers add their own.

@@ -239,3 +239,26 @@ class RunLog:
 def log(msg: str) -> None:
     """A plain status line (setup, checkpoints) on stdout, flushed so flows stream it at once."""
     print(msg, file=sys.stdout, flush=True)
+
+
+# What a run does differently from what was asked or what a GPU would do (an emulated precision, reference kernels
+# on a CPU): each logged once and listed in the run summary (summary.json "fallbacks"), never silent. One run per
+# process: the CLI resets them when a run starts.
+_FALLBACKS: dict[str, str] = {}
+
+
+def announce_fallback(key: str, message: str) -> None:
+    """Log `message` the first time `key` is announced in this run, and keep it for the summary."""
+    if key not in _FALLBACKS:
+        _FALLBACKS[key] = message
+        log(message)
+
+
+def fallbacks() -> dict[str, str]:
+    """The fallbacks announced in this run, by key."""
+    return dict(_FALLBACKS)
+
+
+def reset_fallbacks() -> None:
+    """Forget the announced fallbacks (a new run starts)."""
+    _FALLBACKS.clear()

@@ -35,7 +35,7 @@ from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, bar
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
-from atelier_studio.pipeline.progress import RunLog, log
+from atelier_studio.pipeline.progress import RunLog, announce_fallback, fallbacks, log
 from atelier_studio.pipeline.task import Task
 
 
@@ -140,6 +140,10 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         ensure_dir(self.out, "output.dir")
+        if self.device.type != "cuda":
+            announce_fallback("kernels", f"kernels: no GPU ({self.device}): attention, the fused kernels and the delta "
+                                         f"rule run their plain-PyTorch references (exact, slow: for tests and small "
+                                         f"models)")
         resume = self.resume()
         report = RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
                         main=self.dist.is_main)
@@ -245,6 +249,8 @@ class Trainer:
             summary["skipped"] = final_skips.as_dict()
         if self.device.type == "cuda":
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if fallbacks():
+            summary["fallbacks"] = fallbacks()
         return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,
                            summary=summary, signal=self._stop_signal)
 

@@ -20,6 +20,7 @@ errno path as ENOSPC.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -38,7 +39,7 @@ import pytest
 from PIL import Image
 
 from atelier_studio.pipeline.atomic import is_temporary
-from atelier_studio.flows.cli import main
+from atelier_studio.flows.cli import build_parser, main
 
 ROOT = Path(__file__).parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
@@ -165,6 +166,11 @@ def truncated_checkpoint(tmp: Path, w: World) -> list[str]:
     return designer_train(tmp, w, "train.save_every=1", "train.max_steps=4")
 
 
+def resume_with_another_seq_len(tmp: Path, w: World) -> list[str]:
+    assert main(designer_train(tmp, w, "train.save_every=1")) == 0
+    return designer_train(tmp, w, "train.save_every=1", "train.max_steps=4", "data.seq_len=256")
+
+
 def shard_with_undecodable_image(tmp: Path, w: World) -> list[str]:
     shards = good_shards(tmp)
     with tarfile.open(shards / "shard-000001.tar") as tar:
@@ -221,6 +227,31 @@ def sd3_cache(tmp: Path, *sets: str) -> list[str]:
     argv = ["imagegen", "cache", "--config", str(SD3_CONFIG), "--out", str(tmp / "latents"),
             "--set", f"data.image_shards={tmp / 'shards'}"]
     return argv + [a for s in sets for a in ("--set", s)]
+
+
+def sd3_copy(tmp: Path, w: World, damage: Callable[[Path], object]) -> Path:
+    """A copy at tmp/pipe of a tiny random SD3 pipeline (built once beside the world), `damage`d."""
+    from tests.imagegen._sd3 import build_pipeline
+
+    shutil.copytree(build_pipeline(w.model.parent / "sd3-pipe"), tmp / "pipe")
+    damage(tmp / "pipe")
+    return tmp / "pipe"
+
+
+def cut(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def garbage_header(path: Path) -> None:
+    """The 8-byte length intact, the JSON header overwritten with bytes that are not UTF-8."""
+    data = bytearray(path.read_bytes())
+    data[8:40] = NOT_UTF8 * 2 + NOT_UTF8[:4]
+    path.write_bytes(bytes(data))
+
+
+def sd3_sample(tmp: Path, pipe: Path) -> list[str]:
+    return ["imagegen", "sample", "--model", str(pipe), "--captions", str(write(tmp / "c.txt", "a red square\n")),
+            "--out", str(tmp / "samples")]
 
 
 def sd3_sample_with_karras_sigmas(tmp: Path, w: World) -> list[str]:
@@ -291,6 +322,31 @@ def shards_into_other_files(tmp: Path, w: World) -> list[str]:
     return image_set(tmp)
 
 
+LONG_BRIEF = "a calm circle " * 7500  # 105 KB on one line: far past the tiny designer's context
+
+
+def long_brief_file(tmp: Path) -> Path:
+    return write(tmp / "briefs.txt", "a calm circle\n" + LONG_BRIEF + "\n")
+
+
+def render_args(tmp: Path, w: World) -> list[str]:
+    write(tmp / "mmdit" / "config.json", "{}")  # only its presence is checked before the designer runs
+    return ["render", "--designer", str(w.model), "--imagegen", str(tmp / "mmdit"), "--briefs",
+            str(long_brief_file(tmp)), "--out", str(tmp / "render")]
+
+
+def sample_at(tmp: Path, resolution: int) -> list[str]:
+    """`imagegen sample` of a tiny random MMDiT with the demo config's settings at `resolution` pixels."""
+    import torch
+
+    from atelier_studio.imagegen.hf import init_random
+
+    init_random("tiny", tmp / "mmdit", dtype=torch.float32)
+    return ["imagegen", "sample", "--model", str(tmp / "mmdit"), "--config", str(IMAGEGEN_DEMO), "--captions",
+            str(write(tmp / "c.txt", "a red square\n")), "--out", str(tmp / "samples"), "--resolution",
+            str(resolution)]
+
+
 EMPTY_CAPTION = '{"brief": "a calm circle", "caption": ""}\n'
 
 CASES = [
@@ -320,6 +376,8 @@ CASES = [
     Case("lora-dropout-on-experts",
          lambda t, w: designer_train(t, w, f"model.path={moe_model(t, w)}", "lora.rank=4", "lora.dropout=0.1"),
          ("lora.dropout = 0.1", "gate, up, down adapters are one per expert", "lora.dropout = 0"), absent=("run",)),
+    Case("lora-alpha-zero", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.alpha=0"),
+         ("lora.alpha: must be > 0", "alpha / rank"), absent=("run",)),
     Case("qlora-with-full-finetuning", lambda t, w: designer_train(t, w, "lora.rank=0", "lora.base_dtype=nf4"),
          ('lora.base_dtype: "nf4"', "rank = 0 is full fine-tuning", "lora.rank > 0"), absent=("run",)),
     Case("qlora-with-fp8", lambda t, w: designer_train(t, w, "lora.rank=4", "lora.base_dtype=nf4",
@@ -361,13 +419,34 @@ CASES = [
          ("train.precision", "full fine-tuning only", "lora.rank", "bf16"), absent=("run",)),
     Case("sd3-pipeline-without-t5",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
-         ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),
+         ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",),
+         subprocess=True),  # a fresh process: what diffusers and torchao print at import reaches the stream
     Case("sd3-not-an-sd3-pipeline",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, _class_name='FluxPipeline')}", "autoencoder.spec=pixel"),
          ("{tmp}/pipe/model_index.json", "_class_name is 'FluxPipeline'", "StableDiffusion3Pipeline"),
          absent=("latents",)),
     Case("sd3-spec-model-without-vae", lambda t, w: sd3_cache(t, f"model.path={t / 'plain'}"),
          ("no AutoencoderKL found at {tmp}/plain", "vae"), absent=("latents",)),
+    # the parts of a pipeline, each checked before transformers / diffusers read it (pipeline/hf_files.py)
+    Case("sd3-tokenizer-without-its-vocabulary",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: (p / "tokenizer_2" / "tokenizer.json").unlink())),
+         ("{tmp}/pipe/tokenizer_2", "no tokenizer vocabulary", "vocab.json + merges.txt"), absent=("samples",)),
+    Case("sd3-t5-weights-truncated",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: cut(p / "text_encoder_3" / "model.safetensors", 5000))),
+         ("{tmp}/pipe/text_encoder_3/model.safetensors", "truncated"), absent=("samples",)),
+    Case("sd3-transformer-weights-truncated",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: cut(
+             p / "transformer" / "diffusion_pytorch_model.safetensors", 20000))),
+         ("{tmp}/pipe/transformer/diffusion_pytorch_model.safetensors", "truncated"), absent=("samples",)),
+    Case("sd3-transformer-garbage-header",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: garbage_header(
+             p / "transformer" / "diffusion_pytorch_model.safetensors"))),
+         ("{tmp}/pipe/transformer/diffusion_pytorch_model.safetensors", "corrupt safetensors header"),
+         absent=("samples",)),
+    Case("sd3-vae-without-weights",
+         lambda t, w: sd3_sample(t, sd3_copy(t, w, lambda p: (p / "vae" / "diffusion_pytorch_model.safetensors")
+                                             .unlink())),
+         ("vae {tmp}/pipe/vae", "no safetensors weights"), absent=("samples",)),
     Case("sd3-max-sequence-length-too-long",
          lambda t, w: sd3_cache(t, "model.path=x", "text.max_sequence_length=600"),
          ("text.max_sequence_length", "[1, 512]", "600"), absent=("latents",)),
@@ -404,6 +483,8 @@ CASES = [
          absent=("run/checkpoints/step-*", "run/checkpoints/.step-*"), file_size_limit=DISK_LIMIT),
     Case("truncated-checkpoint-on-resume", truncated_checkpoint,
          ("{tmp}/run/checkpoints/step-2/model.safetensors", "truncated"), unchanged=("run/checkpoints/*/*",)),
+    Case("resume-with-another-seq-len", resume_with_another_seq_len, ("data.seq_len", "128", "256"),
+         unchanged=("run/checkpoints/*/*",)),
     Case("nproc-zero", lambda t, w: designer_train(t, w) + ["--nproc", "0"], ("--nproc 0",), absent=("run",)),
     # ---------------------------------------------------------------- designer generate / init, tokenizer, synth
     Case("briefs-not-utf8",
@@ -417,6 +498,12 @@ CASES = [
          ("unknown designer size 'huge'",), absent=("m",)),
     Case("imagegen-init-unknown-size", lambda t, w: ["imagegen", "init", "--size", "huge", "--out", str(t / "m")],
          ("unknown imagegen size 'huge'",), absent=("m",)),
+    Case("imagegen-init-sample-size-not-whole-patches",
+         lambda t, w: ["imagegen", "init", "--size", "tiny", "--out", str(t / "m"), "--sample-size", "1"],
+         ("--sample-size 1", "multiple of patch_size = 2"), absent=("m",)),
+    Case("imagegen-init-sample-size-past-the-positions",
+         lambda t, w: ["imagegen", "init", "--size", "tiny", "--out", str(t / "m"), "--sample-size", "2000"],
+         ("--sample-size 2000", "pos_embed_max_size"), absent=("m",)),
     Case("corpus-not-utf8",
          lambda t, w: ["data", "tokenizer", "--corpus", str(write(t / "corpus.txt", b"one\ntwo\n" + NOT_UTF8)),
                        "--vocab-size", "300", "--out", str(t / "tok")],
@@ -440,7 +527,8 @@ CASES = [
     Case("shards-out-is-a-file", shards_into_a_file, ("{tmp}/shards: exists and is a file",), unchanged=("shards",)),
     Case("shards-out-holds-other-files", shards_into_other_files, ("{tmp}/shards", "not a shard set"),
          unchanged=("shards/*",)),
-    Case("shards-size-zero", lambda t, w: image_set(t)[:-1] + ["0"], ("--shard-size", "got 0"), absent=("shards",)),
+    Case("shards-size-zero", lambda t, w: image_set(t)[:-1] + ["0"], ("--shard-size 0", "must be >= 1"),
+         absent=("shards",)),
     Case("shards-failed-rewrite-keeps-the-old-set", failed_rewrite_of_a_shard_set,
          ("{tmp}/captions.jsonl:3", "img9.png"), unchanged=("shards/*",)),
     # ---------------------------------------------------------------- data validate
@@ -459,7 +547,18 @@ CASES = [
          ("{tmp}/captions.txt:1", "not valid UTF-8"), absent=("samples",)),
     Case("eval-briefs-not-utf8", eval_args, ("{tmp}/briefs.txt:2", "not valid UTF-8"), absent=("eval",)),
     Case("eval-zero-sampling-steps", lambda t, w: eval_args(t, w) + ["--steps", "0"],
-         ("steps", "at least 1 Euler step", "got 0"), absent=("eval",)),
+         ("--steps 0", "must be >= 1", "Euler steps"), absent=("eval",)),
+    # a brief longer than the designer's context: named by file:line with the limit, and (render, eval) the output
+    # folder the command had started is gone
+    Case("generate-brief-too-long", lambda t, w: generate(t, w, long_brief_file(t), t / "c.jsonl"),
+         ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"), absent=("c.jsonl",)),
+    Case("render-brief-too-long", render_args, ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"),
+         absent=("render",)),
+    Case("eval-brief-too-long",
+         lambda t, w: eval_args(t, w)[:-4] + ["--briefs", str(long_brief_file(t)), "--out", str(t / "eval")],
+         ("{tmp}/briefs.txt:2", "max_seq_len", "shorten the brief"), absent=("eval",)),
+    Case("sample-resolution-not-a-multiple", lambda t, w: sample_at(t, 33),
+         ("--resolution", "33x33", "multiple of 4", "32 or 36"), absent=("samples",)),
     Case("eval-clip-not-a-clip-directory", lambda t, w: eval_args(t, w) + ["--clip", str(t / "clip")],
          ("clip {tmp}/clip", "not a local transformers CLIP directory"), absent=("eval",)),
 ]
@@ -531,3 +630,95 @@ def test_validate_accepts_a_good_set(tmp_path, capsys, monkeypatch):
     assert status == 0 and not err.strip(), err
     report = json.loads(out)
     assert report["total_ok"] == 3 and report["total_bad"] == 0 and report["problems"] == []
+
+
+# ----------------------------------------------------------------------------- every numeric option, from the parser
+
+
+def numeric_options() -> list[tuple[list[str], argparse.Action]]:
+    """(command words, action) for every int or float option of every sub-command of `atelier`'s parser."""
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, words + [name])
+            elif action.type in (int, float):
+                found.append((words, action))
+
+    walk(build_parser(), [])
+    return found
+
+
+def required_argv(words: list[str]) -> list[str]:
+    """`words` and a stand-in value for each required option and positional: the numeric checks run before any is
+    read, so none needs to exist."""
+    parser = build_parser()
+    for w in words:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[w]
+    argv = list(words)
+    for action in parser._actions:
+        bounds = getattr(action, "bounds", None)
+        stand_in = str(int(bounds.low) + 1) if bounds is not None else "x"  # a valid number, or a path
+        if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
+            argv.append(stand_in)
+        elif action.required:
+            argv += [action.option_strings[0], stand_in]
+    return argv
+
+
+def outside(bounds) -> list[float]:
+    """Values each option must refuse: 0 and -1 where they are outside, just below the lowest, above the highest."""
+    values = {v for v in (0, -1) if not bounds.holds(v)}
+    values.add(bounds.low if bounds.low_open else bounds.low - 1)
+    if bounds.high is not None:
+        values.add(bounds.high + 1)
+    return sorted(values)
+
+
+NUMERIC = [(words, action, value) for words, action in numeric_options()
+           for value in (outside(action.bounds) if hasattr(action, "bounds") else [None])]
+
+
+@pytest.mark.parametrize("words, action, value", NUMERIC,
+                         ids=[f"{' '.join(w)} {a.option_strings[0]} {v}" for w, a, v in NUMERIC])
+def test_every_numeric_option_refuses_values_outside_its_range(words, action, value, tmp_path, capsys, monkeypatch):
+    """Each int/float option of each sub-command, given 0, a negative or an out-of-range value: exit 2, one line
+    naming the option and the range, no traceback. A new numeric option is walked here without a new row; one
+    declared without bounds (flows/cli.py's `number`) fails."""
+    assert value is not None, f"atelier {' '.join(words)} {action.option_strings[0]}: declare it with number(...)"
+    flag = action.option_strings[0]
+    typed = str(int(value)) if action.type is int else str(float(value))
+    argv = required_argv(words)
+    if flag in argv:  # a required numeric option: replace its stand-in
+        argv[argv.index(flag) + 1] = typed
+    else:
+        argv += [flag, typed]
+    status, out, err = run_in_process(argv, tmp_path, capsys, monkeypatch)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in err, f"{argv}\n{err}"
+    assert lines[0].startswith(f"atelier: error: {flag} {typed}: must be"), lines[0]
+    assert not list(tmp_path.iterdir()), "nothing is written before the numbers are checked"
+
+
+@pytest.mark.parametrize("words, action", [(w, a) for w, a in numeric_options() if not a.required][:1] +
+                         [(w, a) for w, a in numeric_options() if a.type is float][:1],
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v.option_strings[0])
+def test_a_word_where_a_number_goes_is_one_line(words, action, tmp_path, capsys, monkeypatch):
+    """argparse's own errors are one line as well (flows/cli.py's OneLineParser), naming the option."""
+    status, out, err = run_in_process(required_argv(words) + [action.option_strings[0], "many"], tmp_path, capsys,
+                                      monkeypatch)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("atelier: error: "), err
+    assert action.option_strings[0] in lines[0] and "'many'" in lines[0], lines[0]
+
+
+def test_the_walk_finds_the_options_of_the_issue():
+    """The cases found by hand (issue 27) are among the walked ones, so the walk itself cannot go empty."""
+    walked = {(" ".join(w), a.option_strings[0]) for w, a, _ in NUMERIC}
+    for case in [("designer generate", "--batch-size"), ("designer generate", "--max-new-tokens"),
+                 ("designer generate", "--temperature"), ("designer generate", "--top-p"),
+                 ("imagegen sample", "--steps"), ("imagegen sample", "--resolution"), ("render", "--steps"),
+                 ("data synth", "--n"), ("imagegen init", "--in-channels"), ("eval", "--guidance")]:
+        assert case in walked, case

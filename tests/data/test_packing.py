@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from atelier_studio.data.chat import EncodedDoc
-from atelier_studio.data.packing import (IGNORE_INDEX, Batch, PackedLoader, best_fit_decreasing, best_fit_decreasing_ref, compile_shape,
-                          first_fit, fixed_shape, make_batch, overflow_pieces, pack_documents, pack_documents_ref)
+from atelier_studio.data.packing import (IGNORE_INDEX, Batch, LoaderStateError, PackedLoader, best_fit_decreasing,
+                          best_fit_decreasing_ref, compile_shape, first_fit, fixed_shape, make_batch,
+                          overflow_pieces, pack_documents, pack_documents_ref)
 
 PAD = 0
 
@@ -221,9 +222,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="rank=2, world_size=2"):
         PackedLoader(packed, 1, seed=0, rank=2, world_size=2)
     loader = PackedLoader(packed, 1, seed=0)
-    with pytest.raises(ValueError, match="'seed' is 1 in the state but 0"):
+    with pytest.raises(LoaderStateError, match="train.seed is 1 in the checkpoint but 0 now"):
         loader.load_state_dict({"epoch": 0, "cursor": 0, "seed": 1})
-    with pytest.raises(ValueError, match="'cursor' must be a non-negative int"):
+    with pytest.raises(LoaderStateError, match="'cursor' must be a non-negative int"):
         loader.load_state_dict({"epoch": 0, "cursor": "3"})
 
 

@@ -36,6 +36,35 @@ def test_fp8_run_learns_and_saves_what_bf16_saves(world, tmp_path, lora, drop):
         assert _tensors(fp8_out / rel) == _tensors(bf16_out / other), rel
     cfg = (fp8_out / "config.toml").read_text()
     assert 'precision = "fp8"' in cfg and 'fp8_recipe = "rowwise"' in cfg
+    # said in the log and the summary: no FP8 hardware here, the run is an emulation for tests
+    emulated = 'train.precision = "fp8": emulated (no FP8 hardware): for tests only'
+    assert emulated in json.loads((fp8_out / "summary.json").read_text())["fallbacks"]["precision"]
+    assert "precision" not in json.loads((bf16_out / "summary.json").read_text()).get("fallbacks", {})
+
+
+def test_fp8_lora_on_a_cpu_quantises_nothing_with_triton(world, monkeypatch):
+    """A CPU runs the reference path, which quantises from the weight itself: the bases' fp8 copies (a Triton pass,
+    which without a GPU died with Triton's "0 active drivers" outside the tests' interpreter) are never made."""
+    import torch
+
+    from atelier_studio.designer import lora_fp8
+    from atelier_studio.designer.lora import LoRALinear
+    from atelier_studio.pipeline import float8
+    from atelier_studio.pipeline.lora import LoraArgs
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("quantize_frozen_weight called on a CPU")
+
+    monkeypatch.setattr(lora_fp8, "quantize_frozen_weight", no_triton)
+    lora = LoRALinear(torch.nn.Linear(32, 16, bias=False), LoraArgs(rank=4, alpha=4))
+    layer = lora_fp8.Float8LoRALinear.from_lora(lora, "rowwise")
+    assert layer.fp8_weight() is None and layer.shared_input_operands() is None  # alone, on the reference path
+    x = torch.randn(3, 32, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.lora_A.weight.grad is not None
+    frozen = torch.nn.Linear(32, 16).requires_grad_(False)
+    monkeypatch.setattr("atelier_studio.pipeline.float8.quantize_frozen_weight", no_triton)
+    assert float8.Float8Linear.from_linear(frozen, "rowwise")(x).shape == (3, 16)
 
 
 def test_fp8_resume_is_exact(world, tmp_path):

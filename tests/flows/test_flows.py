@@ -81,6 +81,7 @@ def test_train_designer_publishes_metrics_summary_and_progress(designer_run):
     assert {"train-designer-summary", "train-designer-metrics", "designer-progress"} <= set(arts)
     summary = arts["train-designer-summary"]["data"]
     assert "throughput (tokens/s, median)" in summary and "MFU" in summary and str(out.resolve()) in summary
+    assert "Fallbacks:" in summary and "plain-PyTorch references" in summary  # a CPU run says what it ran
     rows = json.loads(arts["train-designer-metrics"]["data"])
     assert [r["step"] for r in rows if r["kind"] == "train"] == [str(s) for s in range(1, 7)]
     assert float(arts["designer-progress"]["data"]) == 100.0

@@ -64,17 +64,24 @@ def test_frozen_float8_linear_rebuilds_its_copies_on_load(impl):
 
 def test_float8_lora_linear_keeps_the_lora_layer():
     """Float8LoRALinear: the LoRALinear's submodules and attributes, its PEFT state-dict keys, the fp8 copies made
-    at once (and rebuilt by load_state_dict), and the reference's output and adapter gradients."""
+    at once where the fast path reads them (and rebuilt by load_state_dict) and never on the CPU's reference path,
+    and the reference's output and adapter gradients."""
     base = nn.Linear(64, 48).requires_grad_(False)
     lora = LoRALinear(base, LoraArgs(rank=4, alpha=8.0))
     nn.init.normal_(lora.lora_B.weight)
     f = Float8LoRALinear.from_lora(lora, "rowwise")
     assert set(vars(lora)) <= set(vars(f)) and f.base_layer is base and f.lora_A is lora.lora_A
     assert list(f.state_dict()) == list(lora.state_dict())
-    assert f.fp8_q is not None and f.shared_input_operands() is None  # a bias: it runs alone, as a LoRALinear does
-    g = Float8LoRALinear.from_lora(LoRALinear(nn.Linear(64, 48, bias=False), LoraArgs(rank=4)), "tensorwise")
-    ops = g.shared_input_operands()  # no bias, no dropout: it joins an FP8 group, with its fp8 copies
-    assert ops.fp8.q is g.fp8_q and ops.fp8.recipe == "tensorwise" and ops.impl == "auto" and ops.lora_a is g.lora_A.weight
+    assert f.fp8_q is None and f.fp8_weight() is None  # "auto" on a CPU: the reference path, no Triton pass
+    g = Float8LoRALinear.from_lora(LoRALinear(nn.Linear(64, 48, bias=False), LoraArgs(rank=4), impl="fused"),
+                                   "tensorwise")
+    ops = g.shared_input_operands()  # no bias, no dropout, the fast path: it joins an FP8 group, with its fp8 copies
+    assert ops.fp8.q is g.fp8_q and ops.fp8.recipe == "tensorwise" and ops.impl == "scaled_mm"
+    assert ops.lora_a is g.lora_A.weight
+    sd = {k: v.clone() for k, v in g.state_dict().items()}
+    sd["base_layer.weight"] = torch.randn(48, 64)
+    g.load_state_dict(sd)
+    assert torch.equal(g.fp8_q.float(), quantize_frozen_weight(sd["base_layer.weight"], "tensorwise").q.float())
     x = torch.randn(3, 5, 64)
     y = f(x)
     y.square().sum().backward()
@@ -87,10 +94,6 @@ def test_float8_lora_linear_keeps_the_lora_layer():
     assert torch.equal(y, want)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, (lora.lora_A.weight, lora.lora_B.weight)))
     assert base.weight.grad is None
-    sd = {k: v.clone() for k, v in f.state_dict().items()}
-    sd["base_layer.weight"] = torch.randn(48, 64)
-    f.load_state_dict(sd)
-    assert torch.equal(f.fp8_q.float(), quantize_frozen_weight(sd["base_layer.weight"], "rowwise").q.float())
 
 
 def test_apply_fp8_full_finetune_swaps_every_block_linear():
