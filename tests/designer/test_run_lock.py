@@ -1,0 +1,56 @@
+"""Two training processes on one output.dir, through the CLI: the second stops at once naming the first; after a
+kill -9 of the first a new run takes the folder, resumes, and every checkpoint stays intact (pipeline/run_lock.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+from atelier_studio.flows.cli import main
+from atelier_studio.pipeline.checkpoint import list_checkpoints, verify_checkpoint
+from atelier_studio.pipeline.run_lock import LOCK_NAME
+from tests.designer.test_train import _spawn, train_args, train_losses
+
+
+def test_a_second_run_on_a_live_runs_folder_stops_and_a_kill_9_frees_it(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--set", "lora.rank=4", "--set", "train.max_steps=16", "--set", "train.save_every=2",
+              "--set", "train.keep_checkpoints=0", "--set", "train.eval_every=0"]
+    first = _spawn(train_args(world, out, *common))
+    try:
+        deadline = time.time() + 120  # a bound on the wait for the first run's checkpoint, never a pause
+        while not (out / "checkpoints" / "step-4").is_dir():
+            assert first.poll() is None, first.stdout.read()
+            assert time.time() < deadline, "the first run wrote no step-4 checkpoint in 120 s"
+            time.sleep(0.005)
+        config_before = (out / "config.toml").read_bytes()
+
+        # the second run: refused before it reads or writes anything in the folder
+        assert main(train_args(world, out, *common)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("atelier: error: output.dir ") and "Traceback" not in err
+        assert f"in use by another run: pid {first.pid} on host {socket.gethostname()}" in err
+        assert "use another output.dir, or wait for that run to end" in err
+        assert first.poll() is None, "the first run ended before the second one started: nothing was tested"
+        assert (out / "config.toml").read_bytes() == config_before
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        first.stdout.close()
+    killed_at = max(s for s, _ in train_losses(out))
+    assert killed_at < 16, "the first run finished before it could be killed"
+    saved = list_checkpoints(out / "checkpoints")
+    for ckpt in saved:
+        verify_checkpoint(ckpt)  # every checkpoint the killed run completed is intact
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == first.pid  # its lock file, but not its lock
+
+    assert main(train_args(world, out, *common)) == 0  # the folder is free: the next run takes it and resumes
+    assert f"resumed from {saved[-1]}" in capsys.readouterr().out
+    assert [s for s, _ in train_losses(out)][-1] == 16
+    final = list_checkpoints(out / "checkpoints")
+    assert saved == final[:len(saved)] and final[-1].name == "step-16"
+    for ckpt in final:
+        verify_checkpoint(ckpt)
+    assert not (out / LOCK_NAME).exists()
