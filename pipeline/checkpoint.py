@@ -19,8 +19,9 @@ or altered file is reported by name before anything is read. Only safetensors an
 nothing is unpickled.
 
 Under torchrun (pipeline/distributed.py) a checkpoint is sharded instead, written by every rank through
-`torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`), and resumable
-on any number of processes (DCP re-shards on load; one process without a process group loads it too):
+`torch.distributed.checkpoint` (DCP) in its safetensors layout (DCP's `HuggingFaceStorageWriter`, streamed:
+pipeline/dcp_safetensors.py), and resumable on any number of processes (DCP re-shards on load; one process
+without a process group loads it too):
 
     shard-<r+1>-model-00001-of-00001.safetensors
                       rank r's tensors: its rows of the trainable weights and optimizer state, task tensors
@@ -57,6 +58,7 @@ from safetensors.torch import load_file
 
 from atelier_studio.pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
 from atelier_studio.pipeline.atomic import save_safetensors, temp_path
+from atelier_studio.pipeline.dcp_safetensors import StreamingSafetensorsWriter
 from atelier_studio.pipeline.errors import AtelierError
 
 MANIFEST = "manifest.json"
@@ -268,8 +270,8 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
         _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
         state = {"step": step, "format": SHARDED_FORMAT, "world_size": ctx.world_size, **state,
                  "objects": objects or {}}
-        # save_distributed: each rank writes its own file, and no consolidated copy is made
-        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
+        # each rank writes its own safetensors file, streamed (pipeline/dcp_safetensors.py)
+        writer = StreamingSafetensorsWriter(str(tmp))
         if async_save:
             future = dcp.async_save(tensors or {}, storage_writer=writer, process_group=_async_group())
             return PendingSave(tmp, final, state, ctx, future)

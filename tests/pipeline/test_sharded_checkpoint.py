@@ -121,3 +121,31 @@ def test_values_that_json_cannot_hold_are_refused_at_save():
         split_tensors({"optimizer": {"param_groups": [{"lr": {1, 2}}]}})
     with pytest.raises(TypeError, match="inside a list"):
         split_tensors({"task": [torch.zeros(2)]})
+
+
+def test_the_streamed_file_is_the_file_dcps_own_writer_makes(tmp_path):
+    """pipeline/dcp_safetensors.py writes what HuggingFaceStorageWriter writes: the same tensors, the same metadata."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from atelier_studio.pipeline.dcp_safetensors import StreamingSafetensorsWriter
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(5, 3), "h": torch.randn(4).bfloat16(), "step": torch.tensor(3.0),
+             "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 7), "ids": torch.arange(6).view(2, 3)[:, 1:]}
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "dcp"), save_distributed=True))
+    dcp.save(state, storage_writer=StreamingSafetensorsWriter(str(tmp_path / "ours")))
+    [theirs] = (tmp_path / "dcp").glob("*.safetensors")
+    [ours] = (tmp_path / "ours").glob("*.safetensors")
+    assert ours.name == theirs.name
+    a, b = load_file(str(theirs)), load_file(str(ours))
+    assert sorted(a) == sorted(b) == sorted(state)
+    for k in state:
+        assert a[k].dtype == b[k].dtype == state[k].dtype and torch.equal(b[k], state[k].contiguous()), k
+    with safe_open(str(theirs), "pt") as f1, safe_open(str(ours), "pt") as f2:
+        m1, m2 = f1.metadata(), f2.metadata()
+    assert m1.keys() == m2.keys()
+    assert json.loads(m1.pop("DCP_SHARDING_INFO")) == json.loads(m2.pop("DCP_SHARDING_INFO")) and m1 == m2
