@@ -7,8 +7,9 @@ linear layers holding `--params-m` million fp32 parameters, one AdamW step (so t
 12 bytes a parameter), then `--repeats` saves and loads of the trainer's state dict (pipeline/checkpointer.py's
 `_app_state` layout). "safetensors" times pipeline/checkpoint.py's own save and load (manifest hashing and fsync
 included); "pickle" times `dcp.save` / `dcp.load` with DCP's default FileSystemWriter/Reader, the format earlier
-versions wrote, plus the same manifest, written at save and checked at load (so the two differ by the storage layer only). Prints one markdown row per
-format: the medians, the state's size and rank 0's peak resident memory; docs/checkpoints.md quotes them.
+versions wrote, plus the same manifest, written at save and checked at load (so the two differ by the storage layer
+only). Prints one markdown row per format: the medians, the state's size and rank 0's peak resident memory after
+the first save and at the end; docs/checkpoints.md quotes them.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _worker(fmt: str, params_m: float, repeats: int, out: Path) -> None:
                 _write_json(path / MANIFEST, {p.name: _describe(p) for p in sorted(path.iterdir()) if p.is_file()})
         barrier(ctx)
         saves.append(time.perf_counter() - t0)
+        if i == 0:  # before any load: the save's own peak
+            save_peak = _peak_rss()
         path = root / f"step-{i}"
         live = app_state()
         barrier(ctx)
@@ -91,14 +94,19 @@ def _worker(fmt: str, params_m: float, repeats: int, out: Path) -> None:
         if ctx.is_main:
             size = sum(p.stat().st_size for p in path.iterdir())
             shutil.rmtree(path)
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
     if ctx.is_main:
         n = sum(p.numel() for p in model.parameters())
         print(json.dumps({"format": fmt, "params": n, "ranks": world, "bytes": size, "save_s": saves,
-                          "load_s": loads, "rank0_peak_rss": peak}), flush=True)
+                          "load_s": loads, "rank0_peak_rss_save": save_peak, "rank0_peak_rss": _peak_rss()}),
+              flush=True)
     dist.destroy_process_group()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB); mapped file pages a reader touched count."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:
@@ -122,12 +130,12 @@ def main() -> None:
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"torch {torch.__version__}, {args.nproc} gloo processes, CPU, median of {args.repeats}")
-    print("| format | state (params, bytes) | save | load | rank 0 peak RSS |")
+    print("| format | state (params, bytes) | save | load | rank 0 peak RSS: saving, then loading |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['format']} | {r['params'] / 1e6:.0f} M fp32, {r['bytes'] / 1e6:.0f} MB | "
               f"{statistics.median(r['save_s']):.2f} s | {statistics.median(r['load_s']):.2f} s | "
-              f"{r['rank0_peak_rss'] / 1e9:.2f} GB |")
+              f"{r['rank0_peak_rss_save'] / 1e9:.2f} GB, {r['rank0_peak_rss'] / 1e9:.2f} GB |")
 
 
 if __name__ == "__main__":

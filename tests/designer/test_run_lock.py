@@ -4,14 +4,19 @@ kill -9 of the first a new run takes the folder, resumes, and every checkpoint s
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+
+import pytest
 
 from atelier_studio.flows.cli import main
 from atelier_studio.pipeline.checkpoint import list_checkpoints, verify_checkpoint
-from atelier_studio.pipeline.run_lock import LOCK_NAME
-from tests.designer.test_train import _spawn, train_args, train_losses
+from atelier_studio.pipeline.run_lock import LOCK_NAME, acquire_run_lock
+from tests.designer.test_train import ROOT, _spawn, train_args, train_losses
 
 
 def test_a_second_run_on_a_live_runs_folder_stops_and_a_kill_9_frees_it(world, tmp_path, capsys):
@@ -54,3 +59,28 @@ def test_a_second_run_on_a_live_runs_folder_stops_and_a_kill_9_frees_it(world, t
     for ckpt in final:
         verify_checkpoint(ckpt)
     assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.multigpu
+def test_under_torchrun_every_rank_stops_when_the_folder_is_taken(world, tmp_path):
+    """`--nproc 2` on a locked folder: rank 0 cannot lock it, and both ranks stop with the one-line error."""
+    out = tmp_path / "run"
+    out.mkdir()
+    held = acquire_run_lock(out)  # this test process plays the live run
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("WORLD_SIZE", None)
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli",
+                               *train_args(world, out, "--set", "lora.rank=4", "--set", "train.device=cpu",
+                                           "--set", "train.micro_batch=1"), "--nproc", "2"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=300)
+    finally:
+        held.release()
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("atelier: error: ")]
+    assert len(errors) == 2, proc.stdout[-3000:]  # one per rank, the same line
+    assert errors[0] == errors[1] and f"in use by another run: pid {os.getpid()} on host" in errors[0]
+    # no rank raised a traceback of its own (torchrun's report of the failed workers follows their lines)
+    assert "Traceback" not in proc.stdout.split("atelier: error:")[0]
+    assert list(out.iterdir()) == [], "the refused launch wrote into the folder"

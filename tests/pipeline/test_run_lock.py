@@ -130,14 +130,12 @@ def test_every_rank_stops_when_rank_0_cannot_lock(tmp_path, monkeypatch):
                 lock_output_dir(tmp_path, ctx)
     finally:
         held.release()
-    for rank in (0, 1):  # free: rank 0 holds it, rank 1 holds nothing
-        ctx = DistContext(rank=rank, world_size=2, is_main=rank == 0, enabled=True)
-        lock = lock_output_dir(tmp_path, ctx)
-        assert (lock.fd is not None) == (rank == 0)
-        if rank == 1:
-            lock.release()
-            assert (tmp_path / LOCK_NAME).exists()  # rank 1's release leaves rank 0's lock alone
-            lock = rank0
-        rank0 = lock
+    # the folder free: rank 0 holds the lock, rank 1 a lock that holds nothing (its release leaves rank 0's alone)
+    rank0 = lock_output_dir(tmp_path, DistContext(rank=0, world_size=2, is_main=True, enabled=True))
+    rank1 = lock_output_dir(tmp_path, DistContext(rank=1, world_size=2, is_main=False, enabled=True))
+    assert rank0.fd is not None and rank1.fd is None
+    rank1.release()
+    with pytest.raises(RunLockedError):
+        acquire_run_lock(tmp_path)
     rank0.release()
     assert not (tmp_path / LOCK_NAME).exists()

@@ -69,7 +69,7 @@ def test_a_sharded_checkpoint_round_trips_without_pickle(tmp_path, no_unpickling
         assert f.read_bytes()[:1] != bytes([PICKLE_MARK]), f"{f.name} starts like a pickle"
     assert not (ckpt / PICKLED_DCP_METADATA).exists()
 
-    model, opt, live = _app_state(1)  # other weights, other optimizer state and hyper-parameters
+    _, _, live = _app_state(1)  # other weights, other optimizer state and hyper-parameters
     step, state, rank_state = load_sharded_checkpoint(ckpt, live, rank=0)
     assert (step, state["task"], rank_state) == (5, {"epoch": 1}, {"python": [1]})
     assert no_unpickling == []
@@ -143,8 +143,8 @@ def test_the_streamed_file_is_the_file_dcps_own_writer_makes(tmp_path):
     assert ours.name == theirs.name
     a, b = load_file(str(theirs)), load_file(str(ours))
     assert sorted(a) == sorted(b) == sorted(state)
-    for k in state:
-        assert a[k].dtype == b[k].dtype == state[k].dtype and torch.equal(b[k], state[k].contiguous()), k
+    for k, t in state.items():
+        assert a[k].dtype == b[k].dtype == t.dtype and torch.equal(b[k], t.contiguous()), k
     with safe_open(str(theirs), "pt") as f1, safe_open(str(ours), "pt") as f2:
         m1, m2 = f1.metadata(), f2.metadata()
     assert m1.keys() == m2.keys()
