@@ -308,8 +308,8 @@ def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) ->
 
     `app_state` is updated in place: its tensors are filled from the shards, its non-tensor values set from
     state.json. Returns (step, state.json without the step and those values, this rank's rank-<r>.json or None
-    when the checkpoint was written by fewer ranks). Tensors of `app_state` missing from the checkpoint raise CheckpointError; a checkpoint in DCP's pickled
-    format is refused before any of it is read.
+    when the checkpoint was written by fewer ranks). Tensors of `app_state` missing from the checkpoint raise
+    CheckpointError; a checkpoint in DCP's pickled format is refused before any of it is read.
     """
     import torch.distributed.checkpoint as dcp
 
