@@ -1,7 +1,7 @@
 """pipeline/run_lock.py with real processes: one holder per folder, released by the OS on kill -9, not kept by forks.
 
 The whole-run tests (a second `atelier designer train` on a live run's folder, kill -9, resume) are in
-tests/designer/test_run_lock.py.
+tests/test_run_lock.py.
 """
 
 from __future__ import annotations

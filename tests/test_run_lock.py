@@ -1,5 +1,8 @@
 """Two training processes on one output.dir, through the CLI: the second stops at once naming the first; after a
-kill -9 of the first a new run takes the folder, resumes, and every checkpoint stays intact (pipeline/run_lock.py)."""
+kill -9 of the first a new run takes the folder, resumes, and every checkpoint stays intact (pipeline/run_lock.py).
+
+Here rather than in tests/designer (the designer's trainer is only the vehicle): the portable-numerics pass, which
+reruns tests/designer, has nothing to check in it. The lock itself: tests/pipeline/test_run_lock.py."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 from atelier_studio.flows.cli import main
 from atelier_studio.pipeline.checkpoint import list_checkpoints, verify_checkpoint
 from atelier_studio.pipeline.run_lock import LOCK_NAME, acquire_run_lock
+from tests.designer.conftest import world  # noqa: F401  (the fixture: a tokenizer and a tiny random Qwen3)
 from tests.designer.test_train import ROOT, _spawn, train_args, train_losses
 
 
