@@ -22,6 +22,9 @@ from atelier_studio.pipeline.checkpoint import (
 )
 from atelier_studio.pipeline.distributed import DistContext
 
+# DCP without a process group says it assumes one process: that is what these tests do
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 PICKLE_MARK = 0x80  # the first byte of every pickle of protocol 2 or later (torch.save writes protocol 2)
 
 
