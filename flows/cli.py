@@ -76,6 +76,7 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     from atelier_studio.pipeline.config_diff import check_resume, record_run_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
     from atelier_studio.pipeline.progress import reset_fallbacks
+    from atelier_studio.pipeline.run_lock import lock_output_dir
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
@@ -86,7 +87,9 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     out = Path(cfg.output.dir)
     check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
     dist = init_distributed(cfg.train)
+    lock = None
     try:
+        lock = lock_output_dir(out, dist)  # one run per output.dir, held for the whole run (pipeline/run_lock.py)
         seed_everything(cfg.train.seed)
         # progress lines from rank 0 only; errors (stderr) from every rank
         quiet = contextlib.nullcontext() if dist.is_main else contextlib.redirect_stdout(open(os.devnull, "w"))
@@ -109,6 +112,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             _write_summary(out, result)
         return exit_code(result)
     finally:
+        if lock is not None:
+            lock.release()
         shutdown(dist)
 
 

@@ -19,20 +19,28 @@ or altered file is reported by name before anything is read. Only safetensors an
 nothing is unpickled.
 
 Under torchrun (pipeline/distributed.py) a checkpoint is sharded instead, written by every rank through
-`torch.distributed.checkpoint` (DCP), and resumable on any number of processes (DCP re-shards on load;
-one process without a process group loads it too):
+`torch.distributed.checkpoint` (DCP) in its safetensors layout (DCP's `HuggingFaceStorageWriter`, streamed:
+pipeline/dcp_safetensors.py), and resumable on any number of processes (DCP re-shards on load; one process
+without a process group loads it too):
 
-    .metadata, __<rank>_0.distcp   DCP: trainable weights, optimizer state, task tensors (by parameter name)
-    state.json                     step, task metadata, world size; written by rank 0
-    rank-<r>.json                  rank r's RNG states (Python, NumPy, torch CPU/CUDA)
-    manifest.json                  size and SHA-256 of every file above; written last, by rank 0
+    shard-<r+1>-model-00001-of-00001.safetensors
+                      rank r's tensors: its rows of the trainable weights and optimizer state, task tensors
+                      (each replicated tensor in one file only), by parameter name; the header's JSON says
+                      where each piece sits in the whole tensor (DCP's `saved_offsets`)
+    state.json        step, task metadata, world size, and the state's non-tensor values (the optimizer's
+                      param groups) as JSON; written by rank 0
+    rank-<r>.json     rank r's RNG states (Python, NumPy, torch CPU/CUDA)
+    manifest.json     size and SHA-256 of every file above; written last, by rank 0
+
+Nothing is pickled, so nothing is unpickled on resume: `HuggingFaceStorageReader` builds DCP's metadata from
+the safetensors headers (JSON). DCP's default format would pickle its `.metadata` file (and any non-tensor
+value), and unpickling a file can run code; a checkpoint in that older format is refused, with the fix.
 
 The same atomicity: every rank writes into `.step-N.tmp-sharded/` (one name all ranks know), rank 0
 writes the manifest once all ranks are done and installs it the same way. With `async_save` the files
 are written by a background thread while training goes on; the rename happens when the write has
 finished (`PendingSave.wait`, called at the next save and at the end of the run), so a crash mid-write
-leaves only a temporary directory. DCP's files are read with torch.load(weights_only=True) semantics
-inside DCP: tensors and plain containers only.
+leaves only a temporary directory.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from safetensors.torch import load_file
 
 from atelier_studio.pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
 from atelier_studio.pipeline.atomic import save_safetensors, temp_path
+from atelier_studio.pipeline.dcp_safetensors import StreamingSafetensorsWriter
 from atelier_studio.pipeline.errors import AtelierError
 
 MANIFEST = "manifest.json"
@@ -160,11 +169,52 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 # ----------------------------------------------------------------------------- sharded (DCP) checkpoints
 
-DCP_METADATA = ".metadata"
+SHARDED_FORMAT = "dcp-safetensors"  # state.json's "format" of a sharded checkpoint
+PICKLED_DCP_METADATA = ".metadata"  # DCP's default format (a pickle): written by earlier versions, never read
+_SHARD_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")  # HuggingFaceStorageWriter's names
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    return (Path(path) / DCP_METADATA).is_file()
+    """A checkpoint written by several ranks: this format, or the pickled one that `load_sharded_checkpoint` refuses."""
+    path = Path(path)
+    if (path / PICKLED_DCP_METADATA).is_file():
+        return True
+    return path.is_dir() and any(_SHARD_FILE.match(p.name) for p in path.iterdir())
+
+
+def split_tensors(tree: Any) -> tuple[Any, Any]:
+    """A nested state dict as (its tensors, its other values): two trees of the same dict keys.
+
+    A subtree without tensors goes whole into the second tree (JSON: tuples become lists); a dict holding tensors
+    is split key by key. Tensors inside a list or tuple have no place in either tree and are refused.
+    """
+    if torch.is_tensor(tree):
+        return tree, None
+    if isinstance(tree, dict):
+        tensors, others = {}, {}
+        for key, value in tree.items():
+            if not isinstance(key, str):
+                raise TypeError(f"state dict key {key!r} is not a string")
+            t, o = split_tensors(value)
+            if t is not None:
+                tensors[key] = t
+            if o is not None:
+                others[key] = o
+        return (tensors or None), (others or None)
+    if isinstance(tree, (list, tuple)) and any(split_tensors(v)[0] is not None for v in tree):
+        raise TypeError("tensors inside a list have no key of their own in a sharded checkpoint")
+    return None, _to_json(tree)
+
+
+def _to_json(value: Any) -> Any:
+    """A plain value as JSON would give it back (tuples as lists); anything else is refused, never pickled."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _to_json(v) for k, v in value.items()}
+    raise TypeError(f"{type(value).__name__} value {value!r} cannot go into a checkpoint's JSON")
 
 
 class PendingSave:
@@ -179,7 +229,7 @@ class PendingSave:
         try:
             if self.future is not None:
                 future, self.future = self.future, None
-                future.result()  # every rank's shard written; DCP's coordinator wrote .metadata
+                future.result()  # every rank's shard written
             barrier(self.ctx)  # rank 0 renames only once every rank's files are complete
             if self.ctx.is_main:
                 _write_json(self.tmp / "state.json", self.state)
@@ -198,9 +248,10 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
                             rank_state: dict[str, Any], ctx: Any, async_save: bool = False) -> PendingSave:
     """Every rank writes its shards of `app_state` (nested dicts of tensors / DTensors) into root/.step-N.tmp-sharded.
 
-    A collective: all ranks call it with the same step. `state` (JSON, rank 0's copy is kept) and
-    `rank_state` (JSON, one file per rank) go next to the shards. Returns the pending save; its `wait()`
-    renames the directory into place (called right away unless `async_save`).
+    A collective: all ranks call it with the same step. The tensors go into safetensors shards; the non-tensor
+    values of `app_state` (the same on every rank: the optimizer's param groups) go into `state.json` with
+    `state` (JSON, rank 0's copy is kept); `rank_state` (JSON, one file per rank) goes next to them. Returns the
+    pending save; its `wait()` renames the directory into place (called right away unless `async_save`).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -209,6 +260,7 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
     root = Path(root)
     final = root / f"step-{step}"
     tmp = temp_path(final, token="sharded")  # every rank writes into the same directory: a name all ranks know
+    tensors, objects = split_tensors(app_state)
     if ctx.is_main:
         ensure_dir(root, "checkpoint directory")
         remove_stale(final)  # a write killed earlier: never mix its files with this one
@@ -216,11 +268,14 @@ def save_sharded_checkpoint(root: Path, step: int, app_state: dict[str, Any], st
     barrier(ctx)
     try:
         _write_json(tmp / f"rank-{ctx.rank}.json", rank_state)
-        state = {"step": step, "format": "dcp", "world_size": ctx.world_size, **state}
+        state = {"step": step, "format": SHARDED_FORMAT, "world_size": ctx.world_size, **state,
+                 "objects": objects or {}}
+        # each rank writes its own safetensors file, streamed (pipeline/dcp_safetensors.py)
+        writer = StreamingSafetensorsWriter(str(tmp))
         if async_save:
-            future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=_async_group())
+            future = dcp.async_save(tensors or {}, storage_writer=writer, process_group=_async_group())
             return PendingSave(tmp, final, state, ctx, future)
-        dcp.save(app_state, checkpoint_id=str(tmp))
+        dcp.save(tensors or {}, storage_writer=writer)
     except BaseException:
         if ctx.is_main:  # every rank's write failed with it (DCP gathers the results): nothing is left behind
             shutil.rmtree(tmp, ignore_errors=True)
@@ -249,17 +304,28 @@ def _async_group() -> Any:
 
 def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) -> tuple[int, dict[str, Any],
                                                                                            dict[str, Any] | None]:
-    """Load a sharded checkpoint into `app_state` in place (any number of processes, or one without a group).
+    """Load a sharded checkpoint into `app_state` (any number of processes, or one without a group).
 
-    Returns (step, state.json without the step, this rank's rank-<r>.json or None when the checkpoint was
-    written by fewer ranks). Keys of `app_state` missing from the checkpoint raise CheckpointError.
+    `app_state` is updated in place: its tensors are filled from the shards, its non-tensor values set from
+    state.json. Returns (step, state.json without the step and those values, this rank's rank-<r>.json or None
+    when the checkpoint was written by fewer ranks). Tensors of `app_state` missing from the checkpoint raise
+    CheckpointError; a checkpoint in DCP's pickled format is refused before any of it is read.
     """
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    if (path / PICKLED_DCP_METADATA).is_file():
+        raise CheckpointError(
+            f"{path}: a sharded checkpoint in the old format (torch.distributed.checkpoint's pickled "
+            f"{PICKLED_DCP_METADATA}), which Atelier no longer reads because unpickling a file can run code. Finish "
+            f"that run with the Atelier version that wrote it, or start a new run (another output.dir) from the "
+            f"weights it exported; checkpoints are now safetensors and JSON only")
     verify_checkpoint(path)
     try:
         state = json.loads((path / "state.json").read_text())
+        if state.get("format") != SHARDED_FORMAT:
+            raise CheckpointError(f"{path}/state.json: format {state.get('format')!r}, expected {SHARDED_FORMAT!r}")
+        tensors, _ = split_tensors(app_state)
         import warnings
 
         import torch.distributed as dist
@@ -268,12 +334,34 @@ def load_sharded_checkpoint(path: Path, app_state: dict[str, Any], rank: int) ->
         # warns that it assumes exactly that
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(app_state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot load the sharded checkpoint: {e}") from e
+            dcp.load(tensors or {}, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
+                     no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"{path}: cannot load the sharded checkpoint: {_dcp_reason(e)}") from e
+    _update_tree(app_state, state.pop("objects", {}))
     rank_file = path / f"rank-{rank}.json"
     rank_state = json.loads(rank_file.read_text()) if rank_file.is_file() else None
     return int(state.pop("step")), state, rank_state
+
+
+def _dcp_reason(e: BaseException) -> str:
+    """What went wrong, without DCP's per-rank tracebacks: each distinct underlying error once."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return str(e)
+    reasons = dict.fromkeys(f"{type(exc).__name__}: {exc}" for exc, _ in failures.values())
+    return "; ".join(reasons)
+
+
+def _update_tree(tree: dict[str, Any], values: dict[str, Any]) -> None:
+    """Put the saved non-tensor `values` into the nested dict `tree` (in place; their dicts merge key by key)."""
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _update_tree(tree[key], value)
+        else:
+            tree[key] = value
 
 
 # ----------------------------------------------------------------------------- optimizer state by name

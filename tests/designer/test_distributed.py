@@ -213,11 +213,15 @@ def test_full_init_and_unbalanced_rows_train_the_same(two):
 def test_sharded_checkpoint_layout(two):
     ckpt = two / "lora" / "checkpoints" / "step-2"
     names = {p.name for p in ckpt.iterdir()}
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.json", "rank-0.json", "rank-1.json",
-            "manifest.json"} <= names
+    assert names == {"shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors",
+                     "state.json", "rank-0.json", "rank-1.json", "manifest.json"}
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert set(manifest) == names - {"manifest.json"}
-    assert json.loads((ckpt / "state.json").read_text())["world_size"] == 2
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["world_size"] == 2 and state["format"] == "dcp-safetensors"
+    assert state["objects"]["optimizer"]["param_groups"][0]["lr"] > 0  # hyper-parameters as JSON, not pickled
+    # nothing in it is a pickle (protocol 2 and later start with 0x80): safetensors (an 8-byte header length) and JSON
+    assert not [n for n in names if (ckpt / n).read_bytes()[:1] == b"\x80"]
 
 
 def test_resume_with_two_processes_is_exact(two):

@@ -166,12 +166,14 @@ def test_full_init_trains_the_same(two):
 
 def test_sharded_checkpoint_holds_the_ema(two):
     ckpt = two / "run" / "checkpoints" / "step-2"
-    assert {"__0_0.distcp", "__1_0.distcp", "rank-1.json"} <= {p.name for p in ckpt.iterdir()}
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors",
+            "rank-1.json"} <= names and ".metadata" not in names
     state = json.loads((ckpt / "state.json").read_text())
     assert state["world_size"] == 2 and state["task"]["sampler"]["world_size"] == 2
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    keys = set(HuggingFaceStorageReader(str(ckpt)).read_metadata().state_dict_metadata)  # the headers: JSON
     assert any(k.startswith("task.ema.transformer_blocks.0.") for k in keys), sorted(keys)[:10]
 
 
