@@ -29,10 +29,14 @@ import os, sys
 from pathlib import Path
 from atelier_studio.pipeline.run_lock import acquire_run_lock
 lock = acquire_run_lock(Path(sys.argv[1]))
+ready_r, ready_w = os.pipe()
 child = os.fork() if sys.argv[2] == "fork" else -1
-if child == 0:
+if child == 0:  # the at-fork handlers have run once fork() returns here: say so, then wait
+    os.write(ready_w, b"x")
     sys.stdin.read()
     os._exit(0)
+if child > 0:
+    os.read(ready_r, 1)  # the child has run its handlers (or a kill now would race them)
 print(child, flush=True)
 sys.stdin.read()
 """
