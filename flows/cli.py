@@ -39,30 +39,53 @@ from typing import Callable, Sequence
 
 def _torchrun(args: argparse.Namespace) -> int | None:
     """Re-launch this train command under torchrun when asked for several processes; None: run here."""
-    import os
-    import subprocess
-
-    from atelier_studio.pipeline.distributed import launched_by_torchrun
-
-    from atelier_studio.pipeline.distributed import DistributedError
+    from atelier_studio.pipeline.distributed import DistributedError, launched_by_torchrun
 
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise DistributedError(f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank}: need "
                                f"nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes")
     if (args.nproc <= 1 and args.nnodes <= 1) or launched_by_torchrun():
         return None
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--nnodes", str(args.nnodes)]
+    launch = ["--nproc-per-node", str(args.nproc), "--nnodes", str(args.nnodes)]
     if args.nnodes == 1 and not args.master_addr:
-        cmd += ["--standalone"]  # a free local port: runs on one machine never collide
+        launch += ["--standalone"]  # a free local port: runs on one machine never collide
     else:
-        cmd += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr or "127.0.0.1",
-                "--master-port", str(args.master_port)]
-    cmd += ["-m", "atelier_studio.flows.cli", args.group, args.command, "--config", args.config]
+        launch += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr or "127.0.0.1",
+                   "--master-port", str(args.master_port)]
+    launch += ["-m", "atelier_studio.flows.cli", args.group, args.command, "--config", args.config]
     for item in args.set:
-        cmd += ["--set", item]
-    # this process's process group is the launcher's: a cancelled flow kills both (flows/launch.py)
-    return subprocess.call(cmd, env=os.environ.copy())
+        launch += ["--set", item]
+    return _run_torchrun(launch)
+
+
+def _run_torchrun(launch: list[str]) -> int:
+    """torchrun's launcher in this process (this process group is the launcher's: a cancelled flow kills it and the
+    workers together, flows/launch.py). Run in-process rather than as `python -m torch.distributed.run` so a failed
+    worker's exit status is ours, with no launcher traceback after the workers' own lines: workers that stopped on a
+    user error (each printed its one line) give exit 2, also when the launcher had to stop the others (SIGTERM,
+    128 + 15); a run stopped by a signal after saving gives 128 + that signal; anything else says which codes."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # the launcher's per-worker log lines ("failed (exitcode: 2) ...", "Sending process ... SIGTERM") repeat what the
+    # workers said; the outcome is summarised below instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(launch))
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()})
+        stopped = 128 + signal.SIGTERM  # a worker the launcher stopped because another had failed
+        if 2 in codes and set(codes) <= {2, stopped}:
+            return 2
+        if len(codes) == 1 and codes[0] in (128 + signal.SIGTERM, 128 + signal.SIGINT, 1):
+            return codes[0]  # stopped by a signal after saving (the log says so), or a bug's traceback above
+        print(f"atelier: error: the workers exited with codes {codes} (a code above 128 is 128 + the signal that "
+              f"killed the worker, e.g. 137: SIGKILL, often the out-of-memory killer)", file=sys.stderr)
+        return codes[-1]
+    return 0
 
 
 def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> int:

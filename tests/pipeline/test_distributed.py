@@ -148,20 +148,44 @@ def test_local_rows_of_a_plain_tensor_is_all_of_it():
 
 
 def test_nproc_relaunches_through_torchrun(clean_env, monkeypatch):
-    import subprocess
-
     from atelier_studio.flows import cli
 
     seen = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env=None: seen.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_run_torchrun", lambda launch: seen.append(launch) or 0)
     assert cli.main(["designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3", "--nproc", "4"]) == 0
-    cmd = seen[-1]
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "1", "--standalone",
-                       "-m", "atelier_studio.flows.cli", "designer", "train", "--config", "c.toml", "--set", "train.lr=1e-3"]
+    assert seen[-1] == ["--nproc-per-node", "4", "--nnodes", "1", "--standalone",
+                        "-m", "atelier_studio.flows.cli", "designer", "train", "--config", "c.toml", "--set",
+                        "train.lr=1e-3"]
     assert cli.main(["imagegen", "train", "--config", "c.toml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
                      "--master-addr", "10.0.0.1", "--master-port", "29511"]) == 0
-    assert seen[-1][3:13] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
-                              "--master-addr", "10.0.0.1", "--master-port", "29511"]
+    assert seen[-1][:10] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1",
+                             "--master-addr", "10.0.0.1", "--master-port", "29511"]
+
+
+def test_the_launcher_reports_the_workers_outcome(monkeypatch, capsys):
+    """A user error on the ranks is exit 2 with nothing after their lines, also when the launcher stopped the others
+    (SIGTERM: 143); a signal-stopped run keeps 128 + signal; a mixed failure says which codes."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from atelier_studio.flows import cli
+
+    def failing(*codes):
+        def run(_args):
+            raise ChildFailedError("atelier_studio.flows.cli", {
+                rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+                for rank, code in enumerate(codes)})
+        return run
+
+    launch = ["--nproc-per-node", "2", "--standalone", "-m", "atelier_studio.flows.cli"]
+    for codes, want, says in [((2, 2), 2, False), ((2, 143), 2, False), ((143, 143), 143, False), ((1, 1), 1, False),
+                              ((2, -9), 137, True), ((0, -11), 139, True)]:
+        monkeypatch.setattr(torchrun, "run", failing(*codes))
+        assert cli._run_torchrun(launch) == want, codes
+        err = capsys.readouterr().err
+        assert ("atelier: error: the workers exited with codes" in err) == says, (codes, err)
+    monkeypatch.setattr(torchrun, "run", lambda _args: None)
+    assert cli._run_torchrun(launch) == 0
 
 
 def test_nproc_bad_values_are_named(clean_env, capsys):
