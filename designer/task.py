@@ -259,6 +259,10 @@ class DesignerTask:
         s = packed.stats
         log(f"data {path}: {s.num_docs} documents → {s.num_rows} rows of {self.cfg.data.seq_len} tokens, "
             f"{s.padding_fraction:.1%} padding, split {s.num_split}, truncated {s.num_truncated}, dropped {s.num_dropped}")
+        if s.num_rows == 0:
+            raise DataError(f"{path}: all {s.num_docs} documents are longer than data.seq_len = {self.cfg.data.seq_len} "
+                            f"tokens and data.overflow = \"drop\" left every one out: raise data.seq_len, or set "
+                            f"data.overflow = \"truncate\" or \"split\"")
         return BalancedPackedLoader(packed, self.cfg.train.micro_batch, self.cfg.train.seed, rank, world_size,
                                     drop_last=drop_last, balance=self.cfg.train.distributed.balance)
 

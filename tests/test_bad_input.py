@@ -467,6 +467,8 @@ CASES = [
          ("{tmp}/missing.jsonl: no such file",), absent=("run",)),
     Case("seq-len-shorter-than-a-brief", lambda t, w: designer_train(t, w, "data.seq_len=16"),
          ("data.seq_len = 16", "{fixture}:1", "set data.seq_len >="), absent=("run",)),
+    Case("overflow-drop-leaves-nothing", lambda t, w: designer_train(t, w, "data.seq_len=16", "data.overflow=drop"),
+         ("{fixture}: all", "data.overflow = \"drop\" left every one out", "raise data.seq_len"), absent=("run",)),
     Case("model-dir-missing", lambda t, w: designer_train(t, w, f"model.path={t / 'no-such-model'}"),
          ("model.path: {tmp}/no-such-model is not a directory",), absent=("run",)),
     Case("model-config-not-json", lambda t, w: broken_model(t, w, "config.json", text="{oops"),
