@@ -58,7 +58,7 @@ def _ungroup(module: nn.Module) -> None:
 
 
 def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
-    from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+    from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
     from atelier_studio.pipeline.float8 import apply_fp8
 
     if variant.startswith("fp8-"):
@@ -71,7 +71,7 @@ def qwen3_block(variant: str, size: str, rows: int, tokens: int, device: torch.d
                 ) -> tuple[Callable[[], None], list[torch.Tensor]]:
     """(run: one forward + backward of the block, its trained parameters)."""
     from atelier_studio.designer.lora import LoraArgs, LoRALinear
-    from atelier_studio.designer.model import Block, ModelArgs, PackedAttention
+    from atelier_studio.designer.qwen3 import Block, ModelArgs, PackedAttention
     from atelier_studio.kernels.rope import rope_cos_sin
 
     args = ModelArgs.from_size(size, vocab_size=256)

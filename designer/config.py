@@ -62,7 +62,7 @@ class LoraConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # adapter weights' dtype
     init_adapter: str = ""  # a PEFT adapter directory to continue training from
     # the frozen base's target linears: "bf16" keeps them in model.dtype; "nf4" stores them in 4 bits (QLoRA:
-    # NF4 with double-quantised block scales, dequantised inside the matmul; designer/lora_nf4.py). The LM head,
+    # NF4 with double-quantised block scales, dequantised inside the matmul; pipeline/lora_nf4.py). The LM head,
     # embeddings and norms stay in model.dtype either way.
     base_dtype: Literal["bf16", "nf4"] = "bf16"
 

@@ -36,7 +36,7 @@ from torch import nn
 from atelier_studio.data.textfile import read_json
 from atelier_studio.designer.family import Family
 from atelier_studio.designer.hf import read_safetensors_header
-from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.qwen3 import CausalLM
 from atelier_studio.designer.registry import family_of_args, lora_target_names
 from atelier_studio.pipeline import lora as layers
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors

@@ -16,7 +16,7 @@ where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialise
     g = −exp(A_log) · softplus(in_proj_a(x) + dt_bias);  o = gated_delta_rule(q, k, v, g, β);
     out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head; the delta rule L2-normalises q and k
     and scales q by Dk^−½ itself, kernels/gated_delta_rule.py)
-The model runs PACKED rows as designer/model.py does: positions restart per document and `cu_seqlens`
+The model runs PACKED rows as designer/qwen3.py does: positions restart per document and `cu_seqlens`
 marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
 at zero per document) — so a packed row equals its documents run one by one (without the boundaries, the conv
@@ -46,8 +46,8 @@ from torch import nn
 
 from atelier_studio.designer.decode import KVCache, decode_loop, left_padded
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
-from atelier_studio.designer.model import init_param as qwen3_init_param
+from atelier_studio.designer.qwen3 import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
+from atelier_studio.designer.qwen3 import init_param as qwen3_init_param
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.causal_conv1d import causal_conv1d
 from atelier_studio.kernels import gated_delta_rule as gdr
@@ -66,7 +66,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 @dataclass(frozen=True)
 class Qwen35Args:
-    """Architecture of a Qwen3.5 text model. Shared field names with designer.model.ModelArgs."""
+    """Architecture of a Qwen3.5 text model. Shared field names with designer.qwen3.ModelArgs."""
 
     vocab_size: int
     dim: int
@@ -231,7 +231,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm, x promoted to the stream's
-        dtype first (designer.model.RMSNorm.add_forward)."""
+        dtype first (designer.qwen3.RMSNorm.add_forward)."""
         return add_rmsnorm(x.to(residual.dtype), residual, 1.0 + self.weight.float(), self.eps, self.impl)
 
 

@@ -3,14 +3,14 @@
 Shape legend: B rows, T tokens per row, N = B·T packed tokens, D dim, H / Hkv heads, Dh head dim, E experts,
 k experts per token, F expert ffn dim (moe_intermediate_size), Fd dense ffn dim, V vocab, Ls sparse layers.
 
-Block: Qwen3's (designer/model.py's Attention with QK-norm and its pre-norm residuals), with the MLP of a sparse
+Block: Qwen3's (designer/qwen3.py's Attention with QK-norm and its pre-norm residuals), with the MLP of a sparse
 layer replaced by the sparse MoE block:
-    x += o_proj(attn(...))                              designer.model.Attention
+    x += o_proj(attn(...))                              designer.qwen3.Attention
     x += moe(n(x))                                      sparse layers: router → top-k experts (kernels/moe.py)
-    x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))  dense layers (designer.model.MLP, Fd)
+    x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))  dense layers (designer.qwen3.MLP, Fd)
 Layer i is sparse iff i ∉ mlp_only_layers, E > 0 and (i + 1) % decoder_sparse_step == 0 (transformers' rule).
 Routing is dropless (kernels/moe.py): tokens never interact, so packed rows (positions restarting per document,
-`cu_seqlens` at the boundaries, as designer/model.py) equal their documents run one by one.
+`cu_seqlens` at the boundaries, as designer/qwen3.py) equal their documents run one by one.
 
 Load-balancing loss (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961, eqs. 4-6), as transformers'
 load_balancing_loss_func computes it, over the sparse layers and the REAL tokens of a micro-batch (padding is
@@ -45,7 +45,7 @@ from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import (KERNEL_IMPLS, MLP, Attend, Attention, Backbone, CausalLM, ModelArgs,
+from atelier_studio.designer.qwen3 import (KERNEL_IMPLS, MLP, Attend, Attention, Backbone, CausalLM, ModelArgs,
                                            PackedAttention, RMSNorm, check_packed_inputs, init_param,
                                            linear_train_flops, meta_shapes)
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
@@ -58,7 +58,7 @@ MODEL_TYPE = "qwen3_moe"
 
 @dataclass(frozen=True)
 class Qwen3MoeArgs:
-    """Architecture of a Qwen3-MoE model. Field names shared with designer.model.ModelArgs (whose Attention and MLP
+    """Architecture of a Qwen3-MoE model. Field names shared with designer.qwen3.ModelArgs (whose Attention and MLP
     this family reuses, reading those fields)."""
 
     vocab_size: int
@@ -105,7 +105,7 @@ class Qwen3MoeArgs:
                              f"{KERNEL_IMPLS} / {ATTENTION_IMPLS}")
 
     def dense(self) -> ModelArgs:
-        """The Qwen3 dense args of the same shapes (what designer.model's Attention and MLP read)."""
+        """The Qwen3 dense args of the same shapes (what designer.qwen3's Attention and MLP read)."""
         shared = {f.name for f in dataclasses.fields(ModelArgs)}
         return ModelArgs(**{k: v for k, v in dataclasses.asdict(self).items() if k in shared})
 
@@ -370,14 +370,14 @@ class Qwen3Moe(CausalLM):
 
     # --- FLOPs ----------------------------------------------------------------------------------------
     def matmul_flops(self, tokens: int, head_tokens: int) -> int:
-        """Every nn.Linear (attention, dense MLPs, routers, LoRA A/B; designer.model.linear_train_flops) plus the
+        """Every nn.Linear (attention, dense MLPs, routers, LoRA A/B; designer.qwen3.linear_train_flops) plus the
         experts on the N·k slots they run: the active parameters, the k chosen experts and the router."""
         experts = [m for m in self.model.layers.modules() if isinstance(m, Experts)]
         return (linear_train_flops(self.model.layers, self.lm_head_weight, tokens, head_tokens)
                 + sum(e.train_flops(tokens * self.args.top_k) for e in experts))
 
     def attention_flops(self, doc_lens: Sequence[int]) -> int:
-        """Causal attention training FLOPs: 6·L²·H·Dh per document and layer (designer/model.py's count)."""
+        """Causal attention training FLOPs: 6·L²·H·Dh per document and layer (designer/qwen3.py's count)."""
         a = self.args
         return 6 * a.num_layers * sum(n * n for n in doc_lens) * a.num_heads * a.head_dim
 

@@ -34,7 +34,7 @@ from atelier_studio.bench.designer_peers import (PAD_MULTIPLE, PeerUnavailable, 
 from tests.bench._budget import SpentAfter
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
-from atelier_studio.designer.model import ModelArgs
+from atelier_studio.designer.qwen3 import ModelArgs
 
 CPU = torch.device("cpu")
 

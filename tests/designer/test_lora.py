@@ -149,7 +149,7 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
     """q/k/v, gate/up and Qwen3.5's four in_proj_* run as one lora_linear_group (fused impl) each; the loss and every
     adapter gradient equal the same model with every LoRA layer run alone."""
     import atelier_studio.kernels.lora_linear as kl
-    from atelier_studio.designer.model import ModelArgs, Qwen3
+    from atelier_studio.designer.qwen3 import ModelArgs, Qwen3
     from tests.designer.test_qwen35 import random_qwen35
 
     if family == "qwen3":
@@ -198,7 +198,7 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
 def test_shared_input_linears_group_only_what_one_op_can_take(case, grouped, monkeypatch):
     """Layers that cannot share one lora_linear_group run one by one, with the same outputs and gradients."""
     import atelier_studio.kernels.lora_linear as kl
-    from atelier_studio.designer.model import shared_input_linears
+    from atelier_studio.designer.qwen3 import shared_input_linears
 
     calls: list[int] = []
     real = kl.lora_group_fwd

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.hf import init_random, load_pretrained, save_pretrained
-from atelier_studio.designer.model import SIZES, ModelArgs, Qwen3, num_params
+from atelier_studio.designer.qwen3 import SIZES, ModelArgs, Qwen3, num_params
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.gated_delta_rule import CHUNK
 from tests.kernels._compare import assert_no_leak

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.lora import LoraArgs, apply_lora
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.designer.qwen3 import ModelArgs, Qwen3
 from atelier_studio.pipeline.policies import compile_blocks
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.lora import LoraArgs, apply_lora
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.designer.qwen3 import ModelArgs, Qwen3
 from atelier_studio.pipeline.config import DistributedConfig, TrainConfig
 from atelier_studio.pipeline.policies import checkpoint_blocks
 from atelier_studio.pipeline.distributed import (

@@ -10,13 +10,13 @@ from torch import nn
 
 import atelier_studio.kernels.fp8_linear as fp8
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
-from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
+from atelier_studio.designer.qwen3 import ModelArgs, Qwen3
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.imagegen.model import FAMILY as MMDIT_FAMILY
 from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
-import atelier_studio.designer.model as designer_model
+import atelier_studio.designer.qwen3 as designer_model
 import atelier_studio.kernels.fp8_group as fp8_group
 import atelier_studio.pipeline.float8 as float8
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
