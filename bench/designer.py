@@ -160,7 +160,7 @@ class Variant:
     """One Atelier run's switches (the ablation turns each off in turn)."""
 
     compile: bool = True
-    kernels: str = "auto"          # ModelArgs.kernels; "ref": every kernel's plain-PyTorch path
+    kernels: str = "auto"          # DecoderArgs.kernels; "ref": every kernel's plain-PyTorch path
     chunked_ce: bool = True
     attention: str = "auto"        # kernels.attention impl
     fused_adamw: bool = True

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from atelier_studio.designer.qwen3 import CausalLM
+from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.designer.registry import family_of_args
 
 

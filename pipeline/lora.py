@@ -100,7 +100,7 @@ class LoRALinear(nn.Module):
                            self.scale, p, self.impl)
 
     def shared_input_operands(self) -> SharedInputOperands | None:
-        """This layer's part in a shared-input group (designer.qwen3.shared_input_linears), or None when it must
+        """This layer's part in a shared-input group (pipeline/shared_input.py), or None when it must
         run alone: a bias, or dropout in effect (each layer draws its own mask)."""
         p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
         if self.base_layer.bias is not None or p > 0:

@@ -8,7 +8,7 @@ A, B stay in their own dtype through kernels/lora_linear.py's code. The base get
 Everything a LoRALinear is stays: the same modules and Parameters (base_layer, lora_A, lora_B, dropout), PEFT key
 names, adapter saving and loading, merge_lora. The fp8 copies are non-persistent buffers (never in a state dict),
 rebuilt after a load_state_dict or by `refresh_fp8_weight()`. Layers that read one x (q/k/v, gate/up) join a
-shared-input group (designer.qwen3.shared_input_linears → kernels.fp8_group.fp8_lora_linear_group: x quantised once
+shared-input group (pipeline.shared_input.shared_input_linears → kernels.fp8_group.fp8_lora_linear_group: x quantised once
 for their FP8 bases, one matmul x [A_0; …]ᵀ for their adapters) under LoRALinear's conditions (no bias, no dropout).
 """
 from __future__ import annotations
