@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -112,8 +112,7 @@ class DesignerTask:
                 targets = self.family.resolve_lora_targets(cfg.lora.targets)
             except ValueError as e:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
-            self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                                      targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+            self.lora_args = LoraArgs(**asdict(cfg.lora.args(targets)))  # the designer's LoraArgs (designer/lora.py)
         if self.lora_args is not None and self.lora_args.dropout > 0:
             _check_grouped_dropout(args, self.lora_args, cfg.lora.dropout)
         if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
