@@ -279,7 +279,8 @@ class CausalLM(nn.Module):
         return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
 
 
-def check_packed_inputs(who: str, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+def check_packed_inputs(who: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        cu_seqlens: torch.Tensor) -> None:
     """The packed forward's input contract (shared by every designer family); raises naming `who`."""
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"{who}: input_ids must be int64 [B,T], got {input_ids.dtype} {tuple(input_ids.shape)}")

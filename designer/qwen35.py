@@ -16,8 +16,8 @@ where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialise
     g = −exp(A_log) · softplus(in_proj_a(x) + dt_bias);  o = gated_delta_rule(q, k, v, g, β);
     out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head; the delta rule L2-normalises q and k
     and scales q by Dk^−½ itself, kernels/gated_delta_rule.py)
-The model runs PACKED rows as every designer family does (designer/decoder.py): positions restart per document and `cu_seqlens`
-marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
+The model runs PACKED rows as every designer family does (designer/decoder.py): positions restart per document
+and `cu_seqlens` marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
 at zero per document) — so a packed row equals its documents run one by one (without the boundaries, the conv
 and the state would carry one document into the next). HF layout I/O lives in designer/hf.py; FAMILY (at the

@@ -10,7 +10,8 @@ Three groups, in this order, else each layer on its own (a plain nn.Linear, a la
   once for every base.
 A LoRA group needs one kernel choice and adapter dtype, every adapter weight trained or every one frozen (a frozen A
 with a trained B, as LoRA-FA trains, runs layer by layer), and every base bf16 or every one FP8 in one recipe.
-The outputs and gradients are those of the layers one by one (tests/pipeline/test_float8.py, tests/designer/test_lora.py).
+The outputs and gradients are those of the layers one by one (tests/pipeline/test_float8.py,
+tests/designer/test_lora.py).
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def shared_input_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Ten
     operands = [getattr(m, "shared_input_operands", lambda: None)() for m in linears]
     if len(linears) > 1 and all(o is not None for o in operands) and _groupable(operands):
         first = operands[0]
-        weights, lora_as, lora_bs = [o.weight for o in operands], [o.lora_a for o in operands], [o.lora_b for o in operands]
-        scales = [o.scale for o in operands]
+        weights, scales = [o.weight for o in operands], [o.scale for o in operands]
+        lora_as, lora_bs = [o.lora_a for o in operands], [o.lora_b for o in operands]
         if first.fp8 is not None:
             return fp8_lora_linear_group(x, weights, [o.fp8 for o in operands], lora_as, lora_bs, scales,
                                          first.fp8.recipe, first.impl)

@@ -357,8 +357,6 @@ CASES = [
     Case("imagegen-lora-init-adapter-of-another-rank",
          lambda t, w: imagegen_lora_train(t, f"lora.init_adapter={t / 'adapter'}", adapter_rank=8),
          ("lora.init_adapter", "{tmp}/adapter has rank 8", "lora.rank = 8"), absent=("run",)),
-    Case("imagegen-lora-with-fp8", lambda t, w: imagegen_lora_train(t, "train.precision=fp8"),
-         ("train.precision", "full fine-tuning only", "lora.rank", "bf16"), absent=("run",)),
     Case("sd3-pipeline-without-t5",
          lambda t, w: sd3_cache(t, f"model.path={sd3_index(t, text_encoder_3=[None, None])}", "autoencoder.spec=pixel"),
          ("{tmp}/pipe: this pipeline has no text_encoder_3", "text.use_t5 = false"), absent=("latents",)),

@@ -4,8 +4,9 @@ Layers, bottom to top: kernels/ (fused ops) → pipeline/ and data/ (the engine 
 imagegen/ (the two model sides, which never import each other) → flows/ and bench/ (the command line, the Prefect
 flows, the benchmarks: they may import everything). Inside a model side, a family's file (one that declares
 `FAMILY = Family(...)`) imports no other family's file: what families share lives in a shared module
-(designer/decoder.py), so a family is added without touching, or depending on, another. Every import counts, also one inside a function (an import
-deferred to run time is still a dependency); only `if TYPE_CHECKING:` imports, which never run, are left out.
+(designer/decoder.py), so a family is added without touching, or depending on, another. Every import counts, also
+one inside a function (an import deferred to run time is still a dependency); only `if TYPE_CHECKING:` imports,
+which never run, are left out.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def test_the_family_check_catches_a_family_importing_another(tmp_path):
     for folder in ("designer", "imagegen"):
         (tmp_path / folder).mkdir()
     (tmp_path / "designer" / "decoder.py").write_text("class CausalLM: ...\n")
-    (tmp_path / "designer" / "a.py").write_text("from atelier_studio.designer.decoder import CausalLM\nFAMILY = Family()\n")
+    (tmp_path / "designer" / "a.py").write_text(
+        "from atelier_studio.designer.decoder import CausalLM\nFAMILY = Family()\n")
     (tmp_path / "designer" / "b.py").write_text(
         "from atelier_studio.designer.decoder import CausalLM\nfrom atelier_studio.designer.a import X\n"
         "FAMILY = Family()\n")
