@@ -29,7 +29,7 @@ bf16 one) in each --fp8-compile mode: the FP8 ablation is bf16 (FP8 off) against
 with the mean |Δloss| against the bf16 run over the timed steps.
 
 QLoRA (`qwen3-8b-qlora`, `qwen3-30b-a3b-qlora`; lora.base_dtype = "nf4" in the trainer): the LoRA bases (and a
-mixture of experts' expert stacks) quantised to NF4 on the device one at a time (designer/lora_nf4.quantize_lora_bases,
+mixture of experts' expert stacks) quantised to NF4 on the device one at a time (pipeline/lora_nf4.quantize_lora_bases,
 as the trainer loads them), and at every micro-batch the same run
 over the bf16 base (the "bf16-base twin": same adapters, batches, activation checkpointing, compile mode), so
 tokens/s, peak memory and loss compare at equal micro-batch. The random weights are drawn on the device but kept on
@@ -89,8 +89,8 @@ from atelier_studio.data.packing import Batch, PackResult, fixed_shape, make_bat
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
 from atelier_studio.designer.lora import (LoraArgs, apply_lora, grouped_lora_names, grouped_weight, lora_parameters,
                                           lora_targets)
-from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
-from atelier_studio.designer.lora_nf4 import quantize_lora_bases
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
@@ -163,14 +163,14 @@ class Variant:
     """One Atelier run's switches (the ablation turns each off in turn)."""
 
     compile: bool = True
-    kernels: str = "auto"          # ModelArgs.kernels; "ref": every kernel's plain-PyTorch path
+    kernels: str = "auto"          # DecoderArgs.kernels; "ref": every kernel's plain-PyTorch path
     chunked_ce: bool = True
     attention: str = "auto"        # kernels.attention impl
     fused_adamw: bool = True
     lora_dtype: str = "bfloat16"
     precision: str = "bf16"        # train.precision: "bf16" or "fp8" (the block linears in FP8)
     fp8_recipe: str = "rowwise"    # train.fp8_recipe, with precision "fp8"
-    base: str = "bf16"             # the LoRA bases: "bf16", or "nf4" (quantised on the device: designer/lora_nf4.py)
+    base: str = "bf16"             # the LoRA bases: "bf16", or "nf4" (quantised on the device: pipeline/lora_nf4.py)
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:

@@ -58,7 +58,7 @@ def _ungroup(module: nn.Module) -> None:
 
 
 def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
-    from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
+    from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
     from atelier_studio.pipeline.float8 import apply_fp8
 
     if variant.startswith("fp8-"):
@@ -70,11 +70,12 @@ def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
 def qwen3_block(variant: str, size: str, rows: int, tokens: int, device: torch.device
                 ) -> tuple[Callable[[], None], list[torch.Tensor]]:
     """(run: one forward + backward of the block, its trained parameters)."""
+    from atelier_studio.designer.decoder import PackedAttention
     from atelier_studio.designer.lora import LoraArgs, LoRALinear
-    from atelier_studio.designer.model import Block, ModelArgs, PackedAttention
+    from atelier_studio.designer.qwen3 import Block, Qwen3Args
     from atelier_studio.kernels.rope import rope_cos_sin
 
-    args = ModelArgs.from_size(size, vocab_size=256)
+    args = Qwen3Args.from_size(size, vocab_size=256)
     with torch.device(device):  # made where it runs: no host-side init of an 8B block's weights
         block = Block(args).to(torch.bfloat16)
     _init_(block, 0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig, check_full_finetuning
+from atelier_studio.pipeline import config as engine_config
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
@@ -51,33 +52,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class LoraConfig:
-    rank: int = 16  # 0 = full fine-tuning
-    alpha: float = 32.0
-    dropout: float = 0.0
-    # short names of the model family's linears (designer/family.py lora_targets: Qwen3 q k v o gate up down,
-    # Qwen3.5 those and qkv z b a out); empty = the family's default, every linear. Checked against the family
-    # of model.path when the run starts (the family is known only from its config.json).
-    targets: tuple[str, ...] = ()
-    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
-    dtype: Literal["float32", "bfloat16"] = "float32"  # adapter weights' dtype
-    init_adapter: str = ""  # a PEFT adapter directory to continue training from
+class LoraConfig(engine_config.LoraConfig):
+    """The engine's `[lora]` (pipeline.config.LoraConfig: rank 16, alpha 32 by default) for the designer.
+
+    targets: short names of the model family's linears (designer/family.py lora_targets: Qwen3 q k v o gate up down,
+    Qwen3.5 those and qkv z b a out), checked against the family of model.path when the run starts (the family is
+    known only from its config.json). init_adapter: a PEFT adapter directory.
+    """
+
     # the frozen base's target linears: "bf16" keeps them in model.dtype; "nf4" stores them in 4 bits (QLoRA:
-    # NF4 with double-quantised block scales, dequantised inside the matmul; designer/lora_nf4.py). The LM head,
+    # NF4 with double-quantised block scales, dequantised inside the matmul; pipeline/lora_nf4.py). The LM head,
     # embeddings and norms stay in model.dtype either way.
     base_dtype: Literal["bf16", "nf4"] = "bf16"
 
     def validate(self) -> None:
-        if self.rank < 0:
-            raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
-        if self.rank > 0 and self.alpha <= 0:  # the adapters' scale is alpha / rank: 0 trains nothing
-            raise ConfigError(f"alpha: must be > 0 (the adapters' output is scaled by alpha / rank), got {self.alpha}")
-        bad = [t for t in self.targets if not t.strip()]
-        if bad:
-            raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
-        check_full_finetuning(self)
+        super().validate()
         if self.base_dtype == "nf4" and self.rank == 0:
             raise ConfigError('base_dtype: "nf4" stores the frozen base of a LoRA run in 4 bits, but rank = 0 is full '
                               'fine-tuning, whose weights all train; set lora.rank > 0 for QLoRA, or lora.base_dtype = '

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from atelier_studio.designer.model import CausalLM
+    from atelier_studio.designer.decoder import CausalLM
 
 
 class KVCache:

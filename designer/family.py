@@ -1,13 +1,15 @@
 """The record of one designer model family: what the generic designer code needs to know about an architecture.
 
-A family's own file (designer/model.py for Qwen3, designer/qwen35.py for Qwen3.5) declares its `Family`;
+A family's own file (designer/qwen3.py for Qwen3, designer/qwen35.py for Qwen3.5) declares its `Family` and takes
+what families share from designer/decoder.py, never from another family's file;
 designer/registry.py lists the families, and everything else (HF I/O, LoRA, decoding, the task, the bench,
 the CLI) asks the registry instead of testing types. What a family supplies:
 
   args_cls        a frozen dataclass with the fields the shared code reads (vocab_size, dim, num_layers,
                   num_heads, num_kv_heads, head_dim, max_seq_len, tie_embeddings, kernels, attention_impl and
-                  the special token ids), `from_hf_config(cfg, source=...)` and `to_hf_config(dtype)`
-  model_cls       a designer.model.CausalLM subclass built from the args (HF state-dict names)
+                  the special token ids; designer/decoder.py's DecoderArgs holds them with their checks),
+                  `from_hf_config(cfg, source=...)` and `to_hf_config(dtype)`
+  model_cls       a designer.decoder.CausalLM subclass built from the args (HF state-dict names)
   sizes           named sizes: args fields, the vocabulary coming from the tokenizer (`designer init --size`)
   HF key layout   hf_param_shapes(args) (every state-dict key and shape, nothing allocated) and init_param(name,
                   shape, gen) (one stored tensor's fp32 init, in state-dict order), read by designer/hf.py;
@@ -43,7 +45,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from atelier_studio.designer.config import ModelConfig
-    from atelier_studio.designer.model import CausalLM
+    from atelier_studio.designer.decoder import CausalLM
 
 # (model, prompts as id lists, max_new_tokens, temperature, top_p, generator, eos ids [E]) → new ids per prompt
 DecodeBatch = Callable[["CausalLM", list[list[int]], int, float, float, torch.Generator, torch.Tensor],

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.pipeline.errors import UsageError
 

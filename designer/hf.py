@@ -1,6 +1,6 @@
 """Hugging Face layout I/O for the designer: config.json + safetensors (one file, or shards + index).
 
-The architecture is config.json's model_type, looked up in designer/registry.py ("qwen3": designer.model.Qwen3,
+The architecture is config.json's model_type, looked up in designer/registry.py ("qwen3": designer.qwen3.Qwen3,
 "qwen3_5_text": designer.qwen35.Qwen35, ...); the family gives the args, the model class and the key layout.
 Directory layout written and read (the one transformers uses for every family):
   config.json, generation_config.json,
@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from atelier_studio.data.textfile import read_json
 from atelier_studio.designer.family import DesignerArgs
-from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError

@@ -36,12 +36,12 @@ from torch import nn
 from atelier_studio.data.textfile import read_json
 from atelier_studio.designer.family import Family
 from atelier_studio.pipeline.hf_files import read_safetensors_header
-from atelier_studio.designer.model import CausalLM
+from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.designer.registry import family_of_args, lora_target_names
 from atelier_studio.pipeline import lora as layers
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
-from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands, lora_init_like  # noqa: F401 (re-exported)
+from atelier_studio.pipeline.lora import LoRALinear, lora_init_like  # noqa: F401 (re-exported)
 
 Model = CausalLM
 PEFT_PREFIX = "base_model.model."
@@ -143,7 +143,7 @@ def apply_lora(model: Model, args: LoraArgs) -> Model:
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA layers")
     model.requires_grad_(False)
-    impl = {"triton": "fused"}.get(model.args.kernels, model.args.kernels)  # ModelArgs.kernels → lora_linear's name
+    impl = {"triton": "fused"}.get(model.args.kernels, model.args.kernels)  # DecoderArgs.kernels → lora_linear's name
     for _, parent, leaf in lora_targets(model, args):
         grouped = grouped_weight(parent, leaf)
         if grouped is None:

@@ -16,8 +16,8 @@ where n is a zero-centred RMSNorm (y = rmsnorm(x) · (1 + w), weights initialise
     g = −exp(A_log) · softplus(in_proj_a(x) + dt_bias);  o = gated_delta_rule(q, k, v, g, β);
     out = out_proj(rmsnorm(o) · w · silu(in_proj_z(x)))   (per value head; the delta rule L2-normalises q and k
     and scales q by Dk^−½ itself, kernels/gated_delta_rule.py)
-The model runs PACKED rows as designer/model.py does: positions restart per document and `cu_seqlens`
-marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
+The model runs PACKED rows as every designer family does (designer/decoder.py): positions restart per document
+and `cu_seqlens` marks document boundaries over the B·T tokens. The boundaries reach all three sequence-mixing ops —
 attention, the causal conv (taps never cross a document start) and the delta rule (the state restarts
 at zero per document) — so a packed row equals its documents run one by one (without the boundaries, the conv
 and the state would carry one document into the next). HF layout I/O lives in designer/hf.py; FAMILY (at the
@@ -45,10 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from atelier_studio.designer.decode import KVCache, decode_loop, left_padded
+from atelier_studio.designer.decoder import MLP, Attend, CausalLM, DecoderArgs, PackedAttention, check_packed_inputs
+from atelier_studio.designer.decoder import init_param as decoder_init_param
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import KERNEL_IMPLS, MLP, Attend, CausalLM, PackedAttention, check_packed_inputs, shared_input_linears
-from atelier_studio.designer.model import init_param as qwen3_init_param
-from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.causal_conv1d import causal_conv1d
 from atelier_studio.kernels import gated_delta_rule as gdr
 from atelier_studio.kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
@@ -56,6 +55,7 @@ from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin
 from atelier_studio.pipeline.config import ConfigError
+from atelier_studio.pipeline.shared_input import shared_input_linears
 
 if TYPE_CHECKING:
     from atelier_studio.designer.config import ModelConfig
@@ -64,17 +64,13 @@ MODEL_TYPES = ("qwen3_5_text",)
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-@dataclass(frozen=True)
-class Qwen35Args:
-    """Architecture of a Qwen3.5 text model. Shared field names with designer.model.ModelArgs."""
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Args(DecoderArgs):
+    """Architecture of a Qwen3.5 text model: the decoder's fields (DecoderArgs; RoPE turns rotary_dim of each full
+    attention head, no rope_scaling) and the Gated DeltaNet layers'."""
 
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_dim: int
+    max_seq_len: int = 262144
+    rope_theta: float = 1e7
     gdn_num_key_heads: int
     gdn_num_value_heads: int
     gdn_key_head_dim: int
@@ -83,35 +79,21 @@ class Qwen35Args:
     full_attention_interval: int = 4  # layer i is full attention iff (i + 1) % interval == 0 (HF's default rule)
     layer_types: tuple[str, ...] = ()  # () = from full_attention_interval; else one of LINEAR / FULL per layer
     partial_rotary_factor: float = 0.25
-    max_seq_len: int = 262144
-    rope_theta: float = 1e7
     mrope_section: tuple[int, ...] | None = None  # round-trips only (see the module docstring)
     mrope_interleaved: bool | None = None
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    attention_bias: bool = False
-    attention_impl: str = "auto"  # kernels.attention impl
     delta_rule_impl: str = "auto"  # kernels.gated_delta_rule impl: auto | fla | ref
-    kernels: str = "auto"  # rmsnorm / rope / swiglu / conv / gated norm / LoRA linear: auto | triton | ref
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
+    # (kernels also picks the conv and the gated norm)
+
+    POSITIVE = (*DecoderArgs.POSITIVE, "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",
+                "gdn_value_head_dim", "gdn_conv_kernel", "full_attention_interval")
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
-                  "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                  "gdn_conv_kernel", "full_attention_interval", "max_seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Qwen35Args.{f} must be a positive int, got {v!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Qwen35Args.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        super().__post_init__()  # POSITIVE, heads, rotary_dim, kernel choices
+        if self.rope_scaling is not None:
+            raise ValueError(f"Qwen35Args.rope_scaling must be None (plain RoPE), got {self.rope_scaling!r}")
         if self.gdn_num_value_heads % self.gdn_num_key_heads:
             raise ValueError(f"Qwen35Args.gdn_num_value_heads={self.gdn_num_value_heads} is not a multiple of "
                              f"gdn_num_key_heads={self.gdn_num_key_heads}")
-        if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(f"Qwen35Args: head_dim {self.head_dim} · partial_rotary_factor {self.partial_rotary_factor} "
-                             f"= {self.rotary_dim} rotary dims; need an even number in [2, head_dim]")
         types = tuple(self.layer_types) or tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
                                                  for i in range(self.num_layers))
         if len(types) != self.num_layers or any(t not in (LINEAR, FULL) for t in types):
@@ -120,15 +102,12 @@ class Qwen35Args:
         object.__setattr__(self, "layer_types", types)
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
-        if self.kernels not in KERNEL_IMPLS:
-            raise ValueError(f"Qwen35Args.kernels must be one of {KERNEL_IMPLS}, got {self.kernels!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"Qwen35Args.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.delta_rule_impl not in DELTA_RULE_IMPLS:
             raise ValueError(f"Qwen35Args.delta_rule_impl must be one of {DELTA_RULE_IMPLS}, got {self.delta_rule_impl!r}")
 
     @property
     def rotary_dim(self) -> int:
+        """The first R dims of a full-attention head that RoPE turns."""
         return int(self.head_dim * self.partial_rotary_factor)  # HF: int(head_dim · partial_rotary_factor)
 
     @classmethod
@@ -177,7 +156,6 @@ class Qwen35Args:
 
     def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
         """config.json dict that AutoModelForCausalLM loads as Qwen3_5ForCausalLM."""
-        dtype_name = str(dtype).removeprefix("torch.")
         rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                            "partial_rotary_factor": self.partial_rotary_factor}
         if self.mrope_section is not None:
@@ -185,19 +163,11 @@ class Qwen35Args:
         if self.mrope_interleaved is not None:
             rope_parameters["mrope_interleaved"] = self.mrope_interleaved
         return {
-            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-            "vocab_size": self.vocab_size, "hidden_size": self.dim, "intermediate_size": self.ffn_dim,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **self.hf_config(dtype),
             "linear_num_key_heads": self.gdn_num_key_heads, "linear_num_value_heads": self.gdn_num_value_heads,
             "linear_key_head_dim": self.gdn_key_head_dim, "linear_value_head_dim": self.gdn_value_head_dim,
             "linear_conv_kernel_dim": self.gdn_conv_kernel, "layer_types": list(self.layer_types),
-            "full_attention_interval": self.full_attention_interval,
-            "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
-            "rope_parameters": rope_parameters, "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": self.attention_bias, "attention_dropout": 0.0, "initializer_range": 0.02,
-            "use_cache": True, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id, "torch_dtype": dtype_name, "dtype": dtype_name,
+            "full_attention_interval": self.full_attention_interval, "rope_parameters": rope_parameters,
         }
 
 
@@ -231,7 +201,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm, x promoted to the stream's
-        dtype first (designer.model.RMSNorm.add_forward)."""
+        dtype first (designer.decoder.RMSNorm.add_forward)."""
         return add_rmsnorm(x.to(residual.dtype), residual, 1.0 + self.weight.float(), self.eps, self.impl)
 
 
@@ -522,7 +492,7 @@ def init_param(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
         return torch.empty(shape).uniform_(0.01, 16.0, generator=gen).log_()
     if name.endswith("norm.weight"):  # zero-centred: the norm scales by 1 + w
         return torch.zeros(shape)
-    return qwen3_init_param(name, shape, gen)  # weights normal(0, 0.02), biases 0, LoRA weights refused
+    return decoder_init_param(name, shape, gen)  # weights normal(0, 0.02), biases 0, LoRA weights refused
 
 
 def hf_param_shapes(args: Qwen35Args) -> dict[str, tuple[int, ...]]:

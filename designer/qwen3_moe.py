@@ -3,14 +3,14 @@
 Shape legend: B rows, T tokens per row, N = B·T packed tokens, D dim, H / Hkv heads, Dh head dim, E experts,
 k experts per token, F expert ffn dim (moe_intermediate_size), Fd dense ffn dim, V vocab, Ls sparse layers.
 
-Block: Qwen3's (designer/model.py's Attention with QK-norm and its pre-norm residuals), with the MLP of a sparse
+Block: Qwen3's (designer/decoder.py's Attention with QK-norm, pre-norm residuals), with the MLP of a sparse
 layer replaced by the sparse MoE block:
-    x += o_proj(attn(...))                              designer.model.Attention
+    x += o_proj(attn(...))                              designer.decoder.Attention
     x += moe(n(x))                                      sparse layers: router → top-k experts (kernels/moe.py)
-    x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))  dense layers (designer.model.MLP, Fd)
+    x += down_proj(silu(gate_proj(n(x))) · up_proj(n(x)))  dense layers (designer.decoder.MLP, Fd)
 Layer i is sparse iff i ∉ mlp_only_layers, E > 0 and (i + 1) % decoder_sparse_step == 0 (transformers' rule).
 Routing is dropless (kernels/moe.py): tokens never interact, so packed rows (positions restarting per document,
-`cu_seqlens` at the boundaries, as designer/model.py) equal their documents run one by one.
+`cu_seqlens` at the boundaries, designer/decoder.py) equal their documents run one by one.
 
 Load-balancing loss (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961, eqs. 4-6), as transformers'
 load_balancing_loss_func computes it, over the sparse layers and the REAL tokens of a micro-batch (padding is
@@ -33,7 +33,6 @@ leaves it on transformers 5 (its expert targets become the stacked expert parame
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -44,11 +43,10 @@ import torch
 from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
+from atelier_studio.designer.decoder import (MLP, Attend, Attention, Backbone, CausalLM, DecoderArgs, PackedAttention,
+                                             RMSNorm, check_packed_inputs, hf_decoder_fields, hf_rope_and_window,
+                                             init_param, linear_train_flops, meta_shapes)
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import (KERNEL_IMPLS, MLP, Attend, Attention, Backbone, CausalLM, ModelArgs,
-                                           PackedAttention, RMSNorm, check_packed_inputs, init_param,
-                                           linear_train_flops, meta_shapes)
-from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.moe import ExpertLoRA, moe
 from atelier_studio.kernels.rope import rope_cos_sin
 from atelier_studio.pipeline.nf4 import NF4ExpertStack
@@ -56,18 +54,11 @@ from atelier_studio.pipeline.nf4 import NF4ExpertStack
 MODEL_TYPE = "qwen3_moe"
 
 
-@dataclass(frozen=True)
-class Qwen3MoeArgs:
-    """Architecture of a Qwen3-MoE model. Field names shared with designer.model.ModelArgs (whose Attention and MLP
-    this family reuses, reading those fields)."""
+@dataclass(frozen=True, kw_only=True)
+class Qwen3MoeArgs(DecoderArgs):
+    """Architecture of a Qwen3-MoE model: the decoder's fields (DecoderArgs; ffn_dim is the dense layers' MLP,
+    intermediate_size; kernels also picks the MoE dispatch) and the experts'."""
 
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_dim: int  # dense layers' MLP (intermediate_size)
     moe_ffn_dim: int  # each expert's (moe_intermediate_size)
     num_experts: int
     top_k: int  # num_experts_per_tok
@@ -76,38 +67,17 @@ class Qwen3MoeArgs:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False  # config.json's switch for the load-balancing loss in training
-    max_seq_len: int = 40960
-    rope_theta: float = 1e6
-    rope_scaling: dict[str, Any] | None = None
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    attention_bias: bool = False
-    attention_impl: str = "auto"  # kernels.attention impl
-    kernels: str = "auto"  # rmsnorm / rope / swiglu / LoRA linear / MoE dispatch: auto | triton | ref
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
+
+    POSITIVE = (*DecoderArgs.POSITIVE, "moe_ffn_dim", "num_experts", "top_k", "decoder_sparse_step")
 
     def __post_init__(self) -> None:
-        for f in ("moe_ffn_dim", "num_experts", "top_k", "decoder_sparse_step"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Qwen3MoeArgs.{f} must be a positive int, got {v!r}")
+        super().__post_init__()  # POSITIVE, heads, RoPE, kernel choices
         if self.top_k > self.num_experts:
             raise ValueError(f"Qwen3MoeArgs.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"Qwen3MoeArgs.mlp_only_layers {bad} are not layers 0..{self.num_layers - 1}")
-        self.dense()  # the shared fields' checks (ModelArgs.__post_init__)
-        if self.kernels not in KERNEL_IMPLS or self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"Qwen3MoeArgs: kernels {self.kernels!r} / attention_impl {self.attention_impl!r} not in "
-                             f"{KERNEL_IMPLS} / {ATTENTION_IMPLS}")
-
-    def dense(self) -> ModelArgs:
-        """The Qwen3 dense args of the same shapes (what designer.model's Attention and MLP read)."""
-        shared = {f.name for f in dataclasses.fields(ModelArgs)}
-        return ModelArgs(**{k: v for k, v in dataclasses.asdict(self).items() if k in shared})
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
@@ -127,11 +97,10 @@ class Qwen3MoeArgs:
             raise ValueError(f"{source}: missing keys {missing + ([] if experts is not None else ['num_experts'])}")
         if not experts:
             raise ValueError(f"{source}: num_experts = 0 is a dense model (load it as model_type 'qwen3')")
-        dense = ModelArgs.from_hf_config({**cfg, "model_type": "qwen3"}, source=source)  # the shared keys
+        shared = hf_decoder_fields(cfg, source)
         try:
-            return cls(**{k: v for k, v in dataclasses.asdict(dense).items()},
-                       moe_ffn_dim=cfg["moe_intermediate_size"], num_experts=experts, top_k=cfg["num_experts_per_tok"],
-                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            return cls(**shared, moe_ffn_dim=cfg["moe_intermediate_size"], num_experts=experts,
+                       top_k=cfg["num_experts_per_tok"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                        decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
                        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
                        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
@@ -141,8 +110,8 @@ class Qwen3MoeArgs:
 
     def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
         """config.json dict that AutoModelForCausalLM loads as Qwen3MoeForCausalLM (the released configs' keys)."""
-        return {**self.dense().to_hf_config(dtype), "architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE,
-                "moe_intermediate_size": self.moe_ffn_dim, "num_experts": self.num_experts,
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE, **self.hf_config(dtype),
+                **hf_rope_and_window(self), "moe_intermediate_size": self.moe_ffn_dim, "num_experts": self.num_experts,
                 "num_experts_per_tok": self.top_k, "norm_topk_prob": self.norm_topk_prob,
                 "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
                 "router_aux_loss_coef": self.router_aux_loss_coef, "output_router_logits": self.output_router_logits}
@@ -292,9 +261,8 @@ def load_balancing_loss(stats: torch.Tensor, real_tokens: torch.Tensor) -> torch
 class Block(nn.Module):
     def __init__(self, args: Qwen3MoeArgs, sparse: bool) -> None:
         super().__init__()
-        dense = args.dense()
-        self.self_attn = Attention(dense)
-        self.mlp = SparseMoeBlock(args) if sparse else MLP(dense)
+        self.self_attn = Attention(args)
+        self.mlp = SparseMoeBlock(args) if sparse else MLP(args)
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, args.kernels)
         self.sparse = sparse
@@ -370,20 +338,13 @@ class Qwen3Moe(CausalLM):
 
     # --- FLOPs ----------------------------------------------------------------------------------------
     def matmul_flops(self, tokens: int, head_tokens: int) -> int:
-        """Every nn.Linear (attention, dense MLPs, routers, LoRA A/B; designer.model.linear_train_flops) plus the
+        """Every nn.Linear (attention, dense MLPs, routers, LoRA A/B; designer.decoder.linear_train_flops) plus the
         experts on the N·k slots they run: the active parameters, the k chosen experts and the router."""
         experts = [m for m in self.model.layers.modules() if isinstance(m, Experts)]
         return (linear_train_flops(self.model.layers, self.lm_head_weight, tokens, head_tokens)
                 + sum(e.train_flops(tokens * self.args.top_k) for e in experts))
 
-    def attention_flops(self, doc_lens: Sequence[int]) -> int:
-        """Causal attention training FLOPs: 6·L²·H·Dh per document and layer (designer/model.py's count)."""
-        a = self.args
-        return 6 * a.num_layers * sum(n * n for n in doc_lens) * a.num_heads * a.head_dim
-
-    def train_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
-        """Useful FLOPs of one forward+backward over documents of lengths `doc_lens` (padding excluded)."""
-        return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
+    # attention_flops, train_flops: CausalLM's (causal attention on every layer)
 
 
 def active_params(args: Qwen3MoeArgs) -> int:

@@ -10,13 +10,13 @@ is an error that lists the registered ones.
 """
 from __future__ import annotations
 
-from atelier_studio.designer import model, qwen3_moe, qwen35
+from atelier_studio.designer import qwen3, qwen3_moe, qwen35
 from atelier_studio.designer.family import Family
 from atelier_studio.pipeline.registry import FamilyRegistry
 
 REGISTRY: FamilyRegistry[Family] = FamilyRegistry("designer", "model_type", lambda f: f.model_types)
 
-REGISTRY.register(model.FAMILY)  # Qwen3: model_type qwen3
+REGISTRY.register(qwen3.FAMILY)  # Qwen3: model_type qwen3
 REGISTRY.register(qwen35.FAMILY)  # Qwen3.5: model_type qwen3_5_text, and qwen3_5 (its vision-language checkpoint)
 REGISTRY.register(qwen3_moe.FAMILY)  # Qwen3-MoE: model_type qwen3_moe
 

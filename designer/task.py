@@ -19,7 +19,7 @@ on every rank first). LoRA adapters start from the same draws as in one process,
 trainable linears, LoRA's frozen bases (quantised once; the adapters stay in lora.dtype) — and keeps the LM head
 (it runs inside the chunked cross-entropy), the embeddings and the norms as they are. One process only.
 
-`lora.base_dtype = "nf4"` (QLoRA, designer/lora_nf4.py) stores the LoRA bases in NF4, quantised on the device at
+`lora.base_dtype = "nf4"` (QLoRA, pipeline/lora_nf4.py) stores the LoRA bases in NF4, quantised on the device at
 load: one process reads the model onto the host and moves one base weight at a time to the device to quantise it;
 under torchrun each rank quantises each whole weight the same way and keeps its rows (FSDP2 shards the 4-bit
 tensors). The LM head, embeddings and norms stay in model.dtype, and the adapters train as in a bf16-base run.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -58,8 +58,8 @@ from atelier_studio.designer.lora import (
     merge_lora,
     save_peft_adapter,
 )
-from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS
-from atelier_studio.designer.lora_nf4 import quantize_lora_bases
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
@@ -116,8 +116,7 @@ class DesignerTask:
                 targets = self.family.resolve_lora_targets(cfg.lora.targets)
             except ValueError as e:
                 raise ConfigError(f"lora.targets: {e} (model.path {model_dir} is a {self.family.name} model)") from None
-            self.lora_args = LoraArgs(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                                      targets=targets, rslora=cfg.lora.rslora, dtype=cfg.lora.dtype)
+            self.lora_args = LoraArgs(**asdict(cfg.lora.args(targets)))  # the designer's LoraArgs (designer/lora.py)
         if self.lora_args is not None and self.lora_args.dropout > 0:
             _check_grouped_dropout(args, self.lora_args, cfg.lora.dropout)
         if cfg.model.router_aux_loss == "on" and self.family.forward_with_aux is None:
@@ -182,7 +181,7 @@ class DesignerTask:
         return model
 
     def _quantize_bases(self, model: Model) -> None:
-        """lora.base_dtype = "nf4": every LoRA base that fits NF4 quantised on the device (designer/lora_nf4.py)."""
+        """lora.base_dtype = "nf4": every LoRA base that fits NF4 quantised on the device (pipeline/lora_nf4.py)."""
         done, kept = quantize_lora_bases(model, self.device)
         if not done:
             raise ConfigError(f'lora.base_dtype = "nf4": no LoRA target of this {self.family.name} model can be stored '

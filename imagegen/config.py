@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig, check_full_finetuning
+from atelier_studio.pipeline import config as engine_config
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
@@ -175,39 +176,21 @@ class FlowConfig:
 
 
 @dataclass(frozen=True)
-class LoraConfig:
-    """LoRA on the MMDiT (imagegen/lora.py): rank 0 is full fine-tuning."""
+class LoraConfig(engine_config.LoraConfig):
+    """The engine's `[lora]` (pipeline.config.LoraConfig) on the MMDiT (imagegen/lora.py), full fine-tuning by default.
+
+    targets: linears of a joint block, diffusers' module paths (PEFT's target_modules): a name selects every path
+    equal to it or ending in "." + name, e.g. "to_q" = attn.to_q and attn2.to_q. Empty = every attention projection
+    (attn.to_q/k/v, attn.to_out.0, attn.add_q/k/v_proj, attn.to_add_out, and SD3.5's attn2.*); the feed-forwards
+    are ff.net.0.proj, ff.net.2, ff_context.net.0.proj, ff_context.net.2. dtype: the adapter weights' (computed in
+    model.dtype). init_adapter: a diffusers SD3 LoRA (a directory holding pytorch_lora_weights.safetensors, or the
+    file): its modules, alpha and weights are used.
+    """
 
     rank: int = 0  # 0 = full fine-tuning; > 0 trains adapters of this rank on a frozen base
-    alpha: float = 0.0  # the scale is alpha / rank; 0 = the rank (scale 1, diffusers' SD3 script's default)
-    dropout: float = 0.0
-    # linears of a joint block, diffusers' module paths (PEFT's target_modules): a name selects every path equal
-    # to it or ending in "." + name, e.g. "to_q" = attn.to_q and attn2.to_q. Empty = every attention projection
-    # (attn.to_q/k/v, attn.to_out.0, attn.add_q/k/v_proj, attn.to_add_out, and SD3.5's attn2.*); the
-    # feed-forwards are ff.net.0.proj, ff.net.2, ff_context.net.0.proj, ff_context.net.2
-    targets: tuple[str, ...] = ()
-    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
-    dtype: Literal["float32", "bfloat16"] = "float32"  # the adapter weights' dtype (computed in model.dtype)
-    # a diffusers SD3 LoRA (a directory holding pytorch_lora_weights.safetensors, or the file) to continue from:
-    # its modules, alpha and weights are used; its rank must equal lora.rank
-    init_adapter: str = ""
-
-    def validate(self) -> None:
-        if self.rank < 0:
-            raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
-        if self.alpha < 0:
-            raise ConfigError(f"alpha: must be >= 0 (0 = the rank), got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
-        if any(not t.strip() for t in self.targets):
-            raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
-        check_full_finetuning(self)
-
-    def args(self):  # -> pipeline.lora.LoraArgs (the targets as given; the task resolves them against the family)
-        from atelier_studio.pipeline.lora import LoraArgs
-
-        return LoraArgs(rank=self.rank, alpha=self.alpha or float(self.rank), dropout=self.dropout,
-                        targets=self.targets, rslora=self.rslora, dtype=self.dtype)
+from atelier_studio.pipeline import config as engine_config
+from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from atelier_studio.imagegen.family import Family
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
 from atelier_studio.kernels.rmsnorm import rmsnorm
-from atelier_studio.pipeline.float8 import shared_input_linears
+from atelier_studio.pipeline.shared_input import shared_input_linears
 
 # diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
 NORM_EPS = 1e-6
@@ -329,18 +329,18 @@ class Attention(nn.Module):
         """x [B, N, D], ctx [B, L, D] or None -> (x_out [B, N, D], ctx_out [B, L, D] | None) or x_out."""
         B, N, _ = x.shape
         # The projections of one stream read one input: FP8 layers quantise it once for all of them
-        # (pipeline.float8.shared_input_linears); plain layers run one by one.
-        q, k, v = shared_input_linears(x, (self.to_q, self.to_k, self.to_v))
+        # (pipeline/shared_input.py); plain layers run one by one.
+        q, k, v = shared_input_linears(x, self.to_q, self.to_k, self.to_v)
         q, k, v = self._heads(q, self.norm_q), self._heads(k, self.norm_k), self._heads(v, None)  # [B, Hn, N, Dh]
         if self.context:
             # With context_pre_only the text outputs are discarded, so text queries would be dead
             # work (diffusers computes them anyway): only image rows query. Each softmax row is
             # independent, so the image output is unchanged; add_q_proj stays for the checkpoint.
             if self.to_add_out is not None:
-                cq, ck, cv = shared_input_linears(ctx, (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+                cq, ck, cv = shared_input_linears(ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj)
                 q = torch.cat([q, self._heads(cq, self.norm_added_q)], dim=2)  # [B, Hn, S, Dh]
             else:
-                ck, cv = shared_input_linears(ctx, (self.add_k_proj, self.add_v_proj))
+                ck, cv = shared_input_linears(ctx, self.add_k_proj, self.add_v_proj)
             k = torch.cat([k, self._heads(ck, self.norm_added_k)], dim=2)
             v = torch.cat([v, self._heads(cv, None)], dim=2)
         with sdpa_backend(self.attention):

@@ -86,8 +86,9 @@ from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
                                                  materialize_, parallelize)
-from atelier_studio.pipeline.float8 import PRECISION_KEY, apply_precision, check_precision
+from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Samples, Skipped
 
@@ -130,7 +131,7 @@ class ImagegenTask:
         rank, world_size = self.dist.rank, self.dist.world_size
         self.flow = cfg.flow.args()
         self.autocast = cfg.model.dtype != "float32"
-        check_precision(cfg.train, device, self.dist.enabled)
+        check_precision(cfg.train, device, self.dist.enabled, frozen_bases=cfg.lora.rank > 0)
         self.lora, self.lora_targets = self._lora_settings()
         # full fine-tuning: fp32 master weights; LoRA: the frozen base in the compute dtype, adapters in lora.dtype
         base_dtype = torch.bfloat16 if self.lora is not None and self.autocast else torch.float32
@@ -189,9 +190,6 @@ class ImagegenTask:
         lc = self.cfg.lora
         if lc.rank == 0:
             return None, ()
-        if self.cfg.train.precision == "fp8":  # the MMDiT's LoRA layers have no FP8 base yet
-            raise ConfigError(f"{PRECISION_KEY} = \"fp8\" trains the MMDiT with full fine-tuning only; with lora.rank "
-                              f"> 0 use train.precision = \"bf16\"")
         family = family_of_args(read_args(self.cfg.model.path))
         try:
             targets = family.resolve_lora_targets(lc.targets)
@@ -235,8 +233,9 @@ class ImagegenTask:
         (kept only for diffusers' layout, imagegen/model.py Attention). They never get a gradient, so AdamW
         never makes state for them, and a sharded resume would look for that state in the checkpoint.
         """
-        # FP8 linears first: the policies below wrap what runs; the family names what stays in the model's dtype
-        apply_precision(model, self.cfg.train, family_of_args(model.args).fp8_skip)
+        # FP8 linears first: the policies below wrap what runs; the family names what stays in the model's dtype; a
+        # LoRA layer's frozen base goes to FP8 with it, its adapters never (pipeline/lora_fp8.py)
+        apply_precision(model, self.cfg.train, family_of_args(model.args).fp8_skip, conversions=FP8_CONVERSIONS)
         for block in model.transformer_blocks:
             if block.attn.to_add_out is None:  # context_pre_only: no text output, no text queries
                 for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):

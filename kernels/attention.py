@@ -11,7 +11,7 @@ one by one.
 Backward: dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  dQ = dS K / √Dh;  dK = dSᵀ Q / √Dh.
 Accumulation: fp32 softmax statistics in every implementation.
 
-Implementations (chosen by the caller, from ModelArgs.attention_impl — never an environment variable):
+Implementations (chosen by the caller, from DecoderArgs.attention_impl — never an environment variable):
   "flash"  flash_attn.flash_attn_varlen_func (CUDA, fp16/bf16);
   "varlen" torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16), causal = window_size (-1, 0); with
            grouped kv heads on a torch whose varlen_attn has no enable_gqa (< 2.14), PyTorch's own flash

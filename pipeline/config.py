@@ -146,6 +146,42 @@ def check_full_finetuning(lora: Any) -> None:
                           f"{', '.join('lora.' + g.split(' = ')[0] for g in given)} unset for full fine-tuning")
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """`[lora]`: LoRA adapters on a frozen base (pipeline/lora.py), as both trainers read it; rank 0 is full
+    fine-tuning. A trainer extends it with its own keys or defaults (designer/config.py, imagegen/config.py)."""
+
+    rank: int = 16  # 0 = full fine-tuning; > 0 trains adapters of this rank on a frozen base
+    alpha: float = 32.0  # the scale is alpha / rank; 0 = the rank (scale 1)
+    dropout: float = 0.0
+    # the model family's linears to wrap, as the trainer names them (its family resolves and checks them when the
+    # run starts); empty = the family's default
+    targets: tuple[str, ...] = ()
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the adapter weights' dtype
+    # an adapter to continue training from, in the trainer's format; its rank must equal lora.rank
+    init_adapter: str = ""
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"rank: must be >= 0 (0 = full fine-tuning), got {self.rank}")
+        if self.alpha < 0:
+            raise ConfigError(f"alpha: must be >= 0 (0 = the rank), got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if any(not t.strip() for t in self.targets):
+            raise ConfigError(f"targets: {list(self.targets)} holds an empty name")
+        check_full_finetuning(self)
+
+    def args(self, targets: tuple[str, ...] | None = None):  # -> pipeline.lora.LoraArgs
+        """The LoRA layers' settings: alpha 0 taken as the rank; `targets` as the model side resolved them (default:
+        lora.targets as written)."""
+        from atelier_studio.pipeline.lora import LoraArgs
+
+        return LoraArgs(rank=self.rank, alpha=self.alpha or float(self.rank), dropout=self.dropout,
+                        targets=self.targets if targets is None else targets, rslora=self.rslora, dtype=self.dtype)
+
+
 def _positive(cfg: Any, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:

@@ -11,8 +11,8 @@ weight built before the swap still refers to them). The forward depends on the w
 The recipe ("rowwise" or "tensorwise") and the kernel choice (`impl`: auto | scaled_mm | ref) are plain attributes.
 
 Projections that read one input (q/k/v, gate/up, the MMDiT's to_q/k/v and add_q/k/v) run as one group through
-`float8_group` / `shared_input_linears` (kernels/fp8_group.py): x is quantised once for all of them, with the same
-outputs and weight gradients as the members one by one (the models call it where their projections share x).
+`float8_group` (kernels/fp8_group.py): x is quantised once for all of them, with the same outputs and weight
+gradients as the members one by one (the models call it through pipeline/shared_input.py).
 
 The trainers apply `[train] precision` through check_precision (at the start: refuses what cannot run, naming the
 key) and apply_precision (on the loaded model, LoRA applied, before activation checkpointing, compile and FSDP).
@@ -117,12 +117,6 @@ def float8_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Te
         return fp8_linear_group(x, weights, biases, first.recipe, first.impl)
     frozens = [m.fp8_weight() if fp8_copies_used(m.impl, m.weight) else None for m in linears]
     return fp8_frozen_linear_group(x, weights, biases, frozens, first.recipe, first.impl)
-
-
-def shared_input_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """[m(x) for m in linears]: one FP8 group where float8_group allows, else each layer on its own."""
-    grouped = float8_group(x, linears)
-    return grouped if grouped is not None else [m(x) for m in linears]
 
 
 def _after_load(module, incompatible_keys) -> None:

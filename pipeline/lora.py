@@ -61,7 +61,7 @@ class SharedInputOperands:
     lora_b: torch.Tensor  # [O, r]
     scale: float
     impl: str  # the group op's kernel choice: lora_linear's names, or fp8_linear's when fp8 is set
-    fp8: Fp8FrozenWeight | None = None  # an FP8 base's fp8 copies (designer/lora_fp8.py); None: a bf16 base
+    fp8: Fp8FrozenWeight | None = None  # an FP8 base's fp8 copies (pipeline/lora_fp8.py); None: a bf16 base
 
 
 class LoRALinear(nn.Module):
@@ -100,7 +100,7 @@ class LoRALinear(nn.Module):
                            self.scale, p, self.impl)
 
     def shared_input_operands(self) -> SharedInputOperands | None:
-        """This layer's part in a shared-input group (designer.model.shared_input_linears), or None when it must
+        """This layer's part in a shared-input group (pipeline/shared_input.py), or None when it must
         run alone: a bias, or dropout in effect (each layer draws its own mask)."""
         p = self.dropout.p if self.training and isinstance(self.dropout, nn.Dropout) else 0.0
         if self.base_layer.bias is not None or p > 0:

@@ -3,7 +3,7 @@ NF4ExpertStack: a mixture of experts' frozen stack of expert matrices in NF4 (ke
 
 y = x Ŵᵀ + b, with Ŵ dequantised tile by tile inside the matmul (never a bf16 copy of W in memory), and dX = dY Ŵ
 in backward (no dW: the layer is frozen). It replaces an nn.Linear that training will never update: the frozen
-base of a LoRA layer (designer/lora_nf4.py, `lora.base_dtype = "nf4"`).
+base of a LoRA layer (pipeline/lora_nf4.py, `lora.base_dtype = "nf4"`).
 
 Its tensors, named as torchao's NF4Tensor names them:
   quantized_data     uint8 [O, I/2]   Parameter (requires_grad False): FSDP2 shards it by rows

@@ -16,7 +16,7 @@ FOLDERS = ("pipeline", "designer", "imagegen", "kernels", "flows", "data", "benc
 # ("cannot import name 'CUDAProperties' from 'kernels'") when the root's kernels/ was a regular package.
 PROBE = textwrap.dedent("""
     import json
-    import atelier_studio.kernels.rmsnorm, atelier_studio.designer.model, atelier_studio.imagegen.model
+    import atelier_studio.kernels.rmsnorm, atelier_studio.designer.qwen3, atelier_studio.imagegen.model
     import kernels
     {more}
     print(json.dumps({{"kernels": getattr(kernels, "__file__", None), "marker": getattr(kernels, "MARKER", None)}}))

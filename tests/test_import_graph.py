@@ -3,8 +3,10 @@
 Layers, bottom to top: kernels/ (fused ops) → pipeline/ (the engine) → data/ (the data layer, which may use the
 engine's errors, atomic writes and progress, never the reverse) → designer/ and imagegen/ (the two model sides,
 which never import each other) → flows/ and bench/ (the command line, the Prefect flows, the benchmarks: they may
-import everything). Every import counts, also one inside a function (an import
-deferred to run time is still a dependency); only `if TYPE_CHECKING:` imports, which never run, are left out.
+import everything). Inside a model side, a family's file (one that declares `FAMILY = Family(...)`) imports no
+other family's file: what families share lives in a shared module (designer/decoder.py), so a family is added
+without touching, or depending on, another. Every import counts, also one inside a function (an import deferred to
+run time is still a dependency); only `if TYPE_CHECKING:` imports, which never run, are left out.
 """
 
 from __future__ import annotations
@@ -63,6 +65,30 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
                     if target != module:
                         edges.setdefault(target, line)
     return graph
+
+
+def family_modules(root: Path = ROOT, extra: tuple[Path, ...] = ()) -> dict[str, Path]:
+    """"folder.name" → path of every model-side module that declares `FAMILY = Family(...)`, and of `extra` files
+    (a family declared outside the package, as tests/designer/toy_family.py)."""
+    found = {}
+    paths = [p for folder in ("designer", "imagegen") for p in sorted((root / folder).glob("*.py"))]
+    for path in [*paths, *extra]:
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "FAMILY" for t in node.targets)
+               and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Family" for node in tree.body):
+            found[f"{path.parent.name}.{path.stem}"] = path
+    return found
+
+
+def cross_family_imports(families: dict[str, Path]) -> list[str]:
+    """`file:line imports folder.family` for every import of one family's module by another family's file."""
+    bad = set()
+    for module, path in families.items():
+        for name, line in _imported_names(ast.parse(path.read_text(), str(path))):
+            target = ".".join(name[len(PREFIX):].split(".")[:2]) if name.startswith(PREFIX) else ""
+            if target in families and target != module:
+                bad.add((f"{path.parent.name}/{path.name}", line, target))
+    return [f"{where}:{line} imports {target}" for where, line, target in sorted(bad)]
 
 
 def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
@@ -127,3 +153,28 @@ def test_the_checks_catch_what_they_exist_for(tmp_path):
     assert upward_imports(graph) == ["pipeline/config.py:2 imports data.textfile",
                                      "pipeline/engine.py:2 imports designer.model"]
     assert [sorted(set(c)) for c in cycles(graph)] == [["designer.lora", "designer.model"]]
+
+
+def test_no_family_imports_another_family():
+    """Adding a designer family imports nothing from another family's file: Qwen3, Qwen3.5, Qwen3-MoE and the toy
+    Phi-3 (declared outside the package) take what they share from designer/decoder.py."""
+    families = family_modules(extra=(ROOT / "tests" / "designer" / "toy_family.py",))
+    assert {"designer.qwen3", "designer.qwen35", "designer.qwen3_moe", "designer.toy_family", "imagegen.model"} <= set(
+        families), sorted(families)
+    bad = cross_family_imports(families)
+    assert not bad, "a family file imports another family's (move what they share to designer/decoder.py):\n" + \
+        "\n".join(bad)
+
+
+def test_the_family_check_catches_a_family_importing_another(tmp_path):
+    for folder in ("designer", "imagegen"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "designer" / "decoder.py").write_text("class CausalLM: ...\n")
+    (tmp_path / "designer" / "a.py").write_text(
+        "from atelier_studio.designer.decoder import CausalLM\nFAMILY = Family()\n")
+    (tmp_path / "designer" / "b.py").write_text(
+        "from atelier_studio.designer.decoder import CausalLM\nfrom atelier_studio.designer.a import X\n"
+        "FAMILY = Family()\n")
+    families = family_modules(tmp_path)
+    assert sorted(families) == ["designer.a", "designer.b"]
+    assert cross_family_imports(families) == ["designer/b.py:2 imports designer.a"]

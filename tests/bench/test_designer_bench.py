@@ -34,7 +34,7 @@ from atelier_studio.bench.designer_peers import (PAD_MULTIPLE, PeerUnavailable, 
 from tests.bench._budget import SpentAfter
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
-from atelier_studio.designer.model import ModelArgs
+from atelier_studio.designer.qwen3 import Qwen3Args
 
 CPU = torch.device("cpu")
 
@@ -135,7 +135,7 @@ def test_tiny_moe_parity_active_flops_and_expert_spread(name, tmp_path):
 
 def _setup(seed: int = 0):
     cfg = tiny_config(CONFIGS["qwen3-8b-lora"])
-    args = ModelArgs.from_size(cfg.size, vocab_size=cfg.vocab_size)
+    args = Qwen3Args.from_size(cfg.size, vocab_size=cfg.vocab_size)
     sd = random_state_dict(args, torch.float32, CPU, seed)
     lsd = lora_init(args, LoraArgs(), CPU, seed + 1)
     with torch.no_grad():  # a nonzero B so the adapter is in the loss from the first step
@@ -240,7 +240,7 @@ def test_a_liger_peer_does_not_leak_into_later_peers(monkeypatch):
     fake.apply_liger_kernel_to_qwen3 = apply_liger_kernel_to_qwen3
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
-    args = ModelArgs.from_size("tiny", vocab_size=64)
+    args = Qwen3Args.from_size("tiny", vocab_size=64)
     hf_model(args)  # transformers' package caches the class it hands out: the undo must reach that cache
     with peer_context(parse_peer("hf-liger"), args):
         patched = hf_model(args)

@@ -149,11 +149,11 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
     """q/k/v, gate/up and Qwen3.5's four in_proj_* run as one lora_linear_group (fused impl) each; the loss and every
     adapter gradient equal the same model with every LoRA layer run alone."""
     import atelier_studio.kernels.lora_linear as kl
-    from atelier_studio.designer.model import ModelArgs, Qwen3
+    from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
     from tests.designer.test_qwen35 import random_qwen35
 
     if family == "qwen3":
-        base = Qwen3(ModelArgs.from_size("tiny", V, kernels="ref")).init_weights(4)
+        base = Qwen3(Qwen3Args.from_size("tiny", V, kernels="ref")).init_weights(4)
     else:
         base = random_qwen35(4)
     ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -198,7 +198,7 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
 def test_shared_input_linears_group_only_what_one_op_can_take(case, grouped, monkeypatch):
     """Layers that cannot share one lora_linear_group run one by one, with the same outputs and gradients."""
     import atelier_studio.kernels.lora_linear as kl
-    from atelier_studio.designer.model import shared_input_linears
+    from atelier_studio.pipeline.shared_input import shared_input_linears
 
     calls: list[int] = []
     real = kl.lora_group_fwd

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.hf import init_random, load_pretrained, save_pretrained
-from atelier_studio.designer.model import SIZES, ModelArgs, Qwen3, num_params
+from atelier_studio.designer.qwen3 import SIZES, Qwen3, Qwen3Args, num_params
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.gated_delta_rule import CHUNK
 from tests.kernels._compare import assert_no_leak
@@ -23,9 +23,9 @@ def make_tokenizer_dir(root: Path) -> Path:
     return train_tokenizer([FIXTURE], 300, root / "tokenizer")
 
 
-def make_model_dir(root: Path, vocab_size: int, seed: int = 0, **overrides) -> tuple[Path, ModelArgs]:
+def make_model_dir(root: Path, vocab_size: int, seed: int = 0, **overrides) -> tuple[Path, Qwen3Args]:
     """A tiny fp32 HF directory written by save_pretrained."""
-    args = ModelArgs.from_size("tiny", vocab_size, eos_token_id=2, pad_token_id=0, **overrides)
+    args = Qwen3Args.from_size("tiny", vocab_size, eos_token_id=2, pad_token_id=0, **overrides)
     model = norms_away_from_one(Qwen3(args).init_weights(seed), seed)
     name = f"model-{seed}-{'-'.join(f'{k}' for k in overrides)}"
     return save_pretrained(model, root / name, dtype=torch.float32), args
@@ -187,7 +187,7 @@ def check_packed_equals_one_by_one(model, docs: list[list[int]], rows: list[list
 
 def test_packed_rows_equal_documents_one_by_one():
     torch.manual_seed(0)
-    args = ModelArgs.from_size("tiny", 53, attention_impl="sdpa")
+    args = Qwen3Args.from_size("tiny", 53, attention_impl="sdpa")
     model = Qwen3(args).init_weights(5)
     g = torch.Generator().manual_seed(6)
     docs = [torch.randint(0, 53, (n,), generator=g).tolist() for n in (5, 11, 1, 7, 9, 3)]
@@ -204,7 +204,7 @@ def test_init_random_streams_init_weights_and_shards(tmp_path, tok_dir):
     assert len(set(index["weight_map"].values())) > 1 and not (many / "model.safetensors").exists()
     tok = AutoTokenizer.from_pretrained(str(one), local_files_only=True)
     a, b = load_pretrained(one), load_pretrained(many)
-    ref = Qwen3(ModelArgs.from_size("tiny", len(tok))).init_weights(3)
+    ref = Qwen3(Qwen3Args.from_size("tiny", len(tok))).init_weights(3)
     assert a.args.vocab_size == len(tok) and a.args.eos_token_id == tok.eos_token_id
     for k, v in ref.state_dict().items():
         assert torch.equal(a.state_dict()[k], v) and torch.equal(b.state_dict()[k], v), k
@@ -218,17 +218,17 @@ def test_init_random_streams_init_weights_and_shards(tmp_path, tok_dir):
 
 def test_config_round_trip_and_sizes():
     for size in SIZES:
-        args = ModelArgs.from_size(size, 151936, rope_scaling={"rope_type": "linear", "factor": 2.0})
-        assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+        args = Qwen3Args.from_size(size, 151936, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        assert Qwen3Args.from_hf_config(args.to_hf_config()) == args
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(**{k: v for k, v in ModelArgs.from_size("8b", 151936).to_hf_config().items()
+    cfg = Qwen3Config(**{k: v for k, v in Qwen3Args.from_size("8b", 151936).to_hf_config().items()
                          if k not in ("architectures", "dtype", "torch_dtype")})
     assert cfg.tie_word_embeddings is False and cfg.head_dim == 128
     # published parameter counts (Qwen3 model cards: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B)
     expected = {"0.6b": 0.6, "1.7b": 1.7, "4b": 4.0, "8b": 8.2, "14b": 14.8, "32b": 32.8}
     for size, billions in expected.items():
-        assert abs(num_params(ModelArgs.from_size(size, 151936)) / 1e9 - billions) < 0.05, size
+        assert abs(num_params(Qwen3Args.from_size(size, 151936)) / 1e9 - billions) < 0.05, size
 
 
 def test_bad_inputs_name_the_file(tmp_path):
@@ -260,14 +260,14 @@ def test_bad_inputs_name_the_file(tmp_path):
 
 
 def test_forward_rejects_bad_shapes():
-    model = Qwen3(ModelArgs.from_size("tiny", 17))
+    model = Qwen3(Qwen3Args.from_size("tiny", 17))
     ids = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, torch.zeros(2, 5, dtype=torch.long), torch.tensor([0, 8], dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(ids, torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 8]), 8)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        ModelArgs.from_size("tiny", 17, num_kv_heads=3)
+        Qwen3Args.from_size("tiny", 17, num_kv_heads=3)
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def check_flops_match_counter(model, vocab: int) -> tuple[list[int], int]:
 def test_train_flops_match_flop_counter(mode):
     from atelier_studio.designer.lora import LoraArgs, apply_lora
 
-    args = ModelArgs.from_size("tiny", 67, tie_embeddings=(mode == "full"), attention_impl="sdpa")
+    args = Qwen3Args.from_size("tiny", 67, tie_embeddings=(mode == "full"), attention_impl="sdpa")
     model = Qwen3(args).init_weights(0)
     if mode == "lora":
         apply_lora(model, LoraArgs(rank=4, alpha=8, targets=("q", "v", "down")))
@@ -328,7 +328,7 @@ def test_train_flops_match_flop_counter(mode):
 def test_full_finetuning_under_bf16_autocast_keeps_an_fp32_stream():
     """fp32 master weights under bf16 autocast (full fine-tuning): matmul outputs are bf16, the residual stream
     fp32 (as transformers' eager model); the fused add + norm promotes instead of rejecting the mix."""
-    args = ModelArgs.from_size("tiny", vocab_size=64)
+    args = Qwen3Args.from_size("tiny", vocab_size=64)
     model = Qwen3(args).init_weights(0)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(12).repeat(2, 1)

@@ -458,7 +458,7 @@ def test_the_layers_train_without_a_host_sync():
     """PackedDocs builds the delta rule's chunk index once per forward (its one host sync); after that the
     layers' forward and backward never wait on the GPU. (fla builds the index per call when not given one: a
     sync per layer and pass, which kept the 9B step's GPU idle between layers.)"""
-    from atelier_studio.designer.model import PackedAttention
+    from atelier_studio.designer.decoder import PackedAttention
     from atelier_studio.designer.qwen35 import PackedDocs
     from atelier_studio.kernels.gated_delta_rule import has_fla
     from atelier_studio.kernels.rope import rope_cos_sin

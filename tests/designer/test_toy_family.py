@@ -217,11 +217,11 @@ def test_a_target_the_family_lacks_is_a_config_error(phi3_world, tmp_path, capsy
 
 
 def test_the_family_shares_no_type_with_qwen3_or_qwen35():
-    """The family's types are its own: a leftover `isinstance(args, ModelArgs)` / `isinstance(model, Qwen3)`
+    """The family's types are its own: a leftover `isinstance(args, Qwen3Args)` / `isinstance(model, Qwen3)`
     dispatch cannot take it for a Qwen3 (this is what makes the tests above fail on one)."""
-    from atelier_studio.designer.model import ModelArgs, Qwen3
+    from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
     from atelier_studio.designer.qwen35 import Qwen35, Qwen35Args
 
     args = FAMILY.args_of_size("phi3-tiny", V)
-    assert not isinstance(args, (ModelArgs, Qwen35Args)) and not issubclass(Phi3, (Qwen3, Qwen35))
+    assert not isinstance(args, (Qwen3Args, Qwen35Args)) and not issubclass(Phi3, (Qwen3, Qwen35))
     assert isinstance(args, Phi3Args)

@@ -10,7 +10,7 @@ projections fused and no QK-norm, so it exercises what a family must bring itsel
 with n the plain RMSNorm (y = rmsnorm(x) · w) and RoPE over the whole head (Dh = D / H, as Phi3Config has no
 head_dim). Its own model_type ("phi3"), args class, module names (so the Qwen3 key layout, LoRA table and
 block code cannot load it), LoRA targets (qkv, o, gate_up, down) and FLOP counter; the K/V decoding cache is
-designer/decode.py's. Packed rows and `cu_seqlens` work as in designer/model.py.
+designer/decode.py's. Packed rows and `cu_seqlens` work as in designer/decoder.py.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
+from atelier_studio.designer.decoder import (KERNEL_IMPLS, Attend, Backbone, CausalLM, PackedAttention, RMSNorm,
+                                             check_packed_inputs, init_param)
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.designer.model import (KERNEL_IMPLS, Attend, CausalLM, PackedAttention, RMSNorm, check_packed_inputs,
-                                           init_param)
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.rope import rope, rope_cos_sin
 from atelier_studio.kernels.swiglu import swiglu
@@ -155,22 +155,14 @@ class Block(nn.Module):
         return x + self.mlp(normed)
 
 
-class Backbone(nn.Module):
-    def __init__(self, args: Phi3Args) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.kernels)
-
-
 class Phi3(CausalLM):
     """Phi-3 causal LM; `state_dict()` keys equal transformers' Phi3ForCausalLM keys."""
 
     def __init__(self, args: Phi3Args) -> None:
-        super().__init__(args, Backbone(args))
+        super().__init__(args, Backbone(args, (Block(args) for _ in range(args.num_layers))))
 
     def init_weights(self, seed: int | None = None) -> Phi3:
-        """Norms ones, every other weight normal(0, 0.02) (designer.model.init_param's rule)."""
+        """Norms ones, every other weight normal(0, 0.02) (designer.decoder.init_param's rule)."""
         return self.init_by_name(init_param, seed)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -188,13 +180,7 @@ class Phi3(CausalLM):
         attend = PackedAttention(cu_seqlens, max_seqlen, self.args.attention_impl)
         return self.hidden_states(input_ids, position_ids, [attend] * self.args.num_layers)
 
-    def attention_flops(self, doc_lens: Sequence[int]) -> int:
-        """Causal attention training FLOPs, 6·L²·H·Dh per document and layer (designer/model.py's count)."""
-        a = self.args
-        return 6 * a.num_layers * sum(n * n for n in doc_lens) * a.num_heads * a.head_dim
-
-    def train_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
-        return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
+    # FLOPs: CausalLM.train_flops (every weight matmul, causal attention on every layer)
 
 
 def hf_param_shapes(args: Phi3Args) -> dict[str, tuple[int, ...]]:

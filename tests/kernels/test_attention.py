@@ -147,14 +147,14 @@ def test_causal_attention_rows_equals_packed_ref_with_grads(h, hkv):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_document_rows_take_the_sdpa_path_and_agree_with_varlen():
     """The designer's PackedAttention sends one-document rows to causal SDPA; it agrees with varlen."""
-    from atelier_studio.designer.model import PackedAttention
+    from atelier_studio.designer.decoder import PackedAttention
 
     b, t, h, hkv, dh = 2, 1024, 8, 2, 128
     q, k, v = (x.view(b, t, -1, dh).cuda().requires_grad_()
                for x in _inputs([b * t], h, hkv, dh, torch.bfloat16, seed=5))
     cu = torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda")
     do = torch.randn(b, t, h, dh, device="cuda", dtype=torch.bfloat16)
-    import atelier_studio.designer.model as model_mod
+    import atelier_studio.designer.decoder as model_mod
 
     calls = []
     real = model_mod.causal_attention_rows

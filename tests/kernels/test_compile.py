@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.lora import LoraArgs, apply_lora
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
 from atelier_studio.pipeline.policies import compile_blocks
 
 
@@ -18,7 +18,7 @@ from atelier_studio.pipeline.policies import compile_blocks
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_give_the_eager_gradients():
     torch.manual_seed(0)
-    args = ModelArgs.from_size("tiny", vocab_size=512, dim=256, head_dim=64, ffn_dim=512)
+    args = Qwen3Args.from_size("tiny", vocab_size=512, dim=256, head_dim=64, ffn_dim=512)
     model = Qwen3(args).cuda().to(torch.bfloat16)
     model.init_weights(0)
     apply_lora(model, LoraArgs(rank=8, alpha=16.0, dtype="bfloat16"))
@@ -42,7 +42,7 @@ def test_compiled_blocks_give_the_eager_gradients():
 
 
 def _tiny_lora(layers: int) -> Qwen3:
-    args = ModelArgs.from_size("tiny", vocab_size=128, num_layers=layers, kernels="triton")
+    args = Qwen3Args.from_size("tiny", vocab_size=128, num_layers=layers, kernels="triton")
     model = Qwen3(args).init_weights(0)
     apply_lora(model, LoraArgs(rank=4, alpha=8.0))
     with torch.no_grad():

@@ -96,3 +96,21 @@ def test_toml_round_trip(toml_file, tmp_path):
     out = tmp_path / "resolved.toml"
     out.write_text(config_to_toml(cfg))
     assert load_config(DesignerConfig, out) == cfg
+
+
+def test_both_trainers_read_lora_through_the_engines_section():
+    """[lora] is one type (pipeline.config.LoraConfig) that each trainer extends: the same checks refuse the same
+    values in both, naming the key, and alpha 0 means the rank in both."""
+    from atelier_studio.designer.config import LoraConfig as DesignerLora
+    from atelier_studio.imagegen.config import LoraConfig as ImagegenLora
+    from atelier_studio.pipeline.config import LoraConfig, config_from_dict
+
+    assert issubclass(DesignerLora, LoraConfig) and issubclass(ImagegenLora, LoraConfig)
+    for cls in (DesignerLora, ImagegenLora):
+        for bad in ({"rank": -1}, {"alpha": -2.0}, {"dropout": 1.0}, {"targets": ["q", " "]},
+                    {"init_adapter": "x", "rank": 0}):
+            key = next(k for k in bad if k != "rank") if len(bad) > 1 or "rank" not in bad else "rank"
+            with pytest.raises(ConfigError, match=f"^lora.{key}: "):
+                config_from_dict(cls, bad, "lora.")
+    for lora in (DesignerLora(rank=8, alpha=0.0), ImagegenLora(rank=8)):
+        assert lora.args().scale == 1.0 and lora.args(("q",)).targets == ("q",)

@@ -10,15 +10,15 @@ from torch import nn
 
 import atelier_studio.kernels.fp8_linear as fp8
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
-from atelier_studio.designer.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.imagegen.model import FAMILY as MMDIT_FAMILY
 from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
-import atelier_studio.designer.model as designer_model
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
 import atelier_studio.kernels.fp8_group as fp8_group
 import atelier_studio.pipeline.float8 as float8
+import atelier_studio.pipeline.shared_input as shared_input
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
 
 
@@ -29,7 +29,7 @@ def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] = (), impl: s
 
 def _tiny_qwen3(tie: bool = False) -> Qwen3:
     torch.manual_seed(0)
-    return Qwen3(ModelArgs(vocab_size=96, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128,
+    return Qwen3(Qwen3Args(vocab_size=96, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128,
                            tie_embeddings=tie, kernels="ref", attention_impl="sdpa"))
 
 
@@ -294,8 +294,8 @@ def test_qwen3_projections_run_as_fp8_groups(monkeypatch, lora):
     calls = _count_applies(monkeypatch, cls)
     grouped = _qwen3_step(lora)
     assert len(calls) == 2 * 2  # 2 layers × (q/k/v, gate/up)
-    monkeypatch.setattr(designer_model, "float8_group", lambda x, linears: None)
-    monkeypatch.setattr(designer_model, "_groupable", lambda operands: False)
+    monkeypatch.setattr(shared_input, "float8_group", lambda x, linears: None)
+    monkeypatch.setattr(shared_input, "_groupable", lambda operands: False)
     calls.clear()
     alone = _qwen3_step(lora)
     assert not calls
@@ -322,7 +322,7 @@ def test_mmdit_projections_run_as_fp8_groups(monkeypatch):
 
     grouped = step()
     assert len(calls) == 2 * 2  # 2 blocks × (image q/k/v, text q/k/v or k/v)
-    monkeypatch.setattr(float8, "float8_group", lambda x, linears: None)
+    monkeypatch.setattr(shared_input, "float8_group", lambda x, linears: None)
     calls.clear()
     alone = step()
     assert not calls
@@ -341,4 +341,4 @@ def test_float8_group_only_groups_what_can_share():
     ys = float8.float8_group(x, [a, b])
     assert all(torch.equal(y, m(x)) for y, m in zip(ys, (a, b)))  # CPU "auto": the members' reference, one by one
     lin = nn.Linear(32, 16)
-    assert all(torch.equal(y, m(x)) for y, m in zip(float8.shared_input_linears(x, [a, lin]), (a, lin)))
+    assert all(torch.equal(y, m(x)) for y, m in zip(shared_input.shared_input_linears(x, a, lin), (a, lin)))

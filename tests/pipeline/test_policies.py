@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atelier_studio.designer.lora import LoraArgs, apply_lora
-from atelier_studio.designer.model import ModelArgs, Qwen3
+from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
 from atelier_studio.pipeline.policies import (
     apply_activation_checkpointing,
@@ -17,7 +17,7 @@ from atelier_studio.pipeline.policies import (
     model_blocks,
 )
 
-TINY = ModelArgs.from_size("tiny", vocab_size=97, attention_impl="sdpa", tie_embeddings=False)
+TINY = Qwen3Args.from_size("tiny", vocab_size=97, attention_impl="sdpa", tie_embeddings=False)
 MMDIT_TINY = MMDiTArgs(num_layers=2, num_heads=2, head_dim=16, joint_attention_dim=24, caption_projection_dim=32,
                        pooled_projection_dim=20, sample_size=16, pos_embed_max_size=16)
 

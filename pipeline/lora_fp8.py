@@ -1,4 +1,5 @@
-"""LoRA over an FP8 frozen base: Float8LoRALinear, the designer's LoRALinear with its base matmuls in FP8.
+"""LoRA over an FP8 frozen base: Float8LoRALinear, the LoRALinear both trainers share with its base matmuls in FP8
+(`train.precision = "fp8"` with lora.rank > 0, the designer's and the imagegen's).
 
 y = fp8_base(x) + s · (dropout(x) Aᵀ) Bᵀ (kernels.fp8_linear.fp8_lora_linear): the frozen base weight is quantised
 ONCE, when the layer is made (per output channel for the forward GEMM, and a second copy per input channel for
@@ -8,14 +9,14 @@ A, B stay in their own dtype through kernels/lora_linear.py's code. The base get
 Everything a LoRALinear is stays: the same modules and Parameters (base_layer, lora_A, lora_B, dropout), PEFT key
 names, adapter saving and loading, merge_lora. The fp8 copies are non-persistent buffers (never in a state dict),
 rebuilt after a load_state_dict or by `refresh_fp8_weight()`. Layers that read one x (q/k/v, gate/up) join a
-shared-input group (designer.model.shared_input_linears → kernels.fp8_group.fp8_lora_linear_group: x quantised once
-for their FP8 bases, one matmul x [A_0; …]ᵀ for their adapters) under LoRALinear's conditions (no bias, no dropout).
+shared-input group (pipeline/shared_input.py → kernels.fp8_group.fp8_lora_linear_group: x quantised once for their
+FP8 bases, one matmul x [A_0; …]ᵀ for their adapters) under LoRALinear's conditions (no bias, no dropout).
 """
 from __future__ import annotations
 
 import torch
 
-from atelier_studio.designer.lora import LoRALinear, SharedInputOperands
+from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands
 from atelier_studio.kernels.fp8_linear import (RECIPES, Fp8FrozenWeight, fp8_copies_used, fp8_lora_linear,
                                                quantize_frozen_weight)
 

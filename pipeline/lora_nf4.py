@@ -1,5 +1,6 @@
-"""LoRA over an NF4 frozen base (QLoRA, `lora.base_dtype = "nf4"`): NF4LoRALinear, the designer's LoRALinear with its
-base weight stored in 4 bits (pipeline/nf4.py's NF4Linear) and dequantised inside the matmul.
+"""LoRA over an NF4 frozen base (QLoRA, `lora.base_dtype = "nf4"`): NF4LoRALinear, the shared LoRALinear
+(pipeline/lora.py) with its base weight stored in 4 bits (pipeline/nf4.py's NF4Linear) and dequantised inside the
+matmul.
 
 y = x Ŵᵀ + b + s · (dropout(x) Aᵀ) Bᵀ (kernels.nf4_linear.nf4_lora_linear): the base weight is quantised ONCE, when
 the layer is made (`quantize_lora_bases`, at load), and its bf16 copy is dropped; the adapters A, B stay in their
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atelier_studio.designer.lora import LoRALinear, SharedInputOperands
+from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands
 from atelier_studio.kernels.nf4 import nf4_supported
 from atelier_studio.kernels.nf4_linear import nf4_lora_linear
 from atelier_studio.pipeline.nf4 import NF4Linear
