@@ -188,9 +188,7 @@ class LoraConfig(engine_config.LoraConfig):
     """
 
     rank: int = 0  # 0 = full fine-tuning; > 0 trains adapters of this rank on a frozen base
-from atelier_studio.pipeline import config as engine_config
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
-from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
+    alpha: float = 0.0  # 0 = the rank (scale 1, diffusers' SD3 script's default)
 
 
 @dataclass(frozen=True)
