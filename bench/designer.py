@@ -77,24 +77,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atelier_studio.bench.designer_peers import (PEER_BASES, PeerUnavailable, build_peer as build_hf_peer,
-                                                 one_document_batches, parse_peer, peer_context, peer_kernels,
-                                                 peer_notes)
+from atelier_studio.bench.designer_peers import (
+    PEER_BASES,
+    PeerUnavailable,
+    one_document_batches,
+    parse_peer,
+    peer_context,
+    peer_kernels,
+    peer_notes,
+)
+from atelier_studio.bench.designer_peers import build_peer as build_hf_peer
 from atelier_studio.bench.env import clocks, environment, matmul_rates
-from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt, bar_chart, best_per_size, best_run,
-                                          fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table, run_status,
-                                          timed_steps, train_step, write_report)
+from atelier_studio.bench.harness import (
+    PEAK_TFLOPS,
+    Budget,
+    adamw,
+    attempt,
+    bar_chart,
+    best_per_size,
+    best_run,
+    fmt,
+    guarded,
+    mfu_fields,
+    no_rate,
+    parse_ints,
+    profile_table,
+    run_status,
+    timed_steps,
+    train_step,
+    write_report,
+)
 from atelier_studio.data.chat import EncodedDoc
 from atelier_studio.data.packing import Batch, PackResult, fixed_shape, make_batch, pack_documents
 from atelier_studio.designer.hf import Args, args_from_size, build_model, hf_param_shapes
-from atelier_studio.designer.lora import (LoraArgs, apply_lora, grouped_lora_names, grouped_weight, lora_parameters,
-                                          lora_targets)
-from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
-from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
+from atelier_studio.designer.lora import (
+    LoraArgs,
+    apply_lora,
+    grouped_lora_names,
+    grouped_weight,
+    lora_parameters,
+    lora_targets,
+)
 from atelier_studio.designer.registry import family_of_args, family_of_size
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 from atelier_studio.pipeline.float8 import apply_fp8
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.pipeline.policies import checkpoint_blocks, compile_block_list, cpu_offload
 
 ABLATIONS = ("compile", "reference_kernels", "plain_logits", "sdpa_attention", "foreach_adamw", "fp32_lora")

@@ -58,8 +58,8 @@ def _ungroup(module: nn.Module) -> None:
 
 
 def _fp8(module: nn.Module, variant: str, skip: tuple[str, ...] = ()) -> None:
-    from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
     from atelier_studio.pipeline.float8 import apply_fp8
+    from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 
     if variant.startswith("fp8-"):
         apply_fp8(module, variant.split("-")[1], skip, conversions=FP8_CONVERSIONS)
@@ -187,7 +187,7 @@ def bench_blocks(device: torch.device, tiny: bool, repeats: int, warmup: int, de
                 res[variant] = {"skipped": f"failed: {type(e).__name__}: {msg}"}
                 continue
             finally:
-                run = params = None
+                run = params = None  # noqa: F841  (drop both references before emptying the cache)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             res[variant] = r

@@ -67,7 +67,15 @@ import torch.nn.functional as F
 
 from atelier_studio.bench.env import clocks, environment, fp8_matmul_tflops, matmul_tflops
 from atelier_studio.bench.fp8_blocks import bench_blocks
-from atelier_studio.bench.fp8_parts import QUANT_SHAPES, TINY_QUANT_SHAPES, components, device_ms, median, quant_sweep, sync
+from atelier_studio.bench.fp8_parts import (
+    QUANT_SHAPES,
+    TINY_QUANT_SHAPES,
+    components,
+    device_ms,
+    median,
+    quant_sweep,
+    sync,
+)
 from atelier_studio.kernels.fp8_group import fp8_linear_group, fp8_lora_linear_group
 from atelier_studio.kernels.fp8_linear import (
     FAST_ACCUM_FORWARD,
@@ -399,7 +407,7 @@ def bench_groups(groups: list[tuple[str, int, int, tuple[int, ...]]], device: to
                 fn, params = _group_variant(variant, x, ws, device)
                 xl = x.detach().clone().requires_grad_()
 
-                def step(fn=fn, params=params, xl=xl) -> None:
+                def step(fn=fn, params=params, xl=xl, dys=dys) -> None:
                     xl.grad = None
                     for p in params:
                         p.grad = None

@@ -164,7 +164,7 @@ def quant_sweep(device: torch.device, shapes: list[tuple[int, int]], deadline: f
                     row["skipped"] = "time budget (--budget-s) spent"
                     rows_out.append(row)
                     continue
-                ms = device_ms(lambda cfg=cfg: quantize(v, E4M3, rowwise, want_q, want_qt, 16, cfg), device)
+                ms = device_ms(lambda cfg=cfg, v=v: quantize(v, E4M3, rowwise, want_q, want_qt, 16, cfg), device)
                 row.update(ms=ms, eff_gbps=(read + written) / ms / 1e6)
                 if kind == "tiles":
                     row["dram_gbps"] = (2 * read + written) / ms / 1e6

@@ -109,8 +109,15 @@ def drift(bf16: list[float], fp8: list[float], window: int) -> dict[str, float]:
 def designer_part(tokenizer: str | None, size: str, rows: int, seq_len: int, schedule: Schedule, recipe: str,
                   device: torch.device, tiny: bool, seed: int = 0) -> dict[str, Any]:
     """Both curves of the designer (module docstring)."""
-    from atelier_studio.bench.designer import (BenchConfig, Variant, build_atelier, make_batches, random_state_dict,
-                                               tiny_config, to_device)
+    from atelier_studio.bench.designer import (
+        BenchConfig,
+        Variant,
+        build_atelier,
+        make_batches,
+        random_state_dict,
+        tiny_config,
+        to_device,
+    )
     from atelier_studio.designer.hf import args_from_size
 
     cfg = BenchConfig(size, lora=False, seq_len=seq_len, micro_batches=(rows,), lr=schedule.lr)
@@ -132,7 +139,7 @@ def designer_part(tokenizer: str | None, size: str, rows: int, seq_len: int, sch
     for precision in ("bf16", "fp8"):
         run = build_atelier(cfg, args, sd, {}, Variant(compile=False, precision=precision, fp8_recipe=recipe),
                             exact=tiny)
-        out[precision] = train_curve(lambda step: run.loss(pool[step % len(pool)]), run.params, schedule,
+        out[precision] = train_curve(lambda step, run=run: run.loss(pool[step % len(pool)]), run.params, schedule,
                                      device.type == "cuda")
         del run
         _free(device)
@@ -216,7 +223,8 @@ def imagegen_part(layers: int, batch: int, schedule: Schedule, recipe: str, devi
                                     "text": "fixed random vector per caption word"}}
     for precision in ("bf16", "fp8"):
         run = build_atelier(args, sd, Variant(compile=False, precision=precision, fp8_recipe=recipe), exact=tiny)
-        out[precision] = train_curve(lambda step: run.loss(batch_at(step)), run.params, schedule, device.type == "cuda")
+        out[precision] = train_curve(lambda step, run=run: run.loss(batch_at(step)), run.params, schedule,
+                                     device.type == "cuda")
         del run
         _free(device)
     return out

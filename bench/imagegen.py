@@ -67,17 +67,33 @@ import torch
 from torch import nn
 
 from atelier_studio.bench.env import clocks, environment, matmul_rates
-from atelier_studio.bench.harness import (PEAK_TFLOPS, Budget, adamw, attempt as attempt_run, bar_chart, best_per_size,
-                                          best_run, fmt, guarded, mfu_fields, no_rate, parse_ints, profile_table,
-                                          run_status, timed_steps, train_step, write_report)
+from atelier_studio.bench.harness import (
+    PEAK_TFLOPS,
+    Budget,
+    adamw,
+    bar_chart,
+    best_per_size,
+    best_run,
+    fmt,
+    guarded,
+    mfu_fields,
+    no_rate,
+    parse_ints,
+    profile_table,
+    run_status,
+    timed_steps,
+    train_step,
+    write_report,
+)
+from atelier_studio.bench.harness import attempt as attempt_run
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.lora import apply_lora, target_modules
 from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
 from atelier_studio.imagegen.registry import family_of_args, family_of_size
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
-from atelier_studio.pipeline.lora import LoraArgs, lora_layers
 from atelier_studio.pipeline.float8 import apply_fp8
+from atelier_studio.pipeline.lora import LoraArgs, lora_layers
 from atelier_studio.pipeline.policies import compile_blocks
 
 PEERS = ("diffusers", "diffusers-compiled")

@@ -111,8 +111,14 @@ def imagegen_setup(work: Path, run: ScalingRun, log: Path, dtype: str) -> Path:
     """The run's TOML over a random-init MMDiT and random latent shards (bench/first_runs_imagegen.py)."""
     import torch
 
-    from atelier_studio.bench.first_runs_imagegen import (SD3M, TINY, write_config, write_random_latents, write_text_encoder,
-                                           write_vae)
+    from atelier_studio.bench.first_runs_imagegen import (
+        SD3M,
+        TINY,
+        write_config,
+        write_random_latents,
+        write_text_encoder,
+        write_vae,
+    )
 
     shape = TINY if run.size == "tiny" else SD3M
     model = work / f"mmdit-{shape.tag}"

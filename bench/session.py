@@ -61,8 +61,6 @@ step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
 import json
 import os
 import shutil

@@ -30,8 +30,18 @@ from typing import Sequence, Union
 import numpy as np
 from PIL import Image, ImageFilter
 
-from atelier_studio.data.synthetic import (BACKGROUNDS, CELL_CENTERS, COLORS, POSITIONS, SHAPES, SIZES, CaptionSpec,
-                            brief_constraints, parse_caption, render_mask)
+from atelier_studio.data.synthetic import (
+    BACKGROUNDS,
+    CELL_CENTERS,
+    COLORS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    CaptionSpec,
+    brief_constraints,
+    parse_caption,
+    render_mask,
+)
 
 ImageLike = Union[Image.Image, np.ndarray, str, Path]
 

@@ -16,10 +16,10 @@ import torch
 from atelier_studio.data.chat import DataError, prompt_ids
 from atelier_studio.data.textfile import iter_lines, read_json
 from atelier_studio.data.tokenizer import load_tokenizer
+from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.designer.generate import generate
 from atelier_studio.designer.hf import load_pretrained
 from atelier_studio.designer.lora import load_peft_adapter
-from atelier_studio.designer.decoder import CausalLM
 from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
 from atelier_studio.pipeline.errors import ModelLoadError, WriteError
 from atelier_studio.pipeline.hf_files import check_vocab_size

@@ -30,8 +30,8 @@ import torch
 from safetensors import safe_open
 
 from atelier_studio.data.textfile import read_json
-from atelier_studio.designer.family import DesignerArgs
 from atelier_studio.designer.decoder import CausalLM
+from atelier_studio.designer.family import DesignerArgs
 from atelier_studio.designer.registry import family_of_args, family_of_model_type, family_of_size
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError

@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from atelier_studio.data.textfile import read_json
-from atelier_studio.designer.family import Family
-from atelier_studio.pipeline.hf_files import read_safetensors_header
 from atelier_studio.designer.decoder import CausalLM
+from atelier_studio.designer.family import Family
 from atelier_studio.designer.registry import family_of_args, lora_target_names
 from atelier_studio.pipeline import lora as layers
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.hf_files import read_safetensors_header
 from atelier_studio.pipeline.lora import LoRALinear, lora_init_like  # noqa: F401 (re-exported)
 
 Model = CausalLM

@@ -20,9 +20,21 @@ import torch
 from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
-from atelier_studio.designer.decoder import (MLP, Attend, Attention, Backbone, CausalLM, DecoderArgs, PackedAttention,
-                                             RMSNorm, check_packed_inputs, hf_decoder_fields, hf_rope_and_window,
-                                             init_param, meta_shapes)
+from atelier_studio.designer.decoder import (
+    MLP,
+    Attend,
+    Attention,
+    Backbone,
+    CausalLM,
+    DecoderArgs,
+    PackedAttention,
+    RMSNorm,
+    check_packed_inputs,
+    hf_decoder_fields,
+    hf_rope_and_window,
+    init_param,
+    meta_shapes,
+)
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
 from atelier_studio.kernels.rope import rope_cos_sin
 

@@ -48,9 +48,10 @@ from atelier_studio.designer.decode import KVCache, decode_loop, left_padded
 from atelier_studio.designer.decoder import MLP, Attend, CausalLM, DecoderArgs, PackedAttention, check_packed_inputs
 from atelier_studio.designer.decoder import init_param as decoder_init_param
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
-from atelier_studio.kernels.causal_conv1d import causal_conv1d
 from atelier_studio.kernels import gated_delta_rule as gdr
-from atelier_studio.kernels.gated_delta_rule import CHUNK, IMPLS as DELTA_RULE_IMPLS, ChunkIndex, chunk_index, gated_delta_rule, l2norm
+from atelier_studio.kernels.causal_conv1d import causal_conv1d
+from atelier_studio.kernels.gated_delta_rule import CHUNK, ChunkIndex, chunk_index, gated_delta_rule, l2norm
+from atelier_studio.kernels.gated_delta_rule import IMPLS as DELTA_RULE_IMPLS
 from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from atelier_studio.kernels.rope import rope, rope_cos_sin

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 from prefect import flow
 
-from atelier_studio.flows.train_designer import train_designer
 from atelier_studio.flows.evaluate import brief_to_image_eval
-from atelier_studio.flows.train_imagegen import train_imagegen
 from atelier_studio.flows.launch import kill_trainers_hook
+from atelier_studio.flows.train_designer import train_designer
+from atelier_studio.flows.train_imagegen import train_imagegen
 
 
 @flow(name="brief-to-image", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])

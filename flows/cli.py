@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-
 # ----------------------------------------------------------------------------- designer
 
 

@@ -96,10 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare()
     ep = start()
     env = child_env(ep)
-    from atelier_studio.pipeline.config import load_config
-
     from atelier_studio.designer.config import DesignerConfig
     from atelier_studio.imagegen.config import ImagegenConfig
+    from atelier_studio.pipeline.config import load_config
 
     d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
     i_cfg = load_config(ImagegenConfig, IMAGEGEN_CONFIG, [])

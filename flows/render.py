@@ -21,9 +21,18 @@ from typing import Any, Sequence
 
 from prefect import flow, task
 
-from atelier_studio.flows.evaluate import (GRID_MAX_IMAGES, captions_task, chain_parser, images_task, read_brief_lines,
-                                           read_captions, render_images, resolve_designer, resolve_imagegen,
-                                           write_captions)
+from atelier_studio.flows.evaluate import (
+    GRID_MAX_IMAGES,
+    captions_task,
+    chain_parser,
+    images_task,
+    read_brief_lines,
+    read_captions,
+    render_images,
+    resolve_designer,
+    resolve_imagegen,
+    write_captions,
+)
 from atelier_studio.flows.report import image_markdown, in_prefect_run, make_grid
 from atelier_studio.pipeline.atomic import atomic_write_text, new_output_dir
 

@@ -31,7 +31,15 @@ import urllib.request
 from typing import Sequence
 
 from atelier_studio.flows.launch import kill_process_group
-from atelier_studio.flows.local_server import REPO, Endpoint, ServerNotRunning, child_env, endpoint, healthy, require_server
+from atelier_studio.flows.local_server import (
+    REPO,
+    Endpoint,
+    ServerNotRunning,
+    child_env,
+    endpoint,
+    healthy,
+    require_server,
+)
 
 DEPLOYMENTS = ("train-designer/default", "train-imagegen/default", "brief-to-image-eval/default",
                "brief-to-image/default", "render-briefs/default")
@@ -173,9 +181,9 @@ def run() -> None:
     from prefect import serve
 
     from atelier_studio.flows.chain import brief_to_image
-    from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.evaluate import brief_to_image_eval
     from atelier_studio.flows.render import render_briefs
+    from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.train_imagegen import train_imagegen
 
     require_server("python -m flows.serve run")

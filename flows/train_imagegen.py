@@ -24,7 +24,14 @@ from prefect import flow, task
 
 from atelier_studio.flows.launch import kill_trainers_hook, run_trainer
 from atelier_studio.flows.report import artifact_key
-from atelier_studio.flows.training import FlowInputError, check_config, publish_task, require_path, train_task, training_flow_main
+from atelier_studio.flows.training import (
+    FlowInputError,
+    check_config,
+    publish_task,
+    require_path,
+    train_task,
+    training_flow_main,
+)
 
 
 def needs_cache(cfg: Any) -> bool:

@@ -8,8 +8,8 @@ so a retry continues where the failed attempt stopped, and nothing here ever del
 
 from __future__ import annotations
 
-from pathlib import Path
 import argparse
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from prefect import task

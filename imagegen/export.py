@@ -29,8 +29,15 @@ from pathlib import Path
 from typing import Callable
 
 from atelier_studio.imagegen.autoencoder import find_vae_dir
-from atelier_studio.imagegen.sd3_dir import (MODEL_INDEX, SCHEDULER_CONFIG, SCHEDULER_FLOW_KEYS, has_part, part_dir,
-                                             read_model_index, scheduler_config)
+from atelier_studio.imagegen.sd3_dir import (
+    MODEL_INDEX,
+    SCHEDULER_CONFIG,
+    SCHEDULER_FLOW_KEYS,
+    has_part,
+    part_dir,
+    read_model_index,
+    scheduler_config,
+)
 from atelier_studio.pipeline.atomic import atomic_dir
 from atelier_studio.pipeline.errors import ModelLoadError
 from atelier_studio.pipeline.progress import log

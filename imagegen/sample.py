@@ -198,8 +198,13 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     """(text encoder, autoencoder, flow, resolution, model_dtype) for sampling an SD3 pipeline directory: its parts
     and scheduler; a run's imagegen.json (when one is next to it) gives the text settings and the resolution."""
     from atelier_studio.imagegen.autoencoder import SD3VAE
-    from atelier_studio.imagegen.sd3_dir import (check_pipeline_files, default_resolution, has_part, read_model_index,
-                                                 scheduler_flow)
+    from atelier_studio.imagegen.sd3_dir import (
+        check_pipeline_files,
+        default_resolution,
+        has_part,
+        read_model_index,
+        scheduler_flow,
+    )
     from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 
     index = read_model_index(pipeline_dir)

@@ -31,11 +31,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from atelier_studio.imagegen.sd3_dir import (MAX_T5_TOKENS, check_pipeline_files, has_part, part_dir, read_model_index,
-                                             transformer_config)
+from atelier_studio.imagegen.sd3_dir import (
+    MAX_T5_TOKENS,
+    check_pipeline_files,
+    has_part,
+    part_dir,
+    read_model_index,
+    transformer_config,
+)
 from atelier_studio.imagegen.text import TextEncoder, TextEncoderError, TextPart, text_encoder_dir
 from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_vocab_size, check_weights_dir
 from atelier_studio.pipeline.progress import log
+
 
 def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Tensor) -> torch.Tensor:
     """CLIP-L [B, Lc, Dl] and CLIP-G [B, Lc, Dg] states side by side, zero-padded to T5's width E, then T5's

@@ -58,7 +58,6 @@ from atelier_studio.kernels.fp8_linear import (
 )
 from atelier_studio.kernels.lora_linear import _compute_dtypes, add_group_adapters_, group_adapter_backward
 
-
 # --- Triton kernels -------------------------------------------------------------------------------
 # (none of its own: kernels/fp8_quant.py's quantisers and torch._scaled_mm)
 

@@ -81,7 +81,13 @@ from atelier_studio.kernels.fp8_quant import (  # noqa: F401  (AMAX_EPS, FORMATS
     quantize,
     quantize_ref,
 )
-from atelier_studio.kernels.lora_linear import _compute_dtypes, adapter_backward, add_adapter_, dropout_mask, lora_adapter_ref
+from atelier_studio.kernels.lora_linear import (
+    _compute_dtypes,
+    adapter_backward,
+    add_adapter_,
+    dropout_mask,
+    lora_adapter_ref,
+)
 
 IMPLS = ("auto", "scaled_mm", "ref")
 PAD = 16  # _scaled_mm on CUDA: K, N and the contracted token dim of dW are multiples of this

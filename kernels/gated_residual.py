@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.adaln import _rowwise
+from atelier_studio.kernels.custom_op import call_op, custom_op
 from atelier_studio.kernels.rmsnorm import _blocks, _num_programs_cap
 
 IMPLS = ("auto", "triton", "ref")

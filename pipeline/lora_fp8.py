@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from atelier_studio.kernels.fp8_linear import (
+    RECIPES,
+    Fp8FrozenWeight,
+    fp8_copies_used,
+    fp8_lora_linear,
+    quantize_frozen_weight,
+)
 from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands
-from atelier_studio.kernels.fp8_linear import (RECIPES, Fp8FrozenWeight, fp8_copies_used, fp8_lora_linear,
-                                               quantize_frozen_weight)
 
 _BUFFERS = ("fp8_q", "fp8_scale", "fp8_qt", "fp8_scale_t")
 # LoRALinear's kernel names → kernels.fp8_linear's: "fused" is the fast path there

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands
 from atelier_studio.kernels.nf4 import nf4_supported
 from atelier_studio.kernels.nf4_linear import nf4_lora_linear
+from atelier_studio.pipeline.lora import LoRALinear, SharedInputOperands
 from atelier_studio.pipeline.nf4 import NF4Linear
 
 # LoRALinear's kernel names → kernels.nf4_linear's

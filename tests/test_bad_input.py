@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from atelier_studio.pipeline.atomic import is_temporary
 from atelier_studio.flows.cli import build_parser, main
+from atelier_studio.pipeline.atomic import is_temporary
 
 ROOT = Path(__file__).parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"

@@ -29,12 +29,19 @@ from atelier_studio.bench.designer import (
     tiny_config,
     to_device,
 )
-from atelier_studio.bench.designer_peers import (PAD_MULTIPLE, PeerUnavailable, one_document_batches, parse_peer,
-                                                 peer_context, row_documents)
-from tests.bench._budget import SpentAfter
+from atelier_studio.bench.designer_peers import (
+    PAD_MULTIPLE,
+    PeerUnavailable,
+    one_document_batches,
+    parse_peer,
+    peer_context,
+    row_documents,
+)
 from atelier_studio.data.packing import fixed_shape, make_batch
 from atelier_studio.designer.lora import LoraArgs
 from atelier_studio.designer.qwen3 import Qwen3Args
+
+from tests.bench._budget import SpentAfter
 
 CPU = torch.device("cpu")
 

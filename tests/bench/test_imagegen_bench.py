@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from tests.bench._budget import SpentAfter
 from atelier_studio.bench.imagegen import (
     CONFIGS,
     Variant,
@@ -19,13 +18,15 @@ from atelier_studio.bench.imagegen import (
     build_atelier,
     build_peer,
     main,
-    markdown,
     make_batches,
     make_lora,
+    markdown,
     model_args,
     random_state_dict,
     tiny_config,
 )
+
+from tests.bench._budget import SpentAfter
 
 CPU = torch.device("cpu")
 # The tiny bench runs on the CPU: the Triton kernels through the interpreter (tests/conftest.py) where there is no

@@ -8,6 +8,7 @@ import pytest
 
 from atelier_studio.bench.scaling import RUNS, main, tiny
 from atelier_studio.flows.cli import main as atelier
+
 from tests.designer.test_model import FIXTURE
 
 

@@ -6,8 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from atelier_studio.data.chat import (DEFAULT_SYSTEM_PROMPT, DataError, Example, Message, encode_example, load_examples,
-                       parse_example, prompt_ids)
+from atelier_studio.data.chat import (
+    DEFAULT_SYSTEM_PROMPT,
+    DataError,
+    Example,
+    Message,
+    encode_example,
+    load_examples,
+    parse_example,
+    prompt_ids,
+)
 from atelier_studio.data.tokenizer import load_tokenizer, train_tokenizer
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"

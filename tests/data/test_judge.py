@@ -11,8 +11,19 @@ import pytest
 from PIL import Image, ImageFilter
 
 from atelier_studio.data import judge as J
-from atelier_studio.data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, POSITIONS, SHAPES, SIZES,
-                            CaptionSpec, generate_world, render, sample_one)
+from atelier_studio.data.synthetic import (
+    BACKGROUNDS,
+    COLORS,
+    FAMILIES,
+    HELD_OUT_PAIRS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    CaptionSpec,
+    generate_world,
+    render,
+    sample_one,
+)
 
 FIELDS = ("shape_ok", "color_ok", "position_ok", "size_ok", "background_ok")
 

@@ -6,9 +6,21 @@ import pytest
 import torch
 
 from atelier_studio.data.chat import EncodedDoc
-from atelier_studio.data.packing import (IGNORE_INDEX, Batch, LoaderStateError, PackedLoader, best_fit_decreasing,
-                          best_fit_decreasing_ref, compile_shape, first_fit, fixed_shape, make_batch,
-                          overflow_pieces, pack_documents, pack_documents_ref)
+from atelier_studio.data.packing import (
+    IGNORE_INDEX,
+    Batch,
+    LoaderStateError,
+    PackedLoader,
+    best_fit_decreasing,
+    best_fit_decreasing_ref,
+    compile_shape,
+    first_fit,
+    fixed_shape,
+    make_batch,
+    overflow_pieces,
+    pack_documents,
+    pack_documents_ref,
+)
 
 PAD = 0
 

@@ -13,9 +13,24 @@ import pytest
 from PIL import Image
 
 from atelier_studio.data import synthetic as syn
-from atelier_studio.data.synthetic import (BACKGROUNDS, COLORS, FAMILIES, HELD_OUT_PAIRS, KINDS, LAYOUTS, MOODS, POSITIONS,
-                            SHAPES, SIZES, CaptionSpec, brief_constraints, generate_world, parse_brief,
-                            parse_caption, render)
+from atelier_studio.data.synthetic import (
+    BACKGROUNDS,
+    COLORS,
+    FAMILIES,
+    HELD_OUT_PAIRS,
+    KINDS,
+    LAYOUTS,
+    MOODS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    CaptionSpec,
+    brief_constraints,
+    generate_world,
+    parse_brief,
+    parse_caption,
+    render,
+)
 
 
 def _dist(a, b) -> float:

@@ -7,7 +7,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT
-from atelier_studio.data.tokenizer import CHAT_TEMPLATE, TokenizerError, iter_corpus_texts, load_tokenizer, train_tokenizer
+from atelier_studio.data.tokenizer import (
+    CHAT_TEMPLATE,
+    TokenizerError,
+    iter_corpus_texts,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"
 

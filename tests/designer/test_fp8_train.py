@@ -9,6 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from atelier_studio.flows.cli import main
+
 from tests.designer.test_train import train_args, train_losses
 
 

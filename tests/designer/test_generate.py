@@ -6,6 +6,7 @@ import torch
 
 from atelier_studio.designer.generate import generate, generate_greedy_ref
 from atelier_studio.designer.hf import load_pretrained
+
 from tests.designer.test_model import load_hf, make_model_dir
 
 V = 113
@@ -60,6 +61,7 @@ def test_sampling_is_seeded_and_top_p_limits(model_dir):
 
 def test_string_prompts_and_bad_input(tmp_path):
     from atelier_studio.designer.hf import init_random
+
     from tests.designer.test_model import make_tokenizer_dir
 
     tok_dir = make_tokenizer_dir(tmp_path)

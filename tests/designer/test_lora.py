@@ -8,9 +8,18 @@ import pytest
 import torch
 
 from atelier_studio.designer.hf import load_pretrained, save_pretrained
-from atelier_studio.designer.lora import (LoraArgs, LoRALinear, apply_lora, load_peft_adapter, lora_parameters, merge_lora,
-                           peft_target_modules, save_peft_adapter)
+from atelier_studio.designer.lora import (
+    LoraArgs,
+    LoRALinear,
+    apply_lora,
+    load_peft_adapter,
+    lora_parameters,
+    merge_lora,
+    peft_target_modules,
+    save_peft_adapter,
+)
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
+
 from tests.designer.test_model import load_hf, make_model_dir, rel_err, run_rows
 
 V = 89
@@ -150,6 +159,7 @@ def test_shared_input_groups_equal_the_layers_alone(family, monkeypatch):
     adapter gradient equal the same model with every LoRA layer run alone."""
     import atelier_studio.kernels.lora_linear as kl
     from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
+
     from tests.designer.test_qwen35 import random_qwen35
 
     if family == "qwen3":

@@ -11,6 +11,7 @@ from atelier_studio.designer.hf import init_random, load_pretrained, save_pretra
 from atelier_studio.designer.qwen3 import SIZES, Qwen3, Qwen3Args, num_params
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.gated_delta_rule import CHUNK
+
 from tests.kernels._compare import assert_no_leak
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "designer" / "briefs.jsonl"

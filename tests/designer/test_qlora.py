@@ -26,11 +26,12 @@ import torch
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.hf import load_pretrained, save_pretrained
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter
-from atelier_studio.pipeline.lora_nf4 import NF4LoRALinear, quantize_lora_bases
 from atelier_studio.designer.task import DesignerTask
 from atelier_studio.flows.cli import main
 from atelier_studio.kernels.nf4 import nf4_error_bound
 from atelier_studio.pipeline.config import load_config
+from atelier_studio.pipeline.lora_nf4 import NF4LoRALinear, quantize_lora_bases
+
 from tests.designer.test_fp8_train import _tensors
 from tests.designer.test_model import load_hf, packed_inputs, rel_err, run_rows
 from tests.designer.test_train import train_args, train_losses

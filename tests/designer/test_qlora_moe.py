@@ -26,10 +26,11 @@ import torch
 
 from atelier_studio.designer.hf import load_pretrained, save_pretrained
 from atelier_studio.designer.lora import GroupedLoRA, LoraArgs, LoRALinear, apply_lora, load_peft_adapter, merge_lora
-from atelier_studio.pipeline.lora_nf4 import NF4LoRALinear, quantize_lora_bases
 from atelier_studio.flows.cli import main
 from atelier_studio.kernels.nf4 import nf4_error_bound
+from atelier_studio.pipeline.lora_nf4 import NF4LoRALinear, quantize_lora_bases
 from atelier_studio.pipeline.nf4 import NF4ExpertStack
+
 from tests.designer.test_fp8_train import _tensors
 from tests.designer.test_model import load_hf, packed_inputs, rel_err, run_rows
 from tests.designer.test_qlora import _qlora_model, rebuilt_and_logged_eval_loss
@@ -318,7 +319,14 @@ def test_qlora_moe_two_processes_equal_one_with_the_nf4_experts_sharded(moe_runs
       expert parallelism: the same 4 experts' bytes stay on their rank (never all-gathered), the tokens travel to
         them by all-to-all, each rank dequantises only its experts; with activation checkpointing, whose recompute
         exchanges and dequantises again; and the same run stopped at step 2 and resumed."""
-    from tests.designer.test_distributed import LORA, QLORA, args, assert_same_losses, assert_same_safetensors, launch_two
+    from tests.designer.test_distributed import (
+        LORA,
+        QLORA,
+        args,
+        assert_same_losses,
+        assert_same_safetensors,
+        launch_two,
+    )
 
     moe = ("--set", f"model.path={moe_runs['model']}", "--set", "model.router_aux_loss=off")
     ep = ("--set", "train.distributed.expert_parallel=2", "--set", "train.distributed.activation_checkpointing=full")

@@ -13,8 +13,16 @@ from atelier_studio.designer.hf import args_from_size, init_random, load_pretrai
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
 from atelier_studio.designer.qwen35 import FULL, LINEAR, SIZES, Qwen35, Qwen35Args, num_params
 from atelier_studio.flows.cli import main
-from tests.designer.test_model import (FIXTURE, check_packed_equals_one_by_one, load_hf, packed_inputs, packing_terms,
-                                       rel_err, run_rows)
+
+from tests.designer.test_model import (
+    FIXTURE,
+    check_packed_equals_one_by_one,
+    load_hf,
+    packed_inputs,
+    packing_terms,
+    rel_err,
+    run_rows,
+)
 from tests.kernels._compare import assert_no_leak, assert_within_rounding
 from tests.kernels.test_gated_delta_rule import _rms_ratio
 
@@ -212,6 +220,7 @@ def test_matmul_and_attention_flops_match_flop_counter(monkeypatch, mode):
     """FlopCounterMode sees the weight matmuls (mm) and the full-attention layer's SDPA (bmm) once the delta rule,
     whose FLOPs test_train_flops checks from the kernel's shapes, is swapped for a matmul-free stand-in."""
     import atelier_studio.designer.qwen35 as q35
+
     from tests.designer.test_model import check_flops_match_counter
 
     monkeypatch.setattr(q35, "gated_delta_rule", lambda q, k, v, g, beta, cu, impl, chunks: v * beta[..., None])

@@ -16,15 +16,38 @@ import pytest
 import torch
 
 from atelier_studio.designer.hf import init_random, load_pretrained, save_pretrained
-from atelier_studio.designer.lora import (GroupedLoRA, LoraArgs, LoRALinear, apply_lora, load_peft_adapter,
-                                          lora_parameters, merge_lora, save_peft_adapter)
-from atelier_studio.designer.qwen3_moe import (FAMILY, Qwen3Moe, Qwen3MoeArgs, active_params, forward_with_aux,
-                                               load_balancing_loss, num_params)
+from atelier_studio.designer.lora import (
+    GroupedLoRA,
+    LoraArgs,
+    LoRALinear,
+    apply_lora,
+    load_peft_adapter,
+    lora_parameters,
+    merge_lora,
+    save_peft_adapter,
+)
+from atelier_studio.designer.qwen3_moe import (
+    FAMILY,
+    Qwen3Moe,
+    Qwen3MoeArgs,
+    active_params,
+    forward_with_aux,
+    load_balancing_loss,
+    num_params,
+)
 from atelier_studio.flows.cli import main
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.moe import route
-from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf,
-                                       norms_away_from_one, randomise_adapters, rel_err, run_rows)
+
+from tests.designer.test_model import (
+    check_flops_match_counter,
+    check_packed_equals_one_by_one,
+    load_hf,
+    norms_away_from_one,
+    randomise_adapters,
+    rel_err,
+    run_rows,
+)
 
 ROOT = Path(__file__).parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
@@ -393,6 +416,7 @@ def test_train_then_generate_through_the_cli(moe_world, tmp_path, mode):
 
     from atelier_studio.data.chat import prompt_ids
     from atelier_studio.designer.captions import load_designer
+
     from tests.designer.test_train import train_args, train_losses
 
     out = tmp_path / mode
@@ -439,7 +463,14 @@ def test_expert_parallel_two_processes_equal_one(moe_world, tmp_path):
     1e-4: at 1e-3 (that file's rate) the two runs drifted to 2.2e-5 apart by step 4 (Adam steps a coordinate whose
     gradient is rounding noise by up to lr, that docstring explains; the MoE has more of them than the dense model:
     the router and the experts a token barely uses), while LoRA stays at 2.4e-7."""
-    from tests.designer.test_distributed import FULL, LORA, args, assert_same_losses, assert_same_safetensors, launch_two
+    from tests.designer.test_distributed import (
+        FULL,
+        LORA,
+        args,
+        assert_same_losses,
+        assert_same_safetensors,
+        launch_two,
+    )
 
     common = ("--set", "model.router_aux_loss=off")
     full = (*FULL, "--set", "train.lr=1e-4")

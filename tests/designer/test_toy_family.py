@@ -21,8 +21,16 @@ from atelier_studio.designer.hf import init_random, load_pretrained, save_pretra
 from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, load_peft_adapter, save_peft_adapter
 from atelier_studio.flows.cli import main
 from atelier_studio.pipeline.errors import ModelLoadError, UsageError
-from tests.designer.test_model import (check_flops_match_counter, check_packed_equals_one_by_one, load_hf,
-                                       norms_away_from_one, randomise_adapters, rel_err, run_rows)
+
+from tests.designer.test_model import (
+    check_flops_match_counter,
+    check_packed_equals_one_by_one,
+    load_hf,
+    norms_away_from_one,
+    randomise_adapters,
+    rel_err,
+    run_rows,
+)
 from tests.designer.test_train import train_args, train_losses
 from tests.designer.toy_family import FAMILY, Phi3, Phi3Args
 

@@ -23,8 +23,16 @@ import torch
 from torch import nn
 
 from atelier_studio.designer.decode import kv_cache_batch
-from atelier_studio.designer.decoder import (KERNEL_IMPLS, Attend, Backbone, CausalLM, PackedAttention, RMSNorm,
-                                             check_packed_inputs, init_param)
+from atelier_studio.designer.decoder import (
+    KERNEL_IMPLS,
+    Attend,
+    Backbone,
+    CausalLM,
+    PackedAttention,
+    RMSNorm,
+    check_packed_inputs,
+    init_param,
+)
 from atelier_studio.designer.family import Family, HFReference, decoder_layers
 from atelier_studio.kernels.attention import IMPLS as ATTENTION_IMPLS
 from atelier_studio.kernels.rope import rope, rope_cos_sin

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from atelier_studio.flows.train_designer import train_designer
 from atelier_studio.flows.evaluate import brief_to_image_eval, evaluate_brief_to_image, read_briefs
-from atelier_studio.flows.train_imagegen import needs_cache, train_imagegen
 from atelier_studio.flows.launch import pid_dir
+from atelier_studio.flows.train_designer import train_designer
+from atelier_studio.flows.train_imagegen import needs_cache, train_imagegen
 from atelier_studio.flows.training import FlowInputError
+
 from tests.flows.conftest import designer_config
 from tests.imagegen._world import DEMO, build_world, config_overrides
 
@@ -49,7 +50,6 @@ def artifacts_of(flow_run_id) -> dict[str, dict]:
 def logs_of(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
     from prefect.logging.handlers import APILogHandler
 
     # Run logs reach the API in background batches: send what is still queued before reading (without this the

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from atelier_studio.flows.launch import (TrainerFailed, kill_recorded_trainers, parse_step_line, pid_dir, run_command,
-                          trainer_command)
+from atelier_studio.flows.launch import (
+    TrainerFailed,
+    kill_recorded_trainers,
+    parse_step_line,
+    pid_dir,
+    run_command,
+    trainer_command,
+)
 from atelier_studio.pipeline.progress import format_step_line
 
 ROOT = Path(__file__).parents[2]

@@ -18,6 +18,7 @@ import pytest
 
 from atelier_studio.flows.local_server import Endpoint, ServerNotRunning, require_server
 from atelier_studio.flows.serve import DEPLOYMENTS
+
 from tests.flows.conftest import designer_config
 
 ROOT = Path(__file__).parents[2]

@@ -64,8 +64,12 @@ def build_pipeline(out: Path, sd35: bool = False, seed: int = 0) -> Path:
     out = Path(out)
     if (out / "model_index.json").is_file():
         return out
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tok_l, tok_g, tok_t5 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer()

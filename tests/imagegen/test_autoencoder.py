@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL
 
-from atelier_studio.imagegen.autoencoder import PixelCodec, SD3VAE, load_autoencoder, space_to_depth_ref
+from atelier_studio.imagegen.autoencoder import SD3VAE, PixelCodec, load_autoencoder, space_to_depth_ref
 
 
 @pytest.mark.parametrize("patch", [1, 2, 4])

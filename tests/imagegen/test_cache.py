@@ -10,12 +10,13 @@ import torch
 import webdataset as wds
 
 from atelier_studio.data.buckets import LatentDataset, bucket_pixels
-from atelier_studio.data.shards import ShardReader, ShardError, read_latent_shards
+from atelier_studio.data.shards import ShardError, ShardReader, read_latent_shards
 from atelier_studio.imagegen.autoencoder import PixelCodec
 from atelier_studio.imagegen.cache import CACHE_META, cache_latents
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.config import load_config
+
 from tests.imagegen._world import DEMO, build_world, config_overrides
 
 

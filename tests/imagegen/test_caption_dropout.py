@@ -15,6 +15,7 @@ import torch
 
 from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.text import TextPart
+
 from tests.imagegen._sd3 import MAX_SEQUENCE_LENGTH, SD3_CONFIG, build_pipeline, build_shards, config_overrides
 
 # SD3's layout at small widths: CLIP-L 3 columns, CLIP-G 2, padded to 6; 2 CLIP rows, then 3 T5 rows

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from atelier_studio.flows.cli import main
+
 from tests.imagegen._world import ROOT, build_world, cli_args
 
 pytestmark = pytest.mark.multigpu

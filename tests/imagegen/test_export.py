@@ -14,6 +14,7 @@ from atelier_studio.imagegen.flow import FlowArgs
 from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 from atelier_studio.pipeline.atomic import is_temporary
 from atelier_studio.pipeline.errors import ModelLoadError
+
 from tests.imagegen._sd3 import MAX_SEQUENCE_LENGTH, build_pipeline, load_pipeline
 
 

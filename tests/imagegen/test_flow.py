@@ -9,8 +9,17 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift as calculate_shift_ref
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from atelier_studio.imagegen.flow import (FlowArgs, add_noise, calculate_shift, euler_sample, flow_loss, loss_weight,
-                           sample_timesteps, sampler_sigmas, velocity_target)
+from atelier_studio.imagegen.flow import (
+    FlowArgs,
+    add_noise,
+    calculate_shift,
+    euler_sample,
+    flow_loss,
+    loss_weight,
+    sample_timesteps,
+    sampler_sigmas,
+    velocity_target,
+)
 
 
 def pair(B=3, C=4, H=6, W=5, seed=0):

@@ -9,6 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from atelier_studio.flows.cli import main
+
 from tests.imagegen._world import build_world, cli_args
 from tests.imagegen.test_distributed import lora_base
 from tests.imagegen.test_task import train_losses

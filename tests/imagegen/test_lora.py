@@ -37,8 +37,9 @@ from atelier_studio.imagegen.lora import LORA_FILE, apply_lora, load_lora, read_
 from atelier_studio.imagegen.model import FAMILY, LORA_ATTENTION, MMDiT
 from atelier_studio.pipeline.errors import ModelLoadError
 from atelier_studio.pipeline.lora import LoraArgs, LoRALinear, lora_layers
+
 from tests.imagegen._sd3 import MAX_SEQUENCE_LENGTH, RESOLUTION, SD3_CONFIG, build_pipeline, build_shards, load_pipeline
-from tests.imagegen.test_model import SD3_TINY, SD35_TINY, diffusers_kwargs, inputs, reference, rel_err
+from tests.imagegen.test_model import SD3_TINY, SD35_TINY, inputs, reference, rel_err
 from tests.imagegen.test_sd3_pipeline import GUIDANCE, PROMPTS, SEED, STEPS, run_cli, sets
 
 ARGS = {"sd3": SD3_TINY, "sd3.5": SD35_TINY}
@@ -397,6 +398,7 @@ def test_bf16_lora_on_cuda_is_as_close_to_fp32_as_diffusers_with_peft():
     from peft import LoraConfig
 
     from atelier_studio.pipeline.policies import compile_blocks
+
     from tests.kernels._compare import assert_error_within
 
     args = dataclasses.replace(SD35_TINY, num_heads=4, head_dim=64, caption_projection_dim=256)

@@ -13,6 +13,7 @@ from atelier_studio.imagegen.flow import FlowArgs, sampler_sigmas
 from atelier_studio.imagegen.hf import init_random, load_pretrained
 from atelier_studio.imagegen.sample import RUN_META, sample_images, sample_to_dir, to_pil, write_run_meta
 from atelier_studio.imagegen.text import TextEncoder
+
 from tests.imagegen._world import MODEL_OVERRIDES
 
 CAPTIONS = ["a small blue circle in the upper left on a pale yellow background", "a large red square in the center",
@@ -71,6 +72,7 @@ def test_sample_to_dir_from_an_export(setup, tmp_path):
     d, _, _ = setup
     from atelier_studio.imagegen.config import ImagegenConfig
     from atelier_studio.pipeline.config import load_config
+
     from tests.imagegen._world import DEMO
 
     cfg = load_config(ImagegenConfig, DEMO, ["model.path=x", "data.shards=x"])
@@ -100,6 +102,7 @@ def test_sample_to_dir_without_metadata_is_named(setup, tmp_path):
 def test_sample_to_dir_with_the_run_config(setup, tmp_path):
     from atelier_studio.imagegen.config import ImagegenConfig
     from atelier_studio.pipeline.config import load_config, save_config
+
     from tests.imagegen._world import DEMO
 
     d, _, _ = setup

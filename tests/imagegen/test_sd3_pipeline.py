@@ -28,8 +28,19 @@ from atelier_studio.data.buckets import bucket_pixels
 from atelier_studio.data.shards import ShardReader, read_latent_shards
 from atelier_studio.flows.cli import main
 from atelier_studio.imagegen.cache import CACHE_META
-from tests.imagegen._sd3 import (MAX_SEQUENCE_LENGTH, POOLED, RESOLUTION, SD3_CONFIG as CONFIG, T5_WIDTH,
-                                 build_pipeline, build_shards, config_overrides, load_pipeline)
+
+from tests.imagegen._sd3 import (
+    MAX_SEQUENCE_LENGTH,
+    POOLED,
+    RESOLUTION,
+    T5_WIDTH,
+    build_pipeline,
+    build_shards,
+    config_overrides,
+    load_pipeline,
+)
+from tests.imagegen._sd3 import SD3_CONFIG as CONFIG
+
 PROMPTS = ["a small blue circle in the upper left on a pale yellow background", "a large red square in the center"]
 STEPS, GUIDANCE, SEED = 3, 4.0, 5
 
@@ -103,11 +114,10 @@ def _pipeline_render(pipe_dir: Path, output_type: str):
 def test_cache_train_export_and_render_through_the_cli(variant, tmp_path, shards):
     from safetensors.torch import load_file
 
-    from atelier_studio.imagegen.hf import read_args
-    from atelier_studio.imagegen.sample import sample_latents, text_encoder_from_meta
     from atelier_studio.imagegen.autoencoder import SD3VAE
     from atelier_studio.imagegen.flow import FlowArgs
-    from atelier_studio.imagegen.hf import load_pretrained
+    from atelier_studio.imagegen.hf import load_pretrained, read_args
+    from atelier_studio.imagegen.sample import sample_latents, text_encoder_from_meta
 
     pipe_dir = build_pipeline(tmp_path / "base", sd35=variant == "sd3.5", seed=11)
     if variant == "sd3.5":

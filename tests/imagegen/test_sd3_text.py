@@ -15,8 +15,17 @@ import torch
 
 from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 from atelier_studio.imagegen.text import TextEncoderError
-from tests.imagegen._sd3 import (CLIP_G, CLIP_L, MAX_SEQUENCE_LENGTH, POOLED, T5_WIDTH, WORDS, build_pipeline,
-                                 load_pipeline)
+
+from tests.imagegen._sd3 import (
+    CLIP_G,
+    CLIP_L,
+    MAX_SEQUENCE_LENGTH,
+    POOLED,
+    T5_WIDTH,
+    WORDS,
+    build_pipeline,
+    load_pipeline,
+)
 
 
 def random_captions(n: int, seed: int, lengths=(1, 12)) -> list[str]:

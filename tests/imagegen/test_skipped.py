@@ -14,6 +14,7 @@ from atelier_studio.data.latent_stream import ShardSet
 from atelier_studio.flows.cli import main
 from atelier_studio.flows.launch import parse_step_line
 from atelier_studio.flows.report import metrics_rows, summary_markdown
+
 from tests.imagegen._world import build_world, cli_args
 
 

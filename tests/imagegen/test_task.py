@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atelier_studio.imagegen.ema import EMA, ema_decay, ema_update_ref
 from atelier_studio.flows.cli import main
+from atelier_studio.imagegen.ema import EMA, ema_decay, ema_update_ref
+
 from tests.imagegen._world import ROOT, build_world, cli_args
 
 

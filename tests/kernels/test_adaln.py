@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier_studio.kernels.adaln import adaln_bwd, adaln_fwd, adaln_modulate, adaln_modulate_ref
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

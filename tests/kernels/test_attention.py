@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from atelier_studio.kernels.attention import packed_causal_attention, packed_causal_attention_ref
+
 from tests.kernels._compare import assert_close
 
 

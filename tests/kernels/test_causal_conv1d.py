@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 import atelier_studio.kernels.causal_conv1d as cc
 from atelier_studio.kernels.causal_conv1d import causal_conv1d
+
 from tests.kernels._compare import assert_close, assert_error_within, assert_no_leak
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

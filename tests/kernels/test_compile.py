@@ -12,8 +12,6 @@ from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
 from atelier_studio.pipeline.policies import compile_blocks
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_give_the_eager_gradients():

@@ -2,7 +2,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atelier_studio.kernels.cross_entropy import ce_rows, cross_entropy_ref, linear_cross_entropy, linear_cross_entropy_ref
+from atelier_studio.kernels.cross_entropy import (
+    ce_rows,
+    cross_entropy_ref,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+)
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 

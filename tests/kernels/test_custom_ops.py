@@ -16,6 +16,7 @@ from atelier_studio.kernels.lora_linear import lora_linear, lora_linear_bwd, lor
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from atelier_studio.kernels.rope import rope, rope_apply
 from atelier_studio.kernels.swiglu import swiglu, swiglu_bwd, swiglu_fwd
+
 from tests.kernels._compare import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

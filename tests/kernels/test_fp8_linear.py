@@ -25,7 +25,17 @@ from atelier_studio.kernels.fp8_linear import (
     fp8_lora_linear_ref,
     quantize_frozen_weight,
 )
-from atelier_studio.kernels.fp8_quant import E4M3, E5M2, FORMATS, INV_MAX, fake_quantize, quantize, quantize_ref, scale_ref
+from atelier_studio.kernels.fp8_quant import (
+    E4M3,
+    E5M2,
+    FORMATS,
+    INV_MAX,
+    fake_quantize,
+    quantize,
+    quantize_ref,
+    scale_ref,
+)
+
 from tests.kernels._compare import assert_close
 
 U32 = 2.0**-24  # fp32 unit roundoff

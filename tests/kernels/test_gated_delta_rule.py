@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 import atelier_studio.kernels.gated_delta_rule as gdr
 from atelier_studio.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_ref
+
 from tests.kernels._compare import assert_close, assert_no_leak
 
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from atelier_studio.kernels.gated_residual import gated_residual, gated_residual_bwd, gated_residual_fwd, gated_residual_ref
+from atelier_studio.kernels.gated_residual import (
+    gated_residual,
+    gated_residual_bwd,
+    gated_residual_fwd,
+    gated_residual_ref,
+)
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

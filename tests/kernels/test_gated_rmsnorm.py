@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier_studio.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

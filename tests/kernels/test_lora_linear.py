@@ -3,7 +3,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from atelier_studio.kernels.lora_linear import lora_group_bwd, lora_group_fwd, lora_linear, lora_linear_group, lora_linear_ref
+from atelier_studio.kernels.lora_linear import (
+    lora_group_bwd,
+    lora_group_fwd,
+    lora_linear,
+    lora_linear_group,
+    lora_linear_ref,
+)
+
 from tests.kernels._compare import assert_close, assert_error_within, assert_within_rounding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,6 +24,7 @@ from atelier_studio.kernels.moe import (
     moe_gather_sum,
     moe_ref,
 )
+
 from tests.kernels._compare import assert_error_within, assert_within_rounding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from atelier_studio.kernels.lora_linear import lora_linear
 from atelier_studio.kernels.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from atelier_studio.kernels.nf4_linear import (
+    nf4_dequantize,
     nf4_linear,
     nf4_linear_bwd,
     nf4_linear_fwd,
@@ -16,10 +17,10 @@ from atelier_studio.kernels.nf4_linear import (
     nf4_lora_fwd,
     nf4_lora_linear,
     nf4_lora_linear_ref,
-    nf4_dequantize,
     nf4_matmul,
     nf4_matmul_t,
 )
+
 from tests.kernels._compare import assert_error_within, assert_within_rounding
 from tests.kernels.test_nf4 import torchao_fixture
 

@@ -18,8 +18,14 @@ import torch
 
 from atelier_studio.kernels.moe import ExpertLoRA, _groupable, moe, moe_ref
 from atelier_studio.kernels.nf4 import dequantize_nf4, nf4_error_bound, quantize_nf4
-from atelier_studio.kernels.nf4_moe import (NF4Experts, NF4GroupedMM, dequantize_experts_ref, nf4_experts_shapes,
-                                            nf4_grouped_mm_ref, quantize_experts)
+from atelier_studio.kernels.nf4_moe import (
+    NF4GroupedMM,
+    dequantize_experts_ref,
+    nf4_experts_shapes,
+    nf4_grouped_mm_ref,
+    quantize_experts,
+)
+
 from tests.kernels._compare import assert_within_rounding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from atelier_studio.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 

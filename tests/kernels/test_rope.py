@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from atelier_studio.kernels.rope import rope, rope_cos_sin, rope_inv_freq, rope_ref
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 

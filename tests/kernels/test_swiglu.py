@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from atelier_studio.kernels.swiglu import swiglu, swiglu_packed, swiglu_ref
+
 from tests.kernels._compare import assert_close, assert_error_within
 
 

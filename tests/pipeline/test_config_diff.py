@@ -9,10 +9,17 @@ import torch
 
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.imagegen.config import ImagegenConfig
-from atelier_studio.pipeline.config import (ConfigError, OutputConfig, TrainConfig, config_to_dict, config_to_toml,
-                                            load_config)
+from atelier_studio.pipeline.config import (
+    ConfigError,
+    OutputConfig,
+    TrainConfig,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+)
 from atelier_studio.pipeline.config_diff import ResumePolicy, check_resume, flatten, trained_under
 from atelier_studio.pipeline.trainer import Trainer, seed_everything
+
 from tests.pipeline.toy_task import ToyTask
 
 

@@ -10,7 +10,6 @@ import torch
 from atelier_studio.designer.lora import LoraArgs, apply_lora
 from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
 from atelier_studio.pipeline.config import DistributedConfig, TrainConfig
-from atelier_studio.pipeline.policies import checkpoint_blocks
 from atelier_studio.pipeline.distributed import (
     DistContext,
     DistributedError,
@@ -22,6 +21,7 @@ from atelier_studio.pipeline.distributed import (
     parallelize,
     torchrun_env,
 )
+from atelier_studio.pipeline.policies import checkpoint_blocks
 
 ARGS = Qwen3Args(vocab_size=97, dim=48, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12, ffn_dim=80,
                  attention_impl="sdpa")

@@ -8,18 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-import atelier_studio.kernels.fp8_linear as fp8
-from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
-from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
-from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
-from atelier_studio.imagegen.model import FAMILY as MMDIT_FAMILY
-from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
-from atelier_studio.pipeline.config import ConfigError, TrainConfig
-from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
 import atelier_studio.kernels.fp8_group as fp8_group
+import atelier_studio.kernels.fp8_linear as fp8
 import atelier_studio.pipeline.float8 as float8
 import atelier_studio.pipeline.shared_input as shared_input
+from atelier_studio.designer.lora import LoraArgs, LoRALinear, apply_lora, lora_state_dict
+from atelier_studio.designer.qwen3 import Qwen3, Qwen3Args
+from atelier_studio.imagegen.model import FAMILY as MMDIT_FAMILY
+from atelier_studio.imagegen.model import MMDiT, MMDiTArgs
+from atelier_studio.kernels.fp8_linear import fp8_frozen_linear, fp8_linear, fp8_lora_linear_ref, quantize_frozen_weight
+from atelier_studio.pipeline.config import ConfigError, TrainConfig
 from atelier_studio.pipeline.float8 import Float8Linear, apply_precision, check_precision
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS, Float8LoRALinear
 
 
 def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...] = (), impl: str = "auto") -> list[str]:

@@ -10,8 +10,12 @@ import torch
 
 from atelier_studio.pipeline.atomic import save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
-from atelier_studio.pipeline.hf_files import (check_tokenizer_dir, check_vocab_size, check_weights_dir,
-                                              read_safetensors_header)
+from atelier_studio.pipeline.hf_files import (
+    check_tokenizer_dir,
+    check_vocab_size,
+    check_weights_dir,
+    read_safetensors_header,
+)
 
 
 class Sized:

@@ -28,6 +28,7 @@ from atelier_studio.pipeline.checkpoint import (
 from atelier_studio.pipeline.config import OutputConfig, TrainConfig
 from atelier_studio.pipeline.errors import WriteError
 from atelier_studio.pipeline.trainer import Trainer, TrainingError, lr_factor, seed_everything
+
 from tests.kernels._compare import assert_within_rounding
 from tests.pipeline.toy_task import ToyTask
 
