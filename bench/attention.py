@@ -1,6 +1,6 @@
 """Packed causal attention paths on one GPU: speed (forward + backward) and exactness.
 
-    python3 -m bench.attention --out DIR [--shapes packed-8k,one-doc-64k] [--repeats 10] [--tiny]
+    python3 -m atelier_studio.bench.attention --out DIR [--shapes packed-8k,one-doc-64k] [--repeats 10] [--tiny]
 
 Shapes: N packed tokens, H query heads, Hkv kv heads, Dh head dim, S documents.
   packed-8k:    Qwen3-8B attention (H 32, Hkv 8, Dh 128), 4 rows × 2048 tokens of lognormal documents
@@ -296,7 +296,7 @@ def cli(argv: list[str] | None, prog: str, doc: str, shapes: dict, tiny_shapes: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli(argv, "python3 -m bench.attention", __doc__, SHAPES, TINY, PATHS, "attention",
+    return cli(argv, "python3 -m atelier_studio.bench.attention", __doc__, SHAPES, TINY, PATHS, "attention",
                "packed causal attention",
                lambda name, shape, device, dtype, paths, repeats, tiny: bench_shape(name, shape, device, dtype,
                                                                                     paths, repeats))

@@ -2,7 +2,7 @@
 the backward with a frozen weight (dx only: what a LoRA run calls), and the trained-weight backward's first pass
 by sweep (programs per SM; dw reduced per token block or once at the end).
 
-    python3 -m bench.causal_conv1d [--programs 4,8,16,32,64] [--repeats 20] [--out DIR] [--tiny]
+    python3 -m atelier_studio.bench.causal_conv1d [--programs 4,8,16,32,64] [--repeats 20] [--out DIR] [--tiny]
 
 Shape: one packed micro-batch of 8 rows of 2048 tokens (N 16,384, documents of 20–599 tokens, the last one
 filling the row set), C 8,192 channels (2 · 16 · 128 key + 32 · 128 value), K 4 taps, bf16 — what the 9B

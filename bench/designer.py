@@ -1,7 +1,7 @@
 """Designer speed on one GPU: Atelier (bf16 and FP8) vs the transformers(+PEFT) peers a user would pick, on the same
 weights and documents.
 
-    python3 -m bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
+    python3 -m atelier_studio.bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
         |qwen3-30b-a3b-lora[-1doc|-ac]|qwen3-8b-qlora|qwen3-30b-a3b-qlora --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
         [--micro-batches 2,4,8]
         [--peer-micro-batches 4,8] [--fp8 rowwise,tensorwise] [--fp8-micro-batches 8] [--fp8-compile on|off|both]
@@ -966,7 +966,7 @@ def write(report: dict[str, Any], out: Path) -> Path:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/recount.py reads a report's command back through it)."""
-    p = argparse.ArgumentParser(prog="python3 -m bench.designer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.designer", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default=None,

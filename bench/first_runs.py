@@ -1,6 +1,6 @@
 """First real-size runs on one GPU, through the user-facing CLI (the starting point for the speed work).
 
-    python -m bench.first_runs --tokenizer DIR --out DIR [--only designer|imagegen]
+    python -m atelier_studio.bench.first_runs --tokenizer DIR --out DIR [--only designer|imagegen]
 
 designer: `atelier designer init --size 8b` (random init, bf16) and `atelier designer train` with LoRA r16
 on all linear layers, packed rows of 2048 tokens of the shapes world, 20 steps.

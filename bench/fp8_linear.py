@@ -1,7 +1,7 @@
 """FP8 linears on one GPU: bf16 vs Atelier's FP8 vs torchao's Float8Linear at the real projection shapes, with the
 diagnostics that say where the time goes, the shared-input groups, and whole blocks.
 
-    python3 -m bench.fp8_linear [--quick] [--models qwen3-8b,qwen3-1.7b,sd3-medium-1024]
+    python3 -m atelier_studio.bench.fp8_linear [--quick] [--models qwen3-8b,qwen3-1.7b,sd3-medium-1024]
                                 [--sections components,blocks,linears,groups,quant] [--repeats 10]
                                 [--budget-s 200] [--compile-all] [--out bench/results] [--tiny]
 
@@ -529,7 +529,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m bench.fp8_linear", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.fp8_linear", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--variants", default=",".join(VARIANTS), help="linear variants")

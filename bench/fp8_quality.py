@@ -1,7 +1,7 @@
 """FP8 training quality: the same model trained in bf16 and in FP8 from the same init on the same batches, both
 loss curves, and the drift of the FP8 loss over the last steps.
 
-    python3 -m bench.fp8_quality [--parts designer,imagegen] [--steps 300] [--window 50] [--recipe rowwise]
+    python3 -m atelier_studio.bench.fp8_quality [--parts designer,imagegen] [--steps 300] [--window 50] [--recipe rowwise]
         [--tokenizer DIR] [--designer-size 1.7b] [--designer-rows 2] [--imagegen-layers 6] [--imagegen-batch 4]
         [--out DIR] [--budget-s 200] [--tiny]
 
@@ -309,7 +309,7 @@ def write(report: dict[str, Any], out: Path) -> Path:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = argparse.ArgumentParser(prog="python3 -m bench.fp8_quality", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.fp8_quality", description=__doc__.split("\n")[0])
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--window", type=int, default=50, help="the last steps whose mean loss is compared")

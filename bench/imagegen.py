@@ -1,6 +1,6 @@
 """Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
 
-    python3 -m bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
+    python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
         [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
         [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
         [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
@@ -756,7 +756,7 @@ def loader_only(cfg: BenchConfig, batches: list[int], workers: int) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = argparse.ArgumentParser(prog="python3 -m bench.imagegen", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.imagegen", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, choices=sorted(CONFIGS))
     p.add_argument("--out", default="bench/results")
     p.add_argument("--peers", default="diffusers")

@@ -1,6 +1,6 @@
 """Imagegen's joint attention (non-causal, head dim 64) on one GPU: which kernel, by measurement.
 
-    python3 -m bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--paths ...] [--repeats 10] [--tiny]
+    python3 -m atelier_studio.bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--paths ...] [--repeats 10] [--tiny]
 
 Shapes: B images, H heads, T = image + text tokens (one joint sequence per image, every token sees every
 other), Dh head dim. SD3-medium: H 24, Dh 64, 333 text tokens.
@@ -96,7 +96,7 @@ def bench_shape(name: str, shape: dict, device: torch.device, dtype: torch.dtype
 
 def main(argv: list[str] | None = None) -> int:
     """Flex runs uncompiled with --tiny (CPU tests)."""
-    return cli(argv, "python3 -m bench.joint_attention", __doc__, SHAPES, TINY, PATHS, "joint-attention",
+    return cli(argv, "python3 -m atelier_studio.bench.joint_attention", __doc__, SHAPES, TINY, PATHS, "joint-attention",
                "joint attention (non-causal)",
                lambda name, shape, device, dtype, paths, repeats, tiny: bench_shape(name, shape, device, dtype,
                                                                                     paths, repeats, not tiny))

@@ -1,7 +1,7 @@
 """The MoE block's token movement on one GPU: kernels/moe.py's dispatch and combine, forward and backward, against
 plain PyTorch doing the same, and every launch candidate of the gather's autotuner.
 
-    python3 -m bench.moe_dispatch [--micro-batches 1,2,4] [--repeats 50] [--out bench/results] [--tiny]
+    python3 -m atelier_studio.bench.moe_dispatch [--micro-batches 1,2,4] [--repeats 50] [--out bench/results] [--tiny]
 
 Shapes: Qwen3-30B-A3B's sparse layer (D = 2048, top-8, 128 experts) on micro-batch · 2048 tokens, routed at random
 (kernels/moe.py's dispatch_plan of random top-k choices). The four moves of one layer's step, each with its bytes:
@@ -128,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m bench.moe_dispatch", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.moe_dispatch", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
     p.add_argument("--micro-batches", type=parse_ints, default=None, help="rows of 2048 tokens (default 1,2,4)")
     return p
 

@@ -1,6 +1,6 @@
 """NF4 matmuls on one GPU: where the fused dequantising kernels stop paying and the transient-Ŵ path takes over.
 
-    python3 -m bench.nf4_linear [--rows 16,64,128,256,512,1024,2048,4096,8192] [--repeats 20]
+    python3 -m atelier_studio.bench.nf4_linear [--rows 16,64,128,256,512,1024,2048,4096,8192] [--repeats 20]
                                 [--out bench/results] [--tiny]
 
 For each Qwen3-8B projection shape (K in → N out: q/o 4096→4096, k/v 4096→1024, gate/up 4096→12288, down
@@ -107,7 +107,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m bench.nf4_linear", __doc__.split("\n")[0], "small shapes on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_linear", __doc__.split("\n")[0], "small shapes on the CPU (tests)")
     p.add_argument("--rows", type=parse_ints, default=None, help="row counts M (default 16 … 8192)")
     return p
 

@@ -1,7 +1,7 @@
 """One MoE layer's experts on NF4 weights against the same experts in bf16, on one GPU: what QLoRA on the experts
 costs in time and transient memory (kernels/nf4_moe.py).
 
-    python3 -m bench.nf4_moe [--micro-batches 1,2,4] [--repeats 20] [--out bench/results] [--tiny]
+    python3 -m atelier_studio.bench.nf4_moe [--micro-batches 1,2,4] [--repeats 20] [--out bench/results] [--tiny]
 
 Shapes: Qwen3-30B-A3B's sparse layer (E = 128 experts, D = 2048, F = 768, top-8) with per-expert LoRA r16 on gate,
 up and down in bf16, and S = micro-batch · 2048 · 8 routed slots spread over the experts at random (sorted by
@@ -100,7 +100,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m bench.nf4_moe", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_moe", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
     p.add_argument("--micro-batches", type=parse_ints, default=None, help="rows of 2048 tokens (default 1,2,4)")
     return p
 

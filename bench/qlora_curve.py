@@ -1,6 +1,6 @@
 """QLoRA against bf16-base LoRA over a whole run: the loss curves of `atelier designer train` on the shapes world.
 
-    python -m bench.qlora_curve --out DIR [--tokenizer DIR] [--size 8b] [--steps 300] [--micro-batch 2]
+    python -m atelier_studio.bench.qlora_curve --out DIR [--tokenizer DIR] [--size 8b] [--steps 300] [--micro-batch 2]
         [--work /tmp/atelier-qlora-curve] [--tiny]
 
 Both runs go through the user-facing CLI with the same model directory (random init of the named size), data,
@@ -148,7 +148,7 @@ def chart(report: dict[str, Any], path: Path) -> Path | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.qlora_curve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.bench.qlora_curve", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--work", default="/tmp/atelier-qlora-curve", help="world, tokenizer, model and runs (kept)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory; default: BPE trained on the world")

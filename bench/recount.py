@@ -1,6 +1,6 @@
 """Add the head-on-every-token MFU (docs/mfu.md) to a designer report written before the bench computed it.
 
-    python3 -m bench.recount bench/results/designer-<config>-<date>.json [--tokenizer DIR]
+    python3 -m atelier_studio.bench.recount bench/results/designer-<config>-<date>.json [--tokenizer DIR]
 
 The report keeps every run's per-step times; the batches are rebuilt exactly as the bench built them (same
 config, seed, micro-batch, tokenizer: `--tokenizer` says where the report's tokenizer is on this machine), so
@@ -88,7 +88,7 @@ def replace_table(old_md: str, new_md: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.recount", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.recount", description=__doc__.split("\n")[0])
     p.add_argument("report", type=Path)
     p.add_argument("--tokenizer", default=None)
     a = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Scaling runs on several GPUs of one host, through the user-facing CLI with FSDP2.
 
-    python3 -m bench.scaling --tokenizer DIR --out DIR [--runs designer-8b-lora,designer-8b-full,...]
+    python3 -m atelier_studio.bench.scaling --tokenizer DIR --out DIR [--runs designer-8b-lora,designer-8b-full,...]
         [--gpus 1,2,4,8] [--steps 12] [--work /tmp/atelier-scaling] [--tiny]
 
 Each run is `atelier designer train --nproc N` or `atelier imagegen train --nproc N` (torchrun, FSDP2, one
@@ -192,7 +192,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.scaling", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.scaling", description=__doc__.split("\n")[0])
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--gpus", type=parse_ints, default=None, help="process counts (default 1,2,4,8; tiny: 1,2)")
     p.add_argument("--steps", type=int, default=12)

@@ -441,7 +441,7 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.synthetic", description="Write a shapes world to disk.")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.data.synthetic", description="Write a shapes world to disk.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--n", type=int, required=True, help="total samples, train + eval")
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Flow `brief-to-image`: train the designer, train the imagegen, evaluate the chain — three subflows.
 
-    python -m flows.chain                  # the demo configs
+    python -m atelier_studio.flows.chain                  # the demo configs
     prefect deployment run brief-to-image/default --watch --watch-timeout 3600
 
 Each subflow is the same flow that is deployed on its own (`train-designer`, `train-imagegen`,
@@ -37,7 +37,7 @@ def brief_to_image(designer_config: str = "configs/designer/demo.toml",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.chain", description="run the brief-to-image flow")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.chain", description="run the brief-to-image flow")
     p.add_argument("--designer-config", default="configs/designer/demo.toml")
     p.add_argument("--imagegen-config", default="configs/imagegen/demo.toml")
     p.add_argument("--briefs", default="runs/world/briefs_eval.txt")
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     from atelier_studio.flows.local_server import require_server
 
-    require_server("python -m flows.chain")
+    require_server("python -m atelier_studio.flows.chain")
     result = brief_to_image(args.designer_config, args.imagegen_config, args.briefs, args.out, nproc=args.nproc)
     print(json.dumps(result["aggregate"], indent=1))
     return 0

@@ -1,6 +1,6 @@
 """`make demo`: the whole product on the shapes world, from a fresh clone, on a CPU, through Prefect.
 
-    python -m flows.demo [--skip-eval]
+    python -m atelier_studio.flows.demo [--skip-eval]
 
 Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
     1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32 --n-text 8000`)
@@ -87,7 +87,7 @@ def deployment_run(name: str, params: dict, env: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.demo", description="the brief-to-image demo on a CPU")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.demo", description="the brief-to-image demo on a CPU")
     p.add_argument("--skip-eval", action="store_true")
     args = p.parse_args(argv)
     import os

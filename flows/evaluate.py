@@ -2,7 +2,7 @@
 
     atelier eval --designer runs/d1/model --imagegen runs/i1/ema --briefs runs/world/briefs_eval.txt --out runs/eval
         [--clip models/clip-vit-large-patch14]
-    python -m flows.evaluate --designer ... --imagegen ... --briefs ... --out ... [--clip DIR]   (as a Prefect flow)
+    python -m atelier_studio.flows.evaluate --designer ... --imagegen ... --briefs ... --out ... [--clip DIR]   (as a Prefect flow)
 
 Steps, each a plain function taking and returning paths (the flow wraps each in a task):
     1. `read_briefs`      briefs file → list of briefs, any text (.txt: one per line; .jsonl: {"brief": ...} per
@@ -489,14 +489,14 @@ def chain_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = chain_parser("python -m flows.evaluate", "run the brief-to-image-eval flow")
+    p = chain_parser("python -m atelier_studio.flows.evaluate", "run the brief-to-image-eval flow")
     p.add_argument("--clip", default="", help="a local transformers CLIP directory: CLIP scores for every image")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
     from atelier_studio.flows.local_server import require_server
 
-    require_server("python -m flows.evaluate")
+    require_server("python -m atelier_studio.flows.evaluate")
     result = brief_to_image_eval(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
                                  guidance=args.guidance, clip=args.clip)
     print(describe_scores(result))

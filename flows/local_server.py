@@ -85,7 +85,7 @@ def require_server(command: str, ep: Endpoint | None = None) -> Endpoint:
     """Raise ServerNotRunning, naming `make serve`, unless the API answers."""
     ep = ep or endpoint()
     if not healthy(ep):
-        how = ("start it with `make serve` (or `python -m flows.serve start`)" if ep.local else
+        how = ("start it with `make serve` (or `python -m atelier_studio.flows.serve start`)" if ep.local else
                "that is PREFECT_API_URL: start that server, or unset PREFECT_API_URL to use the local one "
                "(`make serve`)")
         raise ServerNotRunning(f"{command}: no Prefect server answers at {ep.api_url}; {how}")

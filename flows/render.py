@@ -1,7 +1,7 @@
 """Flow `render-briefs`: briefs (any text) → designer captions → imagegen images, with no scoring.
 
     atelier render --designer runs/d1 --imagegen runs/sd3/pipeline --briefs briefs.txt --out runs/render
-    python -m flows.render --designer ... --imagegen ... --briefs ... --out ...        (as a Prefect flow)
+    python -m atelier_studio.flows.render --designer ... --imagegen ... --briefs ... --out ...        (as a Prefect flow)
     prefect deployment run render-briefs/default -p designer=runs/d1 -p imagegen=runs/i1 -p briefs=briefs.txt \
         -p out_dir=runs/render --watch --watch-timeout 1800
 
@@ -103,13 +103,13 @@ def render_briefs(designer: str, imagegen: str, briefs: str, out_dir: str = "run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = chain_parser("python -m flows.render", "run the render-briefs flow")
+    p = chain_parser("python -m atelier_studio.flows.render", "run the render-briefs flow")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--guidance", type=float, default=4.0)
     args = p.parse_args(argv)
     from atelier_studio.flows.local_server import require_server
 
-    require_server("python -m flows.render")
+    require_server("python -m atelier_studio.flows.render")
     result = render_briefs(args.designer, args.imagegen, args.briefs, args.out, args.seed, steps=args.steps,
                            guidance=args.guidance)
     print(json.dumps(result, indent=1))

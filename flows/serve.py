@@ -1,9 +1,9 @@
 """The local Prefect server and the process serving Atelier's deployments: start, stop, status, run.
 
-    python -m flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process, in the background
-    python -m flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then the server
-    python -m flows.serve status
-    python -m flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
+    python -m atelier_studio.flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process, in the background
+    python -m atelier_studio.flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then the server
+    python -m atelier_studio.flows.serve status
+    python -m atelier_studio.flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
 
 Served deployments, all named `default`: train-designer/default, train-imagegen/default,
 brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with
@@ -186,14 +186,14 @@ def run() -> None:
     from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.train_imagegen import train_imagegen
 
-    require_server("python -m flows.serve run")
+    require_server("python -m atelier_studio.flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,
                                                       brief_to_image, render_briefs)),
           pause_on_shutdown=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.serve", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=["start", "stop", "status", "run"])
     p.add_argument("--timeout", type=float, default=SERVER_START_TIMEOUT_S, help="seconds to wait for the server")
     args = p.parse_args(argv)
