@@ -23,6 +23,7 @@ from atelier_studio.designer.lora import load_peft_adapter
 from atelier_studio.pipeline.atomic import atomic_write_text, check_dir_path
 from atelier_studio.pipeline.errors import ModelLoadError, WriteError
 from atelier_studio.pipeline.hf_files import check_vocab_size
+from atelier_studio.pipeline.hub import resolve_model_path
 
 
 def read_briefs(path: Path) -> list[str]:
@@ -72,6 +73,7 @@ def load_designer(path: Path, device: torch.device, dtype: torch.dtype = torch.f
     if adapter_cfg.is_file():
         cfg = read_json(adapter_cfg, ModelLoadError)
         base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+        base = resolve_model_path(base, f"{adapter_cfg}: base_model_name_or_path") if base else base
         if not base or not Path(base).is_dir():
             raise FileNotFoundError(f"{adapter_cfg}: base_model_name_or_path {base!r} is not a local directory")
         model = load_pretrained(base, dtype=dtype, device=device)

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from atelier_studio.pipeline import config as engine_config
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import MODEL_PATH, ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""  # a Hugging Face model directory (config.json + safetensors + tokenizer files)
+    # a Hugging Face model directory (config.json + safetensors + tokenizer files), or a hub id in the local cache
+    path: str = field(default="", metadata=MODEL_PATH)
     # compute precision: "bfloat16" keeps fp32 master weights (full FT) or a frozen bf16 base (LoRA)
     # and runs the matmuls in bf16; "float32" is exact (CPU tests, parity checks)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"

@@ -7,6 +7,7 @@
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR  (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
+    atelier designer export --merge RUN --out DIR [--dtype bfloat16|float16|float32]   (a LoRA / QLoRA run → full model)
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
@@ -175,12 +176,27 @@ def designer_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_arg(value: str, option: str) -> Path | None:
+    """A model option's directory: a local path, or a hub id's snapshot in the local cache (pipeline/hub.py);
+    None for an option left empty."""
+    from atelier_studio.pipeline.hub import resolve_model_path
+
+    return Path(resolve_model_path(value, option)) if value else None
+
+
 def designer_generate(args: argparse.Namespace) -> int:
     from atelier_studio.designer.captions import generate_captions
 
-    generate_captions(model_dir=Path(args.model), adapter_dir=Path(args.adapter) if args.adapter else None,
+    generate_captions(model_dir=_model_arg(args.model, "--model"), adapter_dir=_model_arg(args.adapter, "--adapter"),
                       briefs_file=Path(args.briefs), out_file=Path(args.out), max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size)
+    return 0
+
+
+def designer_export(args: argparse.Namespace) -> int:
+    from atelier_studio.designer.export import export_merged
+
+    export_merged(Path(args.merge), Path(args.out), dtype=args.dtype or None)
     return 0
 
 
@@ -229,7 +245,7 @@ def imagegen_cache(args: argparse.Namespace) -> int:
 def imagegen_sample(args: argparse.Namespace) -> int:
     from atelier_studio.imagegen.sample import sample_to_dir
 
-    sample_to_dir(model_dir=Path(args.model), captions_file=Path(args.captions), out_dir=Path(args.out),
+    sample_to_dir(model_dir=_model_arg(args.model, "--model"), captions_file=Path(args.captions), out_dir=Path(args.out),
                   steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
                   resolution=args.resolution)
     return 0
@@ -282,16 +298,17 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.captions:
         if args.designer or args.briefs:
             raise UsageError("--captions replaces the designer: pass either --captions or --designer with --briefs")
-        result = evaluate_captions(Path(args.captions), Path(args.out), Path(args.imagegen) if args.imagegen else None,
+        result = evaluate_captions(Path(args.captions), Path(args.out), _model_arg(args.imagegen, "--imagegen"),
                                    seed=args.seed, steps=args.steps, guidance=args.guidance)
         print(result)
         return 0
     if not (args.designer and args.briefs and args.imagegen):
         raise UsageError("eval needs --designer, --briefs and --imagegen (or --captions, to judge given captions)")
-    result = evaluate_brief_to_image(designer=Path(args.designer), imagegen=Path(args.imagegen),
+    result = evaluate_brief_to_image(designer=_model_arg(args.designer, "--designer"),
+                                     imagegen=_model_arg(args.imagegen, "--imagegen"),
                                      briefs=Path(args.briefs), out_dir=Path(args.out), seed=args.seed,
                                      steps=args.steps, guidance=args.guidance,
-                                     clip=Path(args.clip) if args.clip else None)
+                                     clip=_model_arg(args.clip, "--clip"))
     print(f"scores run: {describe_scores(result)}")
     print(result)
     return 0
@@ -300,7 +317,8 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_render(args: argparse.Namespace) -> int:
     from atelier_studio.flows.render import render_briefs_plain
 
-    result = render_briefs_plain(designer=Path(args.designer), imagegen=Path(args.imagegen), briefs=Path(args.briefs),
+    result = render_briefs_plain(designer=_model_arg(args.designer, "--designer"),
+                                 imagegen=_model_arg(args.imagegen, "--imagegen"), briefs=Path(args.briefs),
                                  out_dir=Path(args.out), seed=args.seed, steps=args.steps, guidance=args.guidance)
     print(result)
     return 0
@@ -425,6 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     number(sp, "--seed", type=int, bounds=SEED, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sp = command(d, "export", designer_export, "merge a LoRA or QLoRA run's adapter into a full HF model directory")
+    sp.add_argument("--merge", required=True, metavar="RUN", help="a LoRA or QLoRA run folder, or its adapter/ folder")
+    sp.add_argument("--out", required=True, help="the merged model directory (config.json, safetensors, tokenizer)")
+    sp.add_argument("--dtype", default="", choices=["", "bfloat16", "float16", "float32"],
+                    help="the merged weights' dtype (default: the base model's)")
     sp = command(d, "generate", designer_generate, "write captions for briefs (one per line)")
     sp.add_argument("--model", required=True, help="HF model directory (base or fully fine-tuned)")
     sp.add_argument("--adapter", default="", help="PEFT adapter directory to apply")

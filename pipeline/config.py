@@ -24,8 +24,13 @@ from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
 
 from atelier_studio.pipeline.errors import AtelierError, decode_utf8
+from atelier_studio.pipeline.hub import resolve_model_path
 
 T = TypeVar("T")
+
+# A str field that names a model (a local directory, or a Hugging Face hub id resolved from the local cache when it is
+# loaded: pipeline/hub.py): `path: str = field(default="", metadata=MODEL_PATH)`
+MODEL_PATH = {"model_path": True}
 
 
 class ConfigError(AtelierError, ValueError):
@@ -160,7 +165,7 @@ class LoraConfig:
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
     dtype: Literal["float32", "bfloat16"] = "float32"  # the adapter weights' dtype
     # an adapter to continue training from, in the trainer's format; its rank must equal lora.rank
-    init_adapter: str = ""
+    init_adapter: str = field(default="", metadata=MODEL_PATH)
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -227,6 +232,11 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for name, f in known.items():
         if name in data:
             kwargs[name] = _coerce(hints[name], data[name], prefix + name)
+            if f.metadata.get("model_path") and kwargs[name]:  # a hub id becomes its cached snapshot (pipeline/hub.py)
+                try:
+                    kwargs[name] = resolve_model_path(kwargs[name], prefix + name)
+                except AtelierError as e:
+                    raise ConfigError(str(e)) from None
         elif is_dataclass(hints[name]):
             kwargs[name] = config_from_dict(hints[name], {}, prefix + name + ".")
     try:
