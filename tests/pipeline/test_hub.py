@@ -1,5 +1,5 @@
-"""pipeline/hub.py: model arguments that are hub ids resolve from a cache laid out by the test, offline, never downloaded;
-a local path always wins; a string that is no id is left for the caller's own error."""
+"""pipeline/hub.py: model arguments that are hub ids resolve from a cache laid out by the test, offline, never
+downloaded; a local path always wins; a string that is no id is left for the caller's own error."""
 from __future__ import annotations
 
 import shutil
