@@ -69,6 +69,7 @@ from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, mat
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.hf_files import check_vocab_size
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
+from atelier_studio.pipeline.hub import resolve_model_path
 from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Skipped
 
@@ -93,7 +94,7 @@ class DesignerTask:
         self.device = device
         self.dist = dist if dist is not None else DistContext(device=device)
         rank, world_size = self.dist.rank, self.dist.world_size
-        model_dir = Path(cfg.model.path)
+        model_dir = Path(resolve_model_path(cfg.model.path, "model.path"))  # a hub id not in the cache: one line
         if not model_dir.is_dir():
             raise ConfigError(f"model.path: {model_dir} is not a directory (a Hugging Face model directory with "
                               f"config.json, safetensors and tokenizer files; see `atelier designer init`)")
@@ -162,7 +163,7 @@ class DesignerTask:
                                 kernels=self.cfg.model.kernels)
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:
-                load_peft_adapter(model, self.cfg.lora.init_adapter)
+                load_peft_adapter(model, resolve_model_path(self.cfg.lora.init_adapter, "lora.init_adapter"))
             elif self.nf4:
                 init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 with torch.random.fork_rng(devices=[]):  # these host draws are replaced by `init`: no trace of them
@@ -202,8 +203,9 @@ class DesignerTask:
         lora_init: dict[str, torch.Tensor] = {}
         if self.lora_args is not None:
             if self.cfg.lora.init_adapter:  # checks the adapter's keys and shapes; the values are read below
-                load_peft_adapter(model, self.cfg.lora.init_adapter)
-                lora_init = lora_tensors_of_adapter(model, Path(self.cfg.lora.init_adapter) / ADAPTER_FILE)
+                adapter = Path(resolve_model_path(self.cfg.lora.init_adapter, "lora.init_adapter"))
+                load_peft_adapter(model, adapter)
+                lora_init = lora_tensors_of_adapter(model, adapter / ADAPTER_FILE)
             else:
                 lora_init = _lora_init_like_apply_lora(model, self.lora_args, self.device)
                 apply_lora(model, self.lora_args)

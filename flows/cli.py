@@ -16,6 +16,9 @@
     atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
 
+A model DIR (and a config's model.path, lora.init_adapter, text.encoder, autoencoder.spec) may also be a Hugging
+Face hub id, `org/name[@revision]`, found in the local cache only (pipeline/hub.py; an existing path always wins).
+
 `--nproc N` (and, for several nodes, --nnodes/--node-rank/--master-addr/--master-port) re-launches the
 train command through torchrun (`python -m torch.distributed.run`), one process per GPU; docs/distributed.md.
 

@@ -24,6 +24,7 @@ from atelier_studio.imagegen.registry import family_of_args, family_of_class_nam
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
 from atelier_studio.pipeline.errors import ModelLoadError
 from atelier_studio.pipeline.hf_files import read_safetensors_header
+from atelier_studio.pipeline.hub import resolve_model_path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -32,7 +33,7 @@ INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 def resolve_dir(path: str | os.PathLike) -> Path:
     """The transformer directory: ``path`` itself, or ``path/transformer`` for a pipeline directory."""
-    root = Path(path)
+    root = Path(resolve_model_path(str(path), "the imagegen model"))  # a hub id not in the local cache: one line
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected a diffusers SD3 transformer directory)")
     for candidate in (root, root / "transformer"):

@@ -232,11 +232,8 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for name, f in known.items():
         if name in data:
             kwargs[name] = _coerce(hints[name], data[name], prefix + name)
-            if f.metadata.get("model_path") and kwargs[name]:  # a hub id becomes its cached snapshot (pipeline/hub.py)
-                try:
-                    kwargs[name] = resolve_model_path(kwargs[name], prefix + name)
-                except AtelierError as e:
-                    raise ConfigError(str(e)) from None
+            if f.metadata.get("model_path"):  # a cached hub id becomes its snapshot folder (pipeline/hub.py)
+                kwargs[name] = resolve_model_path(kwargs[name], prefix + name, strict=False)
         elif is_dataclass(hints[name]):
             kwargs[name] = config_from_dict(hints[name], {}, prefix + name + ".")
     try:

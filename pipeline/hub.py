@@ -1,8 +1,10 @@
 """Model arguments that name a Hugging Face hub id (`Qwen/Qwen3-8B`, `org/name@revision`), found in the local cache.
 
-Every model argument (the configs' model paths through pipeline/config.py's `model_path` fields, the CLI's
---model / --adapter / --designer / --imagegen / --clip, an adapter's base_model_name_or_path) goes through
-`resolve_model_path`:
+Every model argument goes through `resolve_model_path`: the CLI's --model / --adapter / --designer / --imagegen /
+--clip and an adapter's base_model_name_or_path strictly; a config's model fields (pipeline/config.py's MODEL_PATH:
+model.path, lora.init_adapter, text.encoder, autoencoder.spec) when it loads, leniently (an id not in the cache stays
+as it is: `models/tiny` may be a folder made later), then strictly where the trainer opens the model (designer/task.py,
+imagegen/hf.py resolve_dir):
   - a path that exists is used as it is, always (a local folder named like an id wins);
   - `org/name` or `org/name@revision` that is not a path is looked up in the hub cache, never downloaded
     (`snapshot_download(..., local_files_only=True)`): the snapshot folder
@@ -41,9 +43,11 @@ def parse_repo_id(value: str) -> tuple[str, str | None] | None:
     return m["id"], m["rev"]
 
 
-def resolve_model_path(value: str, what: str) -> str:
+def resolve_model_path(value: str, what: str, strict: bool = True) -> str:
     """`value` as a local path: itself when it exists or is no hub id, else the cached snapshot of the hub id
-    (module docstring). `what` names the argument in the error (e.g. "model.path", "--model")."""
+    (module docstring). `what` names the argument in the error (e.g. "model.path", "--model"). strict=False returns
+    an id that is not in the cache unchanged: what a config does when it loads (a config may name a local directory
+    that is made later, like `models/tiny`, also a valid id); the model's loader then resolves strictly."""
     if not value or Path(value).expanduser().exists():
         return value
     parsed = parse_repo_id(value)
@@ -57,6 +61,8 @@ def resolve_model_path(value: str, what: str) -> str:
     try:
         return snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=True)
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        if not strict:
+            return value
         at = f" at revision {revision}" if revision else ""
         raise ModelLoadError(
             f"{what} {value!r}: no such local directory, and the hub model {repo_id}{at} is not in the Hugging Face "

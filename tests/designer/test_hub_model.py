@@ -32,7 +32,11 @@ def test_a_lora_run_trains_from_a_hub_id_and_generate_reads_one(world, offline_c
                                   "lora.rank=4"),
     lambda world, tmp: ["designer", "generate", "--model", "atelier-test/absent", "--briefs", str(tmp / "b.txt"),
                         "--out", str(tmp / "c.jsonl")],
-], ids=["train", "generate"])
+    lambda world, tmp: ["imagegen", "sample", "--model", "atelier-test/absent", "--captions", str(tmp / "c.txt"),
+                        "--out", str(tmp / "out")],
+    lambda world, tmp: ["render", "--designer", "atelier-test/absent", "--imagegen", str(tmp), "--briefs",
+                        str(tmp / "b.txt"), "--out", str(tmp / "out")],
+], ids=["train", "generate", "imagegen sample", "render"])
 def test_an_id_not_in_the_cache_is_one_line_naming_it_and_the_cache(argv, world, offline_cache, tmp_path,  # noqa: F811
                                                                      capsys):
     assert main(argv(world, tmp_path)) == 2
