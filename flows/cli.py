@@ -248,7 +248,8 @@ def imagegen_cache(args: argparse.Namespace) -> int:
 def imagegen_sample(args: argparse.Namespace) -> int:
     from atelier_studio.imagegen.sample import sample_to_dir
 
-    sample_to_dir(model_dir=_model_arg(args.model, "--model"), captions_file=Path(args.captions), out_dir=Path(args.out),
+    sample_to_dir(model_dir=_model_arg(args.model, "--model"), captions_file=Path(args.captions),
+                  out_dir=Path(args.out),
                   steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
                   resolution=args.resolution)
     return 0

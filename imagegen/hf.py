@@ -33,7 +33,10 @@ INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 def resolve_dir(path: str | os.PathLike) -> Path:
     """The transformer directory: ``path`` itself, or ``path/transformer`` for a pipeline directory."""
-    root = Path(resolve_model_path(str(path), "the imagegen model"))  # a hub id not in the local cache: one line
+    try:
+        root = Path(resolve_model_path(str(path), "the imagegen model"))  # a cached hub id: its snapshot
+    except ModelLoadError as e:  # an id not in the cache: a missing directory, as callers expect, with the hub's fix
+        raise FileNotFoundError(str(e)) from None
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected a diffusers SD3 transformer directory)")
     for candidate in (root, root / "transformer"):
