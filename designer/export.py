@@ -111,8 +111,10 @@ def dequantize_nf4_bases(model: CausalLM) -> None:
             setattr(host, leaf, weight)
 
 
-def export_merged(run: Path, out: Path, dtype: str | None = None, log: Callable[[str], None] = print) -> Path:
-    """Merge RUN's adapter into its base and write the full model to `out` (module docstring). Returns `out`."""
+def export_merged(run: Path, out: Path, dtype: str | None = None, log: Callable[[str], None] = print,
+                  max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Merge RUN's adapter into its base and write the full model to `out` (module docstring), in safetensors shards
+    of at most `max_shard_bytes` (hf.save_pretrained's default). Returns `out`."""
     src = merge_source(run)
     out_dtype = DTYPES[dtype] if dtype else base_dtype(src.base)
     model = load_pretrained(src.base, dtype=src.base_load_dtype if src.nf4 else torch.float32)
@@ -126,7 +128,7 @@ def export_merged(run: Path, out: Path, dtype: str | None = None, log: Callable[
     merge_lora(model)
     tokenizer = src.adapter if (src.adapter / "tokenizer.json").is_file() else src.base
     tokenizer = tokenizer if (tokenizer / "tokenizer_config.json").is_file() else None
-    save_pretrained(model, out, dtype=out_dtype, tokenizer_dir=tokenizer)
+    save_pretrained(model, out, dtype=out_dtype, max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer)
     note = "" if tokenizer else " (no tokenizer files found beside the adapter or the base)"
     log(f"merged the LoRA r{lora.rank} adapter {src.adapter} into {src.base}: a full "
         f"{str(out_dtype).removeprefix('torch.')} model at {out}{note}")

@@ -90,6 +90,30 @@ def test_a_lora_run_folder_merges_into_a_model_transformers_loads(world, tmp_pat
     assert rel_err(before, want) > 100 * PARITY  # the adapter trained: the merge really changed the model
 
 
+def test_sharded_output_and_a_base_named_by_hub_id(world, tmp_path, monkeypatch):
+    """Small shards give an index transformers follows; an adapter whose base_model_name_or_path is a hub id (as
+    PEFT writes for hub bases) merges from the local cache, and one not in the cache is one line naming it."""
+    from atelier_studio.designer.export import export_merged
+
+    from tests.pipeline.test_hub import lay_out_cache
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lay_out_cache(tmp_path / "hub", "atelier-test/designer-tiny", world / "model")
+    adapter = _random_adapter(world / "model", tmp_path / "adapter", LoraArgs(rank=2, alpha=4.0), seed=9)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path":
+                                                             "atelier-test/designer-tiny"}))
+    out = export_merged(adapter, tmp_path / "merged", max_shard_bytes=2**16)
+    assert (out / "model.safetensors.index.json").is_file() and len(set(weight_files(out).values())) > 1
+    ids = _ids(load_hf(out).config.vocab_size)
+    with torch.no_grad():
+        want = _peft_merged(world / "model", adapter)(input_ids=ids).logits
+        assert rel_err(load_hf(out)(input_ids=ids).logits, want) <= PARITY
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "atelier-test/gone"}))
+    assert main(["designer", "export", "--merge", str(adapter), "--out", str(tmp_path / "again")]) == 2
+
+
 def test_a_qlora_run_merges_onto_the_nf4_rounded_base(world, tmp_path, capsys):
     run = tmp_path / "qlora"
     assert main(train_args(world, run, "--set", "lora.rank=4", "--set", "train.max_steps=2", "--set",
