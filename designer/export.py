@@ -43,6 +43,7 @@ class MergeSource:
     base: Path
     nf4: bool  # the run stored its LoRA bases in NF4 (QLoRA)
     base_load_dtype: torch.dtype  # the dtype the run loaded the base in (what NF4 was quantised from)
+    run_config: bool  # the run's config.toml was found (the adapter alone says nothing of NF4)
 
 
 def _run_config(path: Path) -> dict:
@@ -75,7 +76,7 @@ def merge_source(run: Path) -> MergeSource:
     run_cfg = _run_config(config) if config.is_file() else {}
     nf4 = run_cfg.get("lora", {}).get("base_dtype") == "nf4"
     exact = run_cfg.get("model", {}).get("dtype") == "float32"
-    return MergeSource(adapter, base_dir, nf4, torch.float32 if exact else torch.bfloat16)
+    return MergeSource(adapter, base_dir, nf4, torch.float32 if exact else torch.bfloat16, config.is_file())
 
 
 def base_dtype(base: Path) -> torch.dtype:
@@ -85,18 +86,18 @@ def base_dtype(base: Path) -> torch.dtype:
     return DTYPES.get(str(name), torch.bfloat16)
 
 
-def dequantize_nf4_bases(model: CausalLM) -> None:
-    """Every NF4 base of a QLoRA model back as plain fp32 weights holding Ŵ, in place: an NF4LoRALinear becomes a
-    LoRALinear (same adapters) over an nn.Linear, an NF4 expert stack a Parameter, so merge_lora sums Ŵ + s·B·A in
-    fp32."""
+def dequantize_nf4_bases(model: CausalLM, dtype: torch.dtype) -> None:
+    """Every NF4 base of a QLoRA model back as plain weights holding Ŵ in `dtype`, in place: an NF4LoRALinear becomes
+    a LoRALinear (same adapters) over an nn.Linear, an NF4 expert stack a Parameter, for merge_lora. Ŵ comes in the
+    dtype the base was quantised from, so `dtype` (that one, or fp32) holds it exactly."""
     for name, m in list(model.named_modules()):
         if isinstance(m, NF4LoRALinear):
             q = m.base_layer
-            base = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None).requires_grad_(False)
+            base = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, dtype=dtype).requires_grad_(False)
             with torch.no_grad():
-                base.weight.copy_(q.dequantized_weight().float())
+                base.weight.copy_(q.dequantized_weight())
                 if q.bias is not None:
-                    base.bias.copy_(q.bias.float())
+                    base.bias.copy_(q.bias)
             plain = LoRALinear.__new__(LoRALinear)
             nn.Module.__init__(plain)
             plain.base_layer, plain.lora_A, plain.lora_B, plain.dropout = base, m.lora_A, m.lora_B, m.dropout
@@ -106,7 +107,7 @@ def dequantize_nf4_bases(model: CausalLM) -> None:
         elif isinstance(m, NF4ExpertStack):
             parent, _, leaf = name.rpartition(".")
             host = model.get_submodule(parent)
-            weight = nn.Parameter(m.experts().dequantize().float(), requires_grad=False)
+            weight = nn.Parameter(m.experts().dequantize().to(dtype), requires_grad=False)
             delattr(host, leaf)  # the NF4 module goes; the Parameter of the same name takes its place
             setattr(host, leaf, weight)
 
@@ -117,14 +118,20 @@ def export_merged(run: Path, out: Path, dtype: str | None = None, log: Callable[
     of at most `max_shard_bytes` (hf.save_pretrained's default). Returns `out`."""
     src = merge_source(run)
     out_dtype = DTYPES[dtype] if dtype else base_dtype(src.base)
-    model = load_pretrained(src.base, dtype=src.base_load_dtype if src.nf4 else torch.float32)
+    # The dtype the base weights are held in: merge_lora sums W + s·B·A in fp32 and casts the sum to it, the writer
+    # casts to out_dtype. Holding the base in out_dtype when that is the dtype the weights come in (the base's own,
+    # or the run's for NF4) costs no rounding and half the memory of fp32; otherwise fp32, so the cast is the only one.
+    held = src.base_load_dtype if src.nf4 else base_dtype(src.base)
+    work = out_dtype if out_dtype == held else torch.float32
+    model = load_pretrained(src.base, dtype=src.base_load_dtype if src.nf4 else work)
     lora = load_peft_adapter(model, src.adapter)
     if src.nf4:
         done, _ = quantize_lora_bases(model)
-        dequantize_nf4_bases(model)
+        dequantize_nf4_bases(model, work)
         log(f"QLoRA run: {len(done)} NF4 bases quantised from {str(src.base_load_dtype).removeprefix('torch.')} as "
             f"the run did, and merged dequantised: the merged weights carry the NF4 rounding of the base")
-    model.float()  # adapters and bases in fp32: merge_lora sums W + s·B·A in fp32; the writer casts once
+    elif not src.run_config:
+        log(f"no run config.toml beside {src.adapter}: merged as a LoRA adapter on the unquantised base")
     merge_lora(model)
     tokenizer = src.adapter if (src.adapter / "tokenizer.json").is_file() else src.base
     tokenizer = tokenizer if (tokenizer / "tokenizer_config.json").is_file() else None

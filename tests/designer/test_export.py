@@ -43,13 +43,20 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 19), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_merge_equals_peft_merge_and_unload(world, tmp_path, dtype):
+@pytest.mark.parametrize("base_dtype,dtype", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "")],
+                         ids=["fp32 base, fp32 out", "fp32 base, bf16 out", "bf16 base, its dtype out"])
+def test_merge_equals_peft_merge_and_unload(world, tmp_path, base_dtype, dtype):
     base = world / "model"
+    if base_dtype != "float32":  # held in bf16 while merging (half fp32's memory): still one rounding of the fp32 sum
+        base = tmp_path / "base"
+        assert main(["designer", "init", "--size", "tiny", "--tokenizer", str(world / "tok"), "--out", str(base),
+                     "--dtype", base_dtype]) == 0
     adapter = _random_adapter(base, tmp_path / "adapter", LoraArgs(rank=4, alpha=16.0, targets=("q", "v", "o", "down")),
                               seed=3)
     out = tmp_path / "merged"
-    assert main(["designer", "export", "--merge", str(adapter), "--out", str(out), "--dtype", dtype]) == 0
+    given = ["--dtype", dtype] if dtype else []
+    assert main(["designer", "export", "--merge", str(adapter), "--out", str(out), *given]) == 0
+    dtype = dtype or base_dtype
     peft = _peft_merged(base, adapter)
     ours = load_hf(out)  # transformers' AutoModelForCausalLM reads it (as fp32 for the comparison)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == dtype
@@ -152,6 +159,39 @@ def test_a_qwen3_moe_adapter_merges_into_the_per_expert_weights(world, tmp_path)
     ids = _ids(ours.config.vocab_size)
     with torch.no_grad():
         assert rel_err(ours(input_ids=ids).logits, peft(input_ids=ids).logits) <= PARITY
+
+
+def test_a_qwen3_moe_qlora_adapter_merges_onto_the_nf4_experts(world, tmp_path):
+    """An adapter beside a run config.toml saying lora.base_dtype = "nf4" (as a QLoRA run leaves it): every expert
+    stack and attention linear is merged onto its dequantised NF4 weights, Ŵ + s·B·A, in the per-expert layout."""
+    model_dir = tmp_path / "moe"
+    assert main(["designer", "init", "--size", "qwen3-moe-tiny", "--tokenizer", str(world / "tok"), "--out",
+                 str(model_dir), "--dtype", "float32"]) == 0
+    adapter = _random_adapter(model_dir, tmp_path / "run" / "adapter", LoraArgs(rank=4, alpha=8.0), seed=6)
+    (tmp_path / "run" / "config.toml").write_text('[model]\ndtype = "float32"\n[lora]\nbase_dtype = "nf4"\n')
+    out = tmp_path / "merged"
+    assert main(["designer", "export", "--merge", str(tmp_path / "run"), "--out", str(out)]) == 0
+    q = load_pretrained(model_dir)
+    load_peft_adapter(q, adapter)
+    quantize_lora_bases(q)
+    merged = load_pretrained(out).state_dict()
+    checked = 0
+    for name, m in q.named_modules():
+        if isinstance(m, NF4LoRALinear):
+            want = m.base_layer.dequantized_weight().float() + m.scale * (m.lora_B.weight @ m.lora_A.weight).float()
+            assert torch.equal(merged[f"{name}.weight"], want), name
+            checked += 1
+        elif isinstance(m, GroupedLoRA):  # <experts>.lora_adapters.<leaf>
+            experts = q.get_submodule(name.rsplit(".", 2)[0])
+            f = experts.down_proj.shape[2]
+            stack, rows = {"gate_proj": ("gate_up_proj", slice(0, f)), "up_proj": ("gate_up_proj", slice(f, None)),
+                           "down_proj": ("down_proj", slice(None))}[m.leaf]
+            w_hat = getattr(experts, stack).experts().dequantize()[:, rows]
+            key = f"{name.rsplit('.', 2)[0]}.{stack}"
+            assert torch.equal(merged[key][:, rows], w_hat.float() + m.delta()), (name, m.leaf)
+            checked += 1
+    assert checked > 0 and any(".experts." in k and k.endswith("gate_up_proj") for k in merged)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in weight_files(out)
 
 
 def test_bad_input_is_one_line(world, tmp_path, capsys):
