@@ -68,8 +68,8 @@ from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, materialize_, parallelize
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.hf_files import check_vocab_size
-from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.hub import resolve_model_path
+from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import Skipped
 
