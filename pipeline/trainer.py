@@ -1,14 +1,14 @@
 """The one training loop, shared by the designer and imagegen trainers.
 
-Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
-each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
-of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
-step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard; with what
-the task's data skipped so far, pipeline/task.py's Skipped),
-evaluation, checkpoints on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position,
-RNG, data cursor; pipeline/checkpointer.py's Checkpointer does the saving and restoring).
+Per optimizer step (`train_step`): draw `grad_accum` micro-batches, sum their loss weights on the host,
+backpropagate each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss
+unit of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule, step AdamW.
+Around it (`fit`): logging (`log_step`; pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard;
+with what the task's data skipped so far, pipeline/task.py's Skipped), validation samples, evaluation, checkpoints
+on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor;
+pipeline/checkpointer.py's Checkpointer does the saving and restoring).
 
-The step itself reads nothing back from the device; the host syncs only where a value is logged.
+The step itself reads nothing back from the device; the host syncs only where a value is logged (`log_step`).
 
 Under torchrun (a `DistContext` with `enabled`, pipeline/distributed.py) the same loop runs on every rank
 over its own slice of each global micro-batch: the loss weights are summed over ranks (so the mean is over
