@@ -70,7 +70,7 @@ from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.hf_files import check_vocab_size
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Skipped
+from atelier_studio.pipeline.task import Skipped, Task
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -85,7 +85,7 @@ class DeviceBatch:
     real_tokens: torch.Tensor  # [B, T] bool: not padding (a family's auxiliary loss counts these only)
 
 
-class DesignerTask:
+class DesignerTask(Task):
     unit = "tokens"
 
     def __init__(self, cfg: DesignerConfig, device: torch.device, dist: DistContext | None = None):

@@ -90,7 +90,7 @@ from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Samples, Skipped
+from atelier_studio.pipeline.task import Samples, Skipped, Task
 
 NUM_BINS = 4
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
@@ -122,7 +122,7 @@ def draw_seed(seed: int, ordinal: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, ordinal, stream]).generate_state(1, dtype=np.uint64)[0])
 
 
-class ImagegenTask:
+class ImagegenTask(Task):
     unit = "images"
 
     def __init__(self, cfg: ImagegenConfig, device: torch.device, dist: DistContext | None = None):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import atelier_studio.pipeline.checkpoint as ckpt_module
+import atelier_studio.pipeline.checkpoint_files as ckpt_module
 from atelier_studio.pipeline.atomic import is_temporary
-from atelier_studio.pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
@@ -135,7 +135,7 @@ import os, sys
 from pathlib import Path
 import torch
 from atelier_studio.pipeline import atomic
-from atelier_studio.pipeline.checkpoint import Checkpoint, save_checkpoint
+from atelier_studio.pipeline.checkpoint_files import Checkpoint, save_checkpoint
 real = os.replace
 def replace(src, dst):
     real(src, dst)

@@ -1,4 +1,5 @@
-"""Atomic checkpoints and exact resume.
+"""The checkpoint files: their formats, written atomically, verified and read back (pipeline/checkpointer.py decides
+what goes into them and which one a run resumes from).
 
 A checkpoint is a directory `checkpoints/step-N/`:
 
