@@ -566,7 +566,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = user_os_error(e)
         if message is None:
             raise
-    print(f"atelier: error: {one_line(message)}", file=sys.stderr)
+    # one write of the whole line: under torchrun every rank prints its error to the same stderr at once, and
+    # print()'s separate writes of the text and the newline let two ranks' lines run together
+    sys.stderr.write(f"atelier: error: {one_line(message)}\n")
+    sys.stderr.flush()
     return 2
 
 
