@@ -427,7 +427,8 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
         write_lines(f"{split}.jsonl", [json.dumps(r) for r in records[split]])
     designer_rows = records["train"] + [sample.record(None) for sample in text_only]
     write_lines("designer_train.jsonl", [json.dumps(r) for r in designer_rows])
-    write_lines("captions.jsonl", [json.dumps({"image": r["image"], "caption": r["caption"]}) for r in records["train"]])
+    write_lines("captions.jsonl",
+                [json.dumps({"image": r["image"], "caption": r["caption"]}) for r in records["train"]])
     write_lines("briefs_eval.txt", [r["brief"] for r in records["eval"]])
     vocab_line = " ".join([*SHAPES, *COLORS, *BACKGROUNDS, *SIZES, *POSITIONS])
     write_lines("corpus.txt", [t for r in records["train"] for t in (r["brief"], r["caption"])] + [vocab_line])
@@ -441,7 +442,8 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.data.synthetic", description="Write a shapes world to disk.")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.data.synthetic",
+                                description="Write a shapes world to disk.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--n", type=int, required=True, help="total samples, train + eval")
     p.add_argument("--seed", type=int, default=0)

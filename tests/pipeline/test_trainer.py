@@ -59,7 +59,8 @@ def test_accumulated_loss_is_token_weighted_mean(tmp_path):
     ((reference(x) - y) ** 2).mean().backward()
     seen = {}
     step = trainer.optimizer.step
-    trainer.optimizer.step = lambda: seen.update({i: p.grad.clone() for i, p in enumerate(task.model.parameters())}) or step()
+    trainer.optimizer.step = lambda: (seen.update({i: p.grad.clone() for i, p in enumerate(task.model.parameters())})
+                                      or step())
     trainer.fit()
     # the same gradient summed in another order (1 + 5 rows, weighted, vs the mean of 6): fp32 rounding over the
     # longest reduction (16 hidden units, then the 6 rows), at each gradient's scale; a wrong weighting of the
