@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-isolated test-portable test-fast serve stop clean venv
+.PHONY: demo lint test test-isolated test-portable test-fast serve stop clean venv
 
 venv: $(STAMP)
 
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 # hides a bug a user sees (issue 27: test_bad_input.py alone failed two rows). ISOLATED_TESTS leave the main pass
 # and run each in a fresh pytest process of its own: the same tests, no extra time but a process start.
 ISOLATED_TESTS := tests/test_bad_input.py
-test: $(STAMP)
+# ruff (pyproject.toml's [tool.ruff]: line length 120, import order, pyflakes): the tree stays clean
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q -m "not gpu" $(addprefix --ignore=,$(ISOLATED_TESTS))
 	$(MAKE) --no-print-directory test-isolated
 

@@ -31,7 +31,14 @@ import torch
 from atelier_studio.pipeline.atomic import ensure_dir
 from atelier_studio.pipeline.checkpointer import Checkpointer, seed_everything
 from atelier_studio.pipeline.config import OutputConfig, TrainConfig
-from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, barrier, consolidated, is_sharded, set_gradient_sync
+from atelier_studio.pipeline.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    consolidated,
+    is_sharded,
+    set_gradient_sync,
+)
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
