@@ -4,19 +4,29 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-portable test-fast serve stop clean venv
+.PHONY: demo test test-portable test-fast serve stop clean venv lock
 
 venv: $(STAMP)
 
 # torch and torchvision first, from the local 2.14.1 build (a CUDA wheel that runs on the CPU);
-# then the package itself in editable mode with the dev extra.
-$(STAMP): pyproject.toml
+# then the package itself in editable mode with the dev extra, at the versions in constraints.txt: the ones the
+# demo's scores and the tests' timings were measured with (docs/demo.md), not whatever the index holds today.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip uninstall -q -y atelier 2>/dev/null || true  # the distribution's name before atelier-studio
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# constraints.txt := the venv's versions (pip freeze), less Atelier itself, pip, torch and torchvision (set above) and
+# what the torch wheel pins for itself (triton, the nvidia-* / cuda-* runtime). Run it only on purpose: after
+# upgrading the venv (docs/demo.md, "The versions"), then measure `make demo` again and commit both together.
+LOCK_SKIP := ^(pip|torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==
+lock: $(STAMP)
+	{ echo "# pip constraints: the versions the demo's scores were measured with (docs/demo.md). Written by \`make lock\`."; \
+	  $(PY) -m pip freeze --all --exclude-editable | grep -Ev '$(LOCK_SKIP)' | grep -v '^#'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
