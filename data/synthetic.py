@@ -23,8 +23,8 @@ train and eval splits (so they leave both unchanged), and each with a layout hin
 (layout, phrase) of LAYOUTS in turn. A tiny designer trained on the 1-2k train briefs alone memorises individual
 briefs, and an unusual wording then gets a colour or shape outside the brief's constraints; the language side
 needs many more distinct briefs than the image side needs images, and text costs nothing to render or encode.
-The hints: a layout is learnt from the briefs that state it, and left/right, which decides the caption's second
-position word only, was the last one learnt (docs/demo.md).
+The hints: a layout is learnt from the briefs that state it, and left/right (which decides only the caption's
+second position word) is learnt all at once at a step that varies from run to run (docs/demo.md).
 
 Files written by `generate_world(out_dir, ...)`:
     train.jsonl, eval.jsonl  {"brief","caption","image","shape","color","size","position",
@@ -421,9 +421,9 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
         "eval": [sample_one(rng, held_out, i < n_held) for i in range(n_eval)],
     }
     # Drawn last, so the image splits stay the same. Each text-only brief carries a layout hint, cycling through
-    # every (layout, phrase) in turn: with hints drawn like the splits' (none in 40% of briefs, else 1 of 6
-    # layouts) only 20% of briefs say left or right, and on some runs the designer had not learnt them at 3000
-    # steps; cycling gives every phrase n_text/17 briefs and left/right 35% of them (docs/demo.md).
+    # every (layout, phrase) in turn: drawn like the splits' (none in 40% of briefs, else 1 of 6 layouts), only 19%
+    # of the designer's briefs said left or right, 32% now (every phrase in n_text/17 text-only briefs). More
+    # signal for the layout learnt last; the demo's designer also needs its 4500 steps for it (docs/demo.md).
     text_only = [sample_one(rng, held_out, False, LAYOUT_PHRASES[i % len(LAYOUT_PHRASES)]) for i in range(n_text)]
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
