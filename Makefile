@@ -4,25 +4,40 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-isolated test-portable test-fast serve stop clean venv
+.PHONY: demo lint test test-isolated test-portable test-fast serve stop clean venv lock
 
 venv: $(STAMP)
 
 # torch first, from the local 2.14.1 build (a CUDA wheel that runs on the CPU); then the package itself in editable
-# mode with the dev extra (nothing in it needs torchvision, which would pin torch to its own release).
-$(STAMP): pyproject.toml
+# mode with the dev extra (nothing in it needs torchvision, which would pin torch to its own release), at the
+# versions in constraints.txt: the ones the demo's scores and the tests' timings were measured with (docs/demo.md),
+# not whatever the index holds today.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1
 	$(PY) -m pip uninstall -q -y atelier 2>/dev/null || true  # the distribution's name before atelier-studio
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# constraints.txt := the venv's versions (pip freeze), less Atelier itself, pip, torch (set above), torchvision and
+# what the torch wheel pins for itself (triton, the nvidia-* / cuda-* runtime). Run it only on purpose: after
+# upgrading the venv (docs/demo.md, "The versions"), then measure `make demo` again and commit both together.
+LOCK_SKIP := ^(pip|torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==
+lock: $(STAMP)
+	{ echo "# pip constraints: the versions the demo's scores were measured with (docs/demo.md). Written by \`make lock\`."; \
+	  $(PY) -m pip freeze --all --exclude-editable | grep -Ev '$(LOCK_SKIP)' | grep -v '^#'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 # The CLI's one-line errors depend on what earlier imports printed, so a test file that passes only after another
 # hides a bug a user sees (issue 27: test_bad_input.py alone failed two rows). ISOLATED_TESTS leave the main pass
 # and run each in a fresh pytest process of its own: the same tests, no extra time but a process start.
 ISOLATED_TESTS := tests/test_bad_input.py
-test: $(STAMP)
+# ruff (pyproject.toml's [tool.ruff]: line length 120, import order, pyflakes): the tree stays clean
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q -m "not gpu" $(addprefix --ignore=,$(ISOLATED_TESTS))
 	$(MAKE) --no-print-directory test-isolated
 

@@ -17,10 +17,10 @@ Paths (each skipped, with the reason, where this machine lacks it):
   sdpa_per_doc the reference loop (kernels.attention "sdpa"), in bf16 here for its speed.
 Exactness: output and dq/dk/dv against packed_causal_attention_ref in fp32 (the ground truth), as the
 max abs error; a path is "exact" when its error is at most 2× that of eager attention in the same dtype
-(transformers' eager attention per document: matmuls in that dtype, fp32 softmax) + 1e-5 (FlashAttention's rule; docs/kernels.md). Timing: CUDA events, median of `repeats`
-after 3 warm-up calls (compile included in warm-up). FLOPs: causal 2·Σ len²·H·Dh forward (QKᵀ and PV,
-the causal half), ×3.5 for forward + backward (backward recomputes P: 2.5× the forward), as FlashAttention
-counts it.
+(transformers' eager attention per document: matmuls in that dtype, fp32 softmax) + 1e-5 (FlashAttention's rule;
+docs/kernels.md). Timing: CUDA events, median of `repeats` after 3 warm-up calls (compile included in warm-up).
+FLOPs: causal 2·Σ len²·H·Dh forward (QKᵀ and PV, the causal half), ×3.5 for forward + backward (backward recomputes
+P: 2.5× the forward), as FlashAttention counts it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 launches, for each format, `torchrun --nproc-per-node N` over this file on the CPU (gloo): an FSDP2-sharded stack of
 linear layers holding `--params-m` million fp32 parameters, one AdamW step (so the state is weights + two moments,
 12 bytes a parameter), then `--repeats` saves and loads of the trainer's state dict (pipeline/checkpointer.py's
-`_app_state` layout). "safetensors" times pipeline/checkpoint.py's own save and load (manifest hashing and fsync
+`_app_state` layout). "safetensors" times pipeline/checkpoint_files.py's own save and load (manifest hashing and fsync
 included); "pickle" times `dcp.save` / `dcp.load` with DCP's default FileSystemWriter/Reader, the format earlier
 versions wrote, plus the same manifest, written at save and checked at load (so the two differ by the storage layer
 only). Prints one markdown row per format: the medians, the state's size and rank 0's peak resident memory after
@@ -34,7 +34,7 @@ def _worker(fmt: str, params_m: float, repeats: int, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from atelier_studio.pipeline.checkpoint import (
+    from atelier_studio.pipeline.checkpoint_files import (
         MANIFEST,
         _describe,
         _write_json,

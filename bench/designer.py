@@ -1,8 +1,10 @@
 """Designer speed on one GPU: Atelier (bf16 and FP8) vs the transformers(+PEFT) peers a user would pick, on the same
 weights and documents.
 
-    python3 -m atelier_studio.bench.designer --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
-        |qwen3-30b-a3b-lora[-1doc|-ac]|qwen3-8b-qlora|qwen3-30b-a3b-qlora --out DIR [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
+    python3 -m atelier_studio.bench.designer
+        --config qwen3-8b-lora|qwen3-1.7b-full|qwen3-8b-lora-64k|qwen3.5-9b-lora[-1doc]
+        |qwen3-30b-a3b-lora[-1doc|-ac]|qwen3-8b-qlora|qwen3-30b-a3b-qlora --out DIR
+        [--peers hf-liger-bf16lora,hf-liger-bf16lora-1doc,...]
         [--micro-batches 2,4,8]
         [--peer-micro-batches 4,8] [--fp8 rowwise,tensorwise] [--fp8-micro-batches 8] [--fp8-compile on|off|both]
         [--steps 10 --warmup 3] [--ablation] [--compile on|off|both] [--lora-dtype bfloat16|float32|mixed]
@@ -292,7 +294,8 @@ def lora_init(args: Args, lora: LoraArgs, device: torch.device, seed: int) -> di
     out = {}
     for stem, parent, leaf in targets:
         grouped = grouped_weight(parent, leaf)
-        groups, out_features, fan_in = grouped.shape if grouped is not None else (1, *getattr(parent, leaf).weight.shape)
+        groups, out_features, fan_in = (grouped.shape if grouped is not None
+                                        else (1, *getattr(parent, leaf).weight.shape))
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5): gain·√(3/fan_in) = 1/√fan_in
         a = torch.empty(groups, lora.rank, fan_in, device=device).uniform_(-bound, bound, generator=g)
         b = torch.zeros(groups, out_features, lora.rank, device=device)
@@ -447,7 +450,8 @@ def expert_tokens(build: Callable[[], Run], batch: Batch) -> dict[str, Any]:
     try:
         model = run.model
         counts = family_of_args(model.args).expert_counts(model, batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                                                          batch.max_seqlen, batch.real_tokens().to(batch.input_ids.device))
+                                                          batch.max_seqlen,
+                                                          batch.real_tokens().to(batch.input_ids.device))
     finally:
         del run
         gc.collect()
@@ -666,7 +670,8 @@ def bench(name: str, cfg: BenchConfig, out: Path, peers: list[str], micro_batche
     # a mixture of experts: how evenly the best run's first batch spreads over the experts
     if best_mb is not None and family_of_args(args).expert_counts is not None and not budget.spent():
         report["expert_tokens"] = expert_tokens(lambda: build_atelier(
-            cfg, args, sd, lora_sd, dataclasses.replace(main, compile=False), exact), batches_for(best_mb, fixed=False)[0][0])
+            cfg, args, sd, lora_sd, dataclasses.replace(main, compile=False), exact),
+            batches_for(best_mb, fixed=False)[0][0])
         emit()
 
     # the ablation around the best bf16 run

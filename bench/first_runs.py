@@ -39,7 +39,8 @@ def designer_run(work: Path, tokenizer: Path, log: Path) -> dict:
         out = work / f"designer-8b-lora-mb{micro_batch}"
         code, seconds = atelier(
             "designer", "train", "--config", str(ROOT / "configs" / "designer" / "demo.toml"),
-            "--set", f"model.path={model}", "--set", "model.dtype=bfloat16", "--set", f"data.train={world / 'train.jsonl'}",
+            "--set", f"model.path={model}", "--set", "model.dtype=bfloat16",
+            "--set", f"data.train={world / 'train.jsonl'}",
             "--set", "data.eval=", "--set", "data.seq_len=2048", "--set", "lora.rank=16", "--set", "lora.alpha=32",
             "--set", "train.max_steps=20", "--set", f"train.micro_batch={micro_batch}", "--set", "train.lr=1e-4",
             "--set", "train.warmup_steps=2", "--set", "train.log_every=1", "--set", "train.eval_every=0",

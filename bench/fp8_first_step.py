@@ -2,7 +2,8 @@
 optimizer step, then the next batch's loss under each forward, with each side's gradients, from weights on bf16's
 grid (as a bf16 checkpoint loads) and off it.
 
-    python3 -m atelier_studio.bench.fp8_first_step [--size 1.7b] [--layers 4] [--tokens 256] [--lr 1e-5] [--out bench/results] [--tiny]
+    python3 -m atelier_studio.bench.fp8_first_step [--size 1.7b] [--layers 4] [--tokens 256] [--lr 1e-5]
+        [--out bench/results] [--tiny]
 
 The designer at `--size`'s widths with `--layers` blocks, fp32 master weights computed under bf16 autocast (as the
 trainer and bench/designer.py run full fine-tuning), AdamW at `--lr`, one row of `--tokens` tokens drawn from a Zipf
@@ -139,7 +140,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.fp8_first_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.fp8_first_step",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--size", default="1.7b", help="a Qwen3 size whose widths the model takes (default 1.7b)")
     p.add_argument("--layers", type=int, default=4, help="blocks (default 4: CPU-sized)")
     p.add_argument("--tokens", type=int, default=256)

@@ -7,8 +7,8 @@ diagnostics that say where the time goes, the shared-input groups, and whole blo
 
 --quick: 5 timed repeats after 2 warm-ups, no torch.compile'd peers, the optional linear variants (benchmark
 recipes, torchao eager) at each model's largest shape only, a 130 s budget (the whole run in about 2.5 minutes
-on an H200, Triton's compiles included). --tiny: tiny shapes on the CPU (the Triton kernels through the interpreter; tests): one
-host-cost call per piece, one shape's breakdown per model.
+on an H200, Triton's compiles included). --tiny: tiny shapes on the CPU (the Triton kernels through the interpreter;
+tests): one host-cost call per piece, one shape's breakdown per model.
 
 Sections, in the order they run (a section or an optional variant past --budget-s is recorded as skipped):
   components  the host's µs per call of each piece an FP8 linear issues (allocation, memset, Triton launch,
@@ -184,7 +184,8 @@ def run_once(fn: Callable, x: torch.Tensor, dy: torch.Tensor, weights: list[torc
     return [y.detach(), xl.grad, weights[0].grad if weights and weights[0].requires_grad else None]
 
 
-def timed(step: Callable[[], None], device: torch.device, repeats: int, warmup: int = 3) -> tuple[list[float], list[float]]:
+def timed(step: Callable[[], None], device: torch.device, repeats: int,
+          warmup: int = 3) -> tuple[list[float], list[float]]:
     """(seconds per step (CUDA events on a GPU, the wall clock elsewhere), seconds the host spent issuing it)."""
     cuda = device.type == "cuda"
     out, host = [], []
@@ -236,19 +237,23 @@ def stages(variant: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, dev
             fw = quantize_frozen_weight(w, _recipe(variant))
             xq, dq = quantize(x, f, rw), quantize(dy, g, rw)
             quants = {"x": (x, f, True, False), "dy": (dy, g, True, False)}
-            gemms = {"y": lambda: _scaled_mm(xq.q, fw.q, xq.scale, fw.scale, rw, torch.bfloat16, None, FAST_ACCUM_FORWARD),
+            gemms = {"y": lambda: _scaled_mm(xq.q, fw.q, xq.scale, fw.scale, rw, torch.bfloat16, None,
+                                             FAST_ACCUM_FORWARD),
                      "dx": lambda: _scaled_mm(dq.q, fw.qt, dq.scale, fw.scale_t, rw, torch.bfloat16, fast_accum=fast)}
         else:
             cols = not rc.dw_high_precision  # x's and dY's transposed copies, unless dW reads x itself
             xq, wq = quantize(x, f, rw, True, cols, PAD), quantize(w, f, rw, True, True)
             dq = quantize(dy, g, rw, True, cols, PAD)
             quants = {"x": (x, f, True, cols), "w": (w, f, True, True), "dy": (dy, g, True, cols)}
-            gemms = {"y": lambda: _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rw, torch.bfloat16, None, FAST_ACCUM_FORWARD),
+            gemms = {"y": lambda: _scaled_mm(xq.q, wq.q, xq.scale, wq.scale, rw, torch.bfloat16, None,
+                                             FAST_ACCUM_FORWARD),
                      "dx": lambda: _scaled_mm(dq.q, wq.qt, dq.scale, wq.scale_t, rw, torch.bfloat16, fast_accum=fast),
-                     "dw": (lambda: _scaled_mm(dq.qt, xq.qt, dq.scale_t, xq.scale_t, rw, torch.bfloat16, fast_accum=fast))
+                     "dw": (lambda: _scaled_mm(dq.qt, xq.qt, dq.scale_t, xq.scale_t, rw, torch.bfloat16,
+                                               fast_accum=fast))
                      if cols else (lambda: dy.t() @ x)}
         for name, (v, dtype, rows, cols) in quants.items():
-            ms = device_ms(lambda v=v, dtype=dtype, rows=rows, cols=cols: quantize(v, dtype, rw, rows, cols, PAD), device)
+            ms = device_ms(lambda v=v, dtype=dtype, rows=rows, cols=cols: quantize(v, dtype, rw, rows, cols, PAD),
+                           device)
             out["quant_ms"][name] = ms
             out["quant_gbps"][name] = _quant_bytes(*v.shape, v.element_size(), rows, cols, rw) / ms / 1e6
     for name, fn in gemms.items():
@@ -453,7 +458,8 @@ def markdown(report: dict[str, Any]) -> str:
         b = sections["blocks"]
         lines += ["### Whole blocks, forward + backward", "",
                   f"Shapes: {json.dumps(b.get('shapes', {}))}", "",
-                  "| block | variant | ms | × bf16 | host ms | peak GiB | GPU busy ms: gemm / quant / attention / other |",
+                  "| block | variant | ms | × bf16 | host ms | peak GiB | "
+                  "GPU busy ms: gemm / quant / attention / other |",
                   "|---|---|---|---|---|---|---|"]
         for model in ("qwen3-8b", "sd3-medium"):
             for v, r in b.get(model, {}).items():
@@ -507,7 +513,8 @@ def markdown(report: dict[str, Any]) -> str:
                     r = gr["variants"].get(v, {})
                     cells.append("skipped" if "ms" not in r else
                                  f"{r['ms']:.3f} ({_fmt(r.get('speedup_vs_bf16'), '.2f')}×)")
-                lines.append(f"| {model} | {gr['projections']} | {gr['m']}×{gr['k']}→{gr['n']} | " + " | ".join(cells) + " |")
+                lines.append(f"| {model} | {gr['projections']} | {gr['m']}×{gr['k']}→{gr['n']} | "
+                             + " | ".join(cells) + " |")
         lines.append("")
     if "quant" in sections:
         lines += ["### Quantisers (device ms; effective GB/s = v read once + outputs written; dram GB/s adds the "

@@ -159,7 +159,8 @@ def quant_sweep(device: torch.device, shapes: list[tuple[int, int]], deadline: f
             for cfg in configs:
                 chosen = "tuned" if device.type == "cuda" else "interpreter"
                 row: dict[str, Any] = {"shape": [r, c], "flavour": name,
-                                       "config": chosen if cfg is None else f"{cfg.block_r}x{cfg.block_c}/{cfg.num_warps}w"}
+                                       "config": (chosen if cfg is None
+                                                  else f"{cfg.block_r}x{cfg.block_c}/{cfg.num_warps}w")}
                 if time.monotonic() > deadline:
                     row["skipped"] = "time budget (--budget-s) spent"
                     rows_out.append(row)

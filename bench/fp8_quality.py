@@ -1,9 +1,9 @@
 """FP8 training quality: the same model trained in bf16 and in FP8 from the same init on the same batches, both
 loss curves, and the drift of the FP8 loss over the last steps.
 
-    python3 -m atelier_studio.bench.fp8_quality [--parts designer,imagegen] [--steps 300] [--window 50] [--recipe rowwise]
-        [--tokenizer DIR] [--designer-size 1.7b] [--designer-rows 2] [--imagegen-layers 6] [--imagegen-batch 4]
-        [--out DIR] [--budget-s 200] [--tiny]
+    python3 -m atelier_studio.bench.fp8_quality [--parts designer,imagegen] [--steps 300] [--window 50]
+        [--recipe rowwise] [--tokenizer DIR] [--designer-size 1.7b] [--designer-rows 2] [--imagegen-layers 6]
+        [--imagegen-batch 4] [--out DIR] [--budget-s 200] [--tiny]
 
 A part trains its model twice, `train.precision = "bf16"` then "fp8" (pipeline/float8.apply_fp8 as the trainers
 apply it; the recipe from --recipe), each from the same initial weights through the same batches, the same

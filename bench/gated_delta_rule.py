@@ -2,8 +2,8 @@
 lift of fla's Hopper guard (kernels/gated_delta_rule.py), forward + backward, each judged against the fp32
 reference.
 
-    python3 -m atelier_studio.bench.gated_delta_rule [--backends tilelang,triton] [--repeats 10] [--out DIR] [--budget-s 120]
-                                      [--tiny]
+    python3 -m atelier_studio.bench.gated_delta_rule [--backends tilelang,triton] [--repeats 10] [--out DIR]
+                                      [--budget-s 120] [--tiny]
 
 Shapes: N packed tokens in S documents, Hk key heads, Hv value heads, Dk, Dv head dims. Qwen3.5-9B's Gated DeltaNet
 layer: Hk 16, Hv 32, Dk = Dv = 128, on four packed rows of 2048 (N 8,192; the documents of the GPU test at these
@@ -150,7 +150,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.gated_delta_rule", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.gated_delta_rule",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="bench/results")

@@ -1,6 +1,7 @@
 """Imagegen's joint attention (non-causal, head dim 64) on one GPU: which kernel, by measurement.
 
-    python3 -m atelier_studio.bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--paths ...] [--repeats 10] [--tiny]
+    python3 -m atelier_studio.bench.joint_attention --out DIR [--shapes sd3-1024,sd3-512] [--paths ...]
+        [--repeats 10] [--tiny]
 
 Shapes: B images, H heads, T = image + text tokens (one joint sequence per image, every token sees every
 other), Dh head dim. SD3-medium: H 24, Dh 64, 333 text tokens.

@@ -11,9 +11,10 @@ Shapes: Qwen3-30B-A3B's sparse layer (D = 2048, top-8, 128 experts) on micro-bat
   combine bwd   dys[pos[n, j]] = w[n, j] · dout[n], dw     scatter   reads N·D + S·D (ys for dw), writes S·D
 (S = N·k, in bf16), each called as training calls it (kernels/custom_op.py's call_op). Each is timed with CUDA
 events (median of `repeats` after 3 warm-ups, the first of which autotunes) beside its plain-PyTorch twin
-(index_copy, an indexed gather with a float32 sum, a batched matmul, an indexed product), and reported as ms and GB/s of the bytes above; the report gives the card's copy rate measured in
-the same run (a device-to-device copy of S·D elements) as the ceiling. The autotuner's own timing of each gather
-candidate (BLOCK, CHUNKS, warps) comes from its first call. Every Triton result must equal its twin up to bf16
+(index_copy, an indexed gather with a float32 sum, a batched matmul, an indexed product), and reported as ms and GB/s
+of the bytes above; the report gives the card's copy rate measured in the same run (a device-to-device copy of S·D
+elements) as the ceiling. The autotuner's own timing of each gather candidate (BLOCK, CHUNKS, warps) comes from its
+first call. Every Triton result must equal its twin up to bf16
 rounding of the same fp32 sums: the largest difference is reported.
 --tiny: a small layer on the CPU through Triton's interpreter, fp32 (the same code, for tests).
 """
@@ -110,7 +111,8 @@ def markdown(report: dict[str, Any]) -> str:
     lay = report["layer"]
     lines = [f"## MoE dispatch / combine — {report['gpu'].get('name') or 'CPU'}: D {lay['dim']}, top-{lay['top_k']}, "
              f"{lay['experts']} experts", "",
-             "| micro-batch | move | Triton ms | GB/s | PyTorch ms | GB/s | Triton / PyTorch | copy GB/s | max rel diff |",
+             "| micro-batch | move | Triton ms | GB/s | PyTorch ms | GB/s | "
+             "Triton / PyTorch | copy GB/s | max rel diff |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mb, r in report["result"].items():
         for move in MOVES:
@@ -128,7 +130,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m atelier_studio.bench.moe_dispatch", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.moe_dispatch", __doc__.split("\n")[0],
+                            "a small layer on the CPU (tests)")
     p.add_argument("--micro-batches", type=parse_ints, default=None, help="rows of 2048 tokens (default 1,2,4)")
     return p
 

@@ -107,7 +107,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_linear", __doc__.split("\n")[0], "small shapes on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_linear", __doc__.split("\n")[0],
+                            "small shapes on the CPU (tests)")
     p.add_argument("--rows", type=parse_ints, default=None, help="row counts M (default 16 … 8192)")
     return p
 

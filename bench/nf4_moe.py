@@ -100,7 +100,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The bench's command line (bench/session.py's plan is checked against it)."""
-    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_moe", __doc__.split("\n")[0], "a small layer on the CPU (tests)")
+    p = kernel_bench_parser("python3 -m atelier_studio.bench.nf4_moe", __doc__.split("\n")[0],
+                            "a small layer on the CPU (tests)")
     p.add_argument("--micro-batches", type=parse_ints, default=None, help="rows of 2048 tokens (default 1,2,4)")
     return p
 

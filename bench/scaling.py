@@ -182,7 +182,8 @@ def measure(name: str, run: ScalingRun, gpus: list[int], work: Path, tokenizer: 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"## scaling — {report['gpu'].get('name') or 'cpu'}", "",
-             "| run | GPUs | per-GPU rate | MFU (989) | step s | peak GB | efficiency |", "|---|---|---|---|---|---|---|"]
+             "| run | GPUs | per-GPU rate | MFU (989) | step s | peak GB | efficiency |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         for n, x in r["by_gpus"].items():
             rate = f"{x['units_per_s']:,.1f} {r['unit']}/s" if x["units_per_s"] else f"failed (code {x['code']})"

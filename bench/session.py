@@ -31,7 +31,8 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
                          does not fit), autocast and Liger with bf16 adapters; then the MoE block's token moves alone
                          (bench/moe_dispatch.py)
   i  qlora               Qwen3-8B QLoRA eager and compiled per block at micro-batches 1 and 2 beside its bf16 base
-                         (the ≥ 0.8× target), with the profile of its best run; one 30B-A3B layer's experts on NF4 vs bf16 stacks (bench/nf4_moe.py);
+                         (the ≥ 0.8× target), with the profile of its best run; one 30B-A3B layer's experts on NF4
+                         vs bf16 stacks (bench/nf4_moe.py);
                          Qwen3-30B-A3B QLoRA (attention bases and experts in NF4) at micro-batches 1 and 2
   j  moe-30b-parity      Qwen3-30B-A3B LoRA on one-document rows (fp32 adapters under autocast) against transformers
                          + PEFT the same way under activation checkpointing, on the same rows: the loss difference

@@ -7,7 +7,8 @@ C latent channels, L text tokens, D text hidden size, P pooled text size. Aspect
   <= resolution² (never more memory than the square bucket), both orientations, W/H within
   [min_ratio, max_ratio]. `nearest_bucket` picks by |log(w/h) - log(W/H)| (a 2:1 and a 1:2 image are
   equally far from square), ties to the lower index. `resize_and_crop` resizes to cover, then
-  centre-crops (torch's antialiased bicubic on uint8 tensors); `bucket_pixels` takes a decoded image to the autoencoder's input.
+  centre-crops (torch's antialiased bicubic on uint8 tensors); `bucket_pixels` takes a decoded image to the
+  autoencoder's input.
 - `rank_rows` splits a global batch into each rank's rows (the eval loop's split).
 - `LatentDataset` holds a small latent shard set in memory (the eval split). Training sets are larger than
   memory and stream instead: data/latent_stream.py (per-bucket buffers, shard shuffling, the rank split and

@@ -13,8 +13,10 @@ Encoding renders the whole conversation with the tokenizer's own chat template (
 Atelier's tokenizers and Qwen's), then cuts the rendered string into spans and tokenizes each span
 on its own:
 
-    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n | CAPTION<|im_end|> | \\n
-    \\_______________________________ loss_mask False ____________________________________/   \\_ True ______/   False
+    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n
+    \\_______________________________ loss_mask False ____________________________________/
+    ...<|im_start|>assistant\\n | CAPTION<|im_end|> | \\n
+                                 \\_ True ________/   False
 
 Why per span: a BPE merge may not straddle the prompt/caption boundary, so the prompt's ids are
 exactly ``prompt_ids`` (what the model is conditioned on at generation time), and the loss mask is
@@ -152,7 +154,8 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def assistant_spans(tokenizer: Any, example: Example) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``example``; return the string and the [start, end) character spans of each assistant content + <|im_end|>.
+    """Render ``example``; return the string and the [start, end) character spans of each assistant content +
+    <|im_end|>.
 
     The header end of assistant turn i is the length of the conversation up to i rendered with the generation
     prompt (a prefix of the full rendering for ChatML templates); the turn ends at the next <|im_end|>. Inside it
@@ -201,7 +204,8 @@ def encode_example(tokenizer: Any, example: Example, max_len: int | None = None)
             raise ValueError(f"encode_example: max_len must be >= 2, got {max_len}")
         ids, mask = ids[:max_len], mask[:max_len]
         if not any(mask):
-            raise DataError(f"{example.source}: the prompt alone fills max_len={max_len} tokens; no caption token is left")
+            raise DataError(f"{example.source}: the prompt alone fills max_len={max_len} tokens; "
+                            "no caption token is left")
     return EncodedDoc(ids, mask)
 
 

@@ -5,8 +5,8 @@
 with E_img / E_txt CLIP's projected image and text embeddings (CLIPModel.get_image_features / get_text_features),
 the convention of torchmetrics' CLIPScore (Hessel et al. 2021, "CLIPScore", arXiv:2104.08718, use the same cosine
 scaled by 2.5). Texts longer than CLIP's 77 tokens are truncated, as CLIP was trained. The directory is anything
-`CLIPModel.from_pretrained` and `CLIPProcessor.from_pretrained` read (e.g. a local copy of openai/clip-vit-large-patch14);
-the evaluation flow (flows/evaluate.py) scores briefs outside the shapes world with it.
+`CLIPModel.from_pretrained` and `CLIPProcessor.from_pretrained` read (e.g. a local copy of
+openai/clip-vit-large-patch14); the evaluation flow (flows/evaluate.py) scores briefs outside the shapes world with it.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ Workers. `workers` threads load the chunks ahead (2 x workers in flight), from a
 are handed out in plan order, so the batches do not depend on the number of workers. Loading is file reads
 straight into the batch tensors (page-locked with `pin_memory`): the reads release the GIL and nothing is
 copied between processes (DataLoader worker processes hand each batch over in a fresh shared-memory
-segment: 3x slower end to end than these reads, measured on a 2-core CPU). The stream's own plan advances by the chunks handed out:
-its position is the state, whatever the loaders ran ahead to.
+segment: 3x slower end to end than these reads, measured on a 2-core CPU). The stream's own plan advances by the
+chunks handed out: its position is the state, whatever the loaders ran ahead to.
 
 State (per stream, JSON): epoch, slot offset, the shuffle RNG, the buffered references, chunks emitted, the
 bad-sample counts. Resume rebuilds the buffers from the references (no data re-read) and continues with
@@ -40,7 +40,8 @@ Corrupt samples follow data/shards.py's policy, counted per stream while plannin
 undecodable or malformed latent, a duplicate member, a truncated tar (once per stream pass; a tar with fewer
 samples than its index says counts as truncated) are skipped; a tar cut short counts every listed sample it
 lacks, on every pass (each pass skips them again). Past `max_bad_fraction` a `ShardError` names the worst shard.
-`LatentStream.skipped()` is what was skipped so far, per shard and reason (the trainer reports it). Shards are local files (random access to a sample's tensors).
+`LatentStream.skipped()` is what was skipped so far, per shard and reason (the trainer reports it). Shards are local
+files (random access to a sample's tensors).
 """
 
 from __future__ import annotations
@@ -534,7 +535,8 @@ class LatentStream:
         self.cfg = cfg
         self.shards = ShardSet.open(source)
         self.fingerprint = self.shards.fingerprint
-        self._configure(cfg.streams or cfg.world_size, what="data.streams" if cfg.streams else "the number of processes")
+        self._configure(cfg.streams or cfg.world_size,
+                        what="data.streams" if cfg.streams else "the number of processes")
         self.plans = {v: self._plan(v, None) for v in self.owned}
         self._rare_bucket_note()
 
@@ -566,7 +568,8 @@ class LatentStream:
         rare = {f"{h}x{w}": n for (h, w), n in sorted(hist.items()) if n < self.chunk * self.streams}
         if rare:
             log(f"{self.shards.source}: {len(rare)} buckets hold fewer samples than a global micro-batch of "
-                f"{self.chunk * self.streams}: they fill across epochs and a batch of them can repeat a sample ({rare})")
+                f"{self.chunk * self.streams}: they fill across epochs and a batch of them can repeat a sample "
+                f"({rare})")
 
     def skipped(self) -> dict[str, dict[str, int]]:
         """This rank's streams' skipped samples up to what the trainer consumed: shard path -> reason -> samples."""

@@ -113,7 +113,8 @@ class Batch:
 # Bin packing
 
 
-def overflow_pieces(docs: Sequence[EncodedDoc], seq_len: int, overflow: str) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+def overflow_pieces(docs: Sequence[EncodedDoc], seq_len: int,
+                    overflow: str) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
     """(doc index, start, end) token ranges to pack, after the overflow policy; and the overflow counts."""
     if overflow not in ("split", "truncate", "drop"):
         raise ValueError(f"pack_documents: overflow must be 'split', 'truncate' or 'drop', got {overflow!r}")
@@ -275,7 +276,8 @@ def make_batch(packed: PackResult, rows: Sequence[int]) -> Batch:
             bounds.append((i + 1) * T)
     segs = [b - a for a, b in zip(bounds, bounds[1:])]
     return Batch(input_ids, labels, position_ids, torch.tensor(bounds, dtype=torch.int32), max_seqlen=max(segs),
-                 doc_lens=doc_lens, num_tokens=sum(doc_lens), num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real),
+                 doc_lens=doc_lens, num_tokens=sum(doc_lens),
+                 num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real),
                  row_tokens=[sum(packed.doc_lens[r]) if r >= 0 else 0 for r in rows])
 
 

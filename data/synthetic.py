@@ -19,10 +19,12 @@ Compositional split: the (colour, shape) pairs in HELD_OUT_PAIRS never occur in 
 and every shape still does. Half of the eval split is drawn from held-out pairs, the rest in-distribution.
 
 Text-only samples (n_text): brief/caption pairs drawn like the train split but without images, after the
-train and eval splits (so they leave both unchanged). A tiny designer trained on the 1-2k train briefs alone
-memorises individual briefs, and an unusual wording then gets a colour or shape outside the brief's
-constraints; the language side needs many more distinct briefs than the image side needs images, and text
-costs nothing to render or encode.
+train and eval splits (so they leave both unchanged), and each with a layout hint: they cycle through every
+(layout, phrase) of LAYOUTS in turn. A tiny designer trained on the 1-2k train briefs alone memorises individual
+briefs, and an unusual wording then gets a colour or shape outside the brief's constraints; the language side
+needs many more distinct briefs than the image side needs images, and text costs nothing to render or encode.
+The hints: a layout is learnt from the briefs that state it, and left/right (which decides only the caption's
+second position word) is learnt all at once at a step that varies from run to run (docs/demo.md).
 
 Files written by `generate_world(out_dir, ...)`:
     train.jsonl, eval.jsonl  {"brief","caption","image","shape","color","size","position",
@@ -347,21 +349,31 @@ def render(spec: CaptionSpec, image_size: int, center: tuple[float, float] | Non
 # Sampling and the world on disk.
 # ---------------------------------------------------------------------------------------------
 
-def _brief_text(rng: random.Random, mood: str, kind: str, layout: str | None) -> str:
+def _brief_text(rng: random.Random, mood: str, kind: str, layout: str | None, phrase: str | None = None) -> str:
     template = rng.choice(BRIEF_TEMPLATES)
     adj = rng.choice(MOODS[mood][1])
     noun = rng.choice(KINDS[kind][2])
-    hint = f", {rng.choice(LAYOUTS[layout][2])}" if layout else ""
+    hint = f", {phrase or rng.choice(LAYOUTS[layout][2])}" if layout else ""
     return template.format(mood=adj, kind=noun, layout=hint)
 
 
-def sample_one(rng: random.Random, held_out: frozenset[tuple[str, str]], want_held_out: bool | None) -> Sample:
+# Every (layout, phrase) of the briefs, in a fixed order: the text-only samples cycle through it (see generate_world).
+LAYOUT_PHRASES: tuple[tuple[str, str], ...] = tuple((l, p) for l in sorted(LAYOUTS) for p in LAYOUTS[l][2])
+
+
+def sample_one(rng: random.Random, held_out: frozenset[tuple[str, str]], want_held_out: bool | None,
+               hint: tuple[str, str] | None = None) -> Sample:
     """Draw one sample. want_held_out: True forces a held-out (colour, shape) pair, False forbids one,
-    None allows both (rejection sampling keeps the brief distribution otherwise unchanged)."""
+    None allows both (rejection sampling keeps the brief distribution otherwise unchanged).
+    hint: a (layout, phrase) of LAYOUT_PHRASES the brief must end with; None draws the layout as the splits do
+    (no hint with probability 1 - LAYOUT_PROBABILITY)."""
     while True:
         mood = rng.choice(sorted(MOODS))
         kind = rng.choice(sorted(KINDS))
-        layout = rng.choice(sorted(LAYOUTS)) if rng.random() < LAYOUT_PROBABILITY else None
+        if hint is not None:
+            layout = hint[0]
+        else:
+            layout = rng.choice(sorted(LAYOUTS)) if rng.random() < LAYOUT_PROBABILITY else None
         color = rng.choice(FAMILIES[MOODS[mood][0]])
         shape = rng.choice(KINDS[kind][0])
         is_held = (color, shape) in held_out
@@ -370,8 +382,9 @@ def sample_one(rng: random.Random, held_out: frozenset[tuple[str, str]], want_he
     positions = LAYOUTS[layout][0] if layout else tuple(POSITIONS)
     spec = CaptionSpec(size=rng.choice(tuple(SIZES)), color=color, shape=shape,
                        position=rng.choice(positions), background=rng.choice(tuple(BACKGROUNDS)))
-    return Sample(brief=_brief_text(rng, mood, kind, layout), mood=mood, kind=kind, layout=layout,
-                  spec=spec, center=shape_center(spec, rng), held_out=is_held)
+    brief = _brief_text(rng, mood, kind, layout, hint[1] if hint else None)
+    return Sample(brief=brief, mood=mood, kind=kind, layout=layout, spec=spec, center=shape_center(spec, rng),
+                  held_out=is_held)
 
 
 def _check_held_out(held_out: frozenset[tuple[str, str]]) -> None:
@@ -409,7 +422,11 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
         "train": [sample_one(rng, held_out, False) for _ in range(n_train)],
         "eval": [sample_one(rng, held_out, i < n_held) for i in range(n_eval)],
     }
-    text_only = [sample_one(rng, held_out, False) for _ in range(n_text)]  # drawn last: the splits stay the same
+    # Drawn last, so the image splits stay the same. Each text-only brief carries a layout hint, cycling through
+    # every (layout, phrase) in turn: drawn like the splits' (none in 40% of briefs, else 1 of 6 layouts), only 19%
+    # of the designer's briefs said left or right, 32% now (every phrase in n_text/17 text-only briefs). More
+    # signal for the layout learnt last; the demo's designer also needs its 4500 steps for it (docs/demo.md).
+    text_only = [sample_one(rng, held_out, False, LAYOUT_PHRASES[i % len(LAYOUT_PHRASES)]) for i in range(n_text)]
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict]] = {}
@@ -427,7 +444,8 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
         write_lines(f"{split}.jsonl", [json.dumps(r) for r in records[split]])
     designer_rows = records["train"] + [sample.record(None) for sample in text_only]
     write_lines("designer_train.jsonl", [json.dumps(r) for r in designer_rows])
-    write_lines("captions.jsonl", [json.dumps({"image": r["image"], "caption": r["caption"]}) for r in records["train"]])
+    write_lines("captions.jsonl",
+                [json.dumps({"image": r["image"], "caption": r["caption"]}) for r in records["train"]])
     write_lines("briefs_eval.txt", [r["brief"] for r in records["eval"]])
     vocab_line = " ".join([*SHAPES, *COLORS, *BACKGROUNDS, *SIZES, *POSITIONS])
     write_lines("corpus.txt", [t for r in records["train"] for t in (r["brief"], r["caption"])] + [vocab_line])
@@ -441,7 +459,8 @@ def generate_world(out_dir: str | Path, n: int, seed: int, image_size: int = 64,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.data.synthetic", description="Write a shapes world to disk.")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.data.synthetic",
+                                description="Write a shapes world to disk.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--n", type=int, required=True, help="total samples, train + eval")
     p.add_argument("--seed", type=int, default=0)

@@ -67,7 +67,8 @@ def train_tokenizer(corpus_files: list[Path], vocab_size: int, out_dir: Path) ->
 
     min_vocab = 256 + len(SPECIAL_TOKENS)  # every byte plus the specials must fit
     if vocab_size < min_vocab:
-        raise TokenizerError(f"train_tokenizer: vocab_size={vocab_size} is below the byte alphabet + specials ({min_vocab})")
+        raise TokenizerError(f"train_tokenizer: vocab_size={vocab_size} is below the byte alphabet + specials "
+                             f"({min_vocab})")
     if not corpus_files:
         raise TokenizerError("train_tokenizer: no corpus files given")
     texts = list(iter_corpus_texts(corpus_files))

@@ -266,7 +266,8 @@ def write_hf_dir(out_dir: str | os.PathLike, args: Args, shapes: dict[str, tuple
             del tensors
         if len(shards) > 1:
             total = sum(math.prod(s) for s in shapes.values()) * itemsize
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
         (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype), indent=2))
         gen = {"_from_model_config": True, "bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id,
                "pad_token_id": args.pad_token_id}

@@ -72,8 +72,8 @@ class GroupedLoRA(nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         if args.dropout > 0:
-            raise ValueError(f"LoRA dropout {args.dropout} is not supported on grouped weights ({leaf}: one adapter per "
-                             f"expert); set lora.dropout = 0")
+            raise ValueError(f"LoRA dropout {args.dropout} is not supported on grouped weights ({leaf}: one adapter "
+                             f"per expert); set lora.dropout = 0")
         dtype = layers.DTYPES[args.dtype]
         self.leaf, self.scale, self.rank = leaf, args.scale, args.rank
         self.lora_A = nn.Parameter(torch.empty(groups, args.rank, in_features, device=device, dtype=dtype))
@@ -273,7 +273,8 @@ def load_peft_adapter(model: Model, adapter_dir: str | os.PathLike) -> LoraArgs:
     else:
         a_keys = [k for k in header if k.endswith("lora_A.weight")]
         if a_keys:
-            args = LoraArgs(**{**args.__dict__, "dtype": "bfloat16" if header[a_keys[0]]["dtype"] == "BF16" else "float32"})
+            args = LoraArgs(**{**args.__dict__,
+                               "dtype": "bfloat16" if header[a_keys[0]]["dtype"] == "BF16" else "float32"})
         apply_lora(model, args)
     params = lora_state_dict(model)
     missing = sorted(set(params) - set(header))

@@ -104,7 +104,8 @@ class Qwen35Args(DecoderArgs):
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.delta_rule_impl not in DELTA_RULE_IMPLS:
-            raise ValueError(f"Qwen35Args.delta_rule_impl must be one of {DELTA_RULE_IMPLS}, got {self.delta_rule_impl!r}")
+            raise ValueError(f"Qwen35Args.delta_rule_impl must be one of {DELTA_RULE_IMPLS}, "
+                             f"got {self.delta_rule_impl!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -132,7 +133,8 @@ class Qwen35Args(DecoderArgs):
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         rp = dict(cfg.get("rope_parameters") or {})
         if rp.get("rope_type", "default") != "default":
-            raise ValueError(f"{source}: rope_parameters.rope_type {rp['rope_type']!r} is not supported (only 'default')")
+            raise ValueError(f"{source}: rope_parameters.rope_type {rp['rope_type']!r} is not supported "
+                             "(only 'default')")
         heads = cfg["num_attention_heads"]
         try:
             return cls(
@@ -147,7 +149,8 @@ class Qwen35Args(DecoderArgs):
                 max_seq_len=cfg.get("max_position_embeddings", 32768),
                 rope_theta=float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                 mrope_section=rp.get("mrope_section"), mrope_interleaved=rp.get("mrope_interleaved"),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)), attention_impl=attention_impl,
                 delta_rule_impl=delta_rule_impl, bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"), pad_token_id=cfg.get("pad_token_id"),
@@ -178,8 +181,8 @@ SIZES: dict[str, dict[str, Any]] = {
                          gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=16, gdn_value_head_dim=24,
                          max_seq_len=512, tie_embeddings=True),
     # The real 9B text shapes. Layers (32 = 24 GDN + 8 full, interval 4) and vocab (248,320, from the tokenizer)
-    # are the released model's; every other number is transformers 5.24's Qwen3_5TextConfig default, whose docstring calls
-    # it "the Qwen3.5-9B style configuration". Not from there: rope_theta 1e7 and 262,144 positions (the
+    # are the released model's; every other number is transformers 5.24's Qwen3_5TextConfig default, whose docstring
+    # calls it "the Qwen3.5-9B style configuration". Not from there: rope_theta 1e7 and 262,144 positions (the
     # released Qwen3.5 / Qwen3-Next configs; transformers' defaults are 1e4 and 32,768) and untied embeddings
     # (transformers' default, and 9B-class Qwen models untie). See num_params: 8.95e9 with vocab 248,320.
     "qwen3.5-9b": dict(dim=4096, num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, ffn_dim=12288,
@@ -439,8 +442,9 @@ class Qwen35(CausalLM):
             x = block(x, cos, sin, attend, docs)
         return self.model.norm(x)
 
-    def decode_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attends: Sequence[Attend | None],
-                             states: Sequence[LinearAttentionState | None], valid: torch.Tensor) -> torch.Tensor:
+    def decode_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                             attends: Sequence[Attend | None], states: Sequence[LinearAttentionState | None],
+                             valid: torch.Tensor) -> torch.Tensor:
         """Decoding (designer/generate.py): input_ids, position_ids, valid [B,T] → final-normed hidden [B,T,D].
         Layer i attends through attends[i] (full attention) or advances states[i] (Gated DeltaNet)."""
         a = self.args
@@ -529,7 +533,8 @@ def hybrid_cache_batch(model: Qwen35, ids: list[list[int]], max_new: int, temper
     device = model.lm_head_weight.device
     pads, tokens, positions = left_padded(ids, device)
     layers = model.model.layers
-    cache = KVCache(model, pads, tokens.shape[1], max_new, [i for i, blk in enumerate(layers) if blk.layer_type == FULL])
+    cache = KVCache(model, pads, tokens.shape[1], max_new,
+                    [i for i, blk in enumerate(layers) if blk.layer_type == FULL])
     states = [None if blk.layer_type == FULL else LinearAttentionState.zeros(blk.linear_attn, len(ids), device)
               for blk in layers]
 

@@ -194,7 +194,8 @@ class Experts(nn.Module):
         if adapters:
             pair = lambda leaf: ((_local(adapters[leaf].lora_A), _local(adapters[leaf].lora_B))  # noqa: E731
                                  if leaf in adapters else None)
-            lora = ExpertLoRA(next(iter(adapters.values())).scale, pair("gate_proj"), pair("up_proj"), pair("down_proj"))
+            lora = ExpertLoRA(next(iter(adapters.values())).scale, pair("gate_proj"), pair("up_proj"),
+                              pair("down_proj"))
         if self.quantized:
             return self.gate_up_proj.experts(), self.down_proj.experts(), lora
         return _local(self.gate_up_proj), _local(self.down_proj), lora
@@ -425,7 +426,8 @@ def num_params(args: Qwen3MoeArgs) -> int:
 
 
 def forward_with_aux(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, real_tokens: torch.Tensor, setting: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     max_seqlen: int, real_tokens: torch.Tensor,
+                     setting: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(hidden, router_aux_loss_coef · aux) when the load-balancing loss is on (setting "on", or "auto" with
     config.json's output_router_logits, as transformers), else (hidden, None). `model` may be FSDP-wrapped."""
     args = model.args

@@ -48,18 +48,16 @@ from atelier_studio.designer.lora import (
     ADAPTER_FILE,
     GroupedLoRA,
     LoraArgs,
+    apply_lora,
     grouped_lora_names,
     grouped_weight,
+    load_peft_adapter,
     lora_init_like,
     lora_targets,
     lora_tensors_of_adapter,
-    apply_lora,
-    load_peft_adapter,
     merge_lora,
     save_peft_adapter,
 )
-from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
-from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
@@ -69,9 +67,11 @@ from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, mat
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.hf_files import check_vocab_size
 from atelier_studio.pipeline.hub import resolve_model_path
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
+from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
 from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Skipped
+from atelier_studio.pipeline.task import Skipped, Task
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -86,7 +86,7 @@ class DeviceBatch:
     real_tokens: torch.Tensor  # [B, T] bool: not padding (a family's auxiliary loss counts these only)
 
 
-class DesignerTask:
+class DesignerTask(Task):
     unit = "tokens"
 
     def __init__(self, cfg: DesignerConfig, device: torch.device, dist: DistContext | None = None):
@@ -149,7 +149,8 @@ class DesignerTask:
         return None if self.lora_args is not None else torch.bfloat16
 
     def _wrap(self, model: Model) -> Model:
-        apply_precision(model, self.cfg.train, conversions=FP8_CONVERSIONS)  # FP8 linears first: the policies below wrap what runs
+        # FP8 linears first: the policies below wrap what runs
+        apply_precision(model, self.cfg.train, conversions=FP8_CONVERSIONS)
         return parallelize(model, self.family.blocks(model), self.dist, self.cfg.train.distributed,
                            self._fsdp_param_dtype())
 
@@ -259,11 +260,12 @@ class DesignerTask:
         packed = pack_documents(docs, self.cfg.data.seq_len, self.cfg.data.overflow, pad_id=pad_id)
         s = packed.stats
         log(f"data {path}: {s.num_docs} documents → {s.num_rows} rows of {self.cfg.data.seq_len} tokens, "
-            f"{s.padding_fraction:.1%} padding, split {s.num_split}, truncated {s.num_truncated}, dropped {s.num_dropped}")
+            f"{s.padding_fraction:.1%} padding, split {s.num_split}, truncated {s.num_truncated}, "
+            f"dropped {s.num_dropped}")
         if s.num_rows == 0:
-            raise DataError(f"{path}: all {s.num_docs} documents are longer than data.seq_len = {self.cfg.data.seq_len} "
-                            f"tokens and data.overflow = \"drop\" left every one out: raise data.seq_len, or set "
-                            f"data.overflow = \"truncate\" or \"split\"")
+            raise DataError(f"{path}: all {s.num_docs} documents are longer than data.seq_len = "
+                            f"{self.cfg.data.seq_len} tokens and data.overflow = \"drop\" left every one out: raise "
+                            f"data.seq_len, or set data.overflow = \"truncate\" or \"split\"")
         return BalancedPackedLoader(packed, self.cfg.train.micro_batch, self.cfg.train.seed, rank, world_size,
                                     drop_last=drop_last, balance=self.cfg.train.distributed.balance)
 
@@ -274,8 +276,8 @@ class DesignerTask:
         if self.cfg.data.overflow != "drop":
             return None
         epochs = self.train_loader.epoch + 1
-        return Skipped({self.cfg.data.train: {"longer than data.seq_len (data.overflow = drop)": self._dropped * epochs}}
-                       if self._dropped else {})
+        reason = "longer than data.seq_len (data.overflow = drop)"
+        return Skipped({self.cfg.data.train: {reason: self._dropped * epochs}} if self._dropped else {})
 
     def _to_device(self, batch: Batch) -> DeviceBatch:
         if self.cfg.train.distributed.compile:
@@ -365,7 +367,8 @@ class DesignerTask:
         out_dir = Path(out_dir)
         if self.lora_args is not None:
             path = out_dir / "adapter"
-            save_peft_adapter(self.model, self.lora_args, path, base_model_path=str(Path(self.cfg.model.path).resolve()))
+            save_peft_adapter(self.model, self.lora_args, path,
+                              base_model_path=str(Path(self.cfg.model.path).resolve()))
             copy_tokenizer(Path(self.cfg.model.path), path)
             return {"adapter": path}
         path = out_dir / "model"
@@ -409,9 +412,9 @@ def _check_grouped_dropout(args: DesignerArgs, lora: LoraArgs, dropout: float) -
     leaves = sorted({leaf for _, parent, leaf in lora_targets(probe, lora) if grouped_weight(parent, leaf) is not None})
     if leaves:
         targets = [t for t, path in family_of_args(args).lora_targets.items() if path.rsplit(".", 1)[1] in leaves]
-        raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where dropout "
-                          f"is not supported (PEFT refuses it there too); set lora.dropout = 0, or lora.targets without "
-                          f"{', '.join(targets)}")
+        raise ConfigError(f"lora.dropout = {dropout}: the {', '.join(targets)} adapters are one per expert, where "
+                          f"dropout is not supported (PEFT refuses it there too); set lora.dropout = 0, or "
+                          f"lora.targets without {', '.join(targets)}")
 
 
 class _NF4Reader:

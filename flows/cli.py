@@ -4,7 +4,8 @@
     atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
     atelier data validate DIR
-    atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR  (registered sizes)
+    atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR
+        (registered sizes)
     atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier designer export --merge RUN --out DIR [--dtype bfloat16|float16|float32]   (a LoRA / QLoRA run → full model)
@@ -174,7 +175,8 @@ def designer_init(args: argparse.Namespace) -> int:
     from atelier_studio.designer.registry import family_of_size
 
     family = family_of_size(args.size)  # an unknown size lists the registered ones
-    path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed, dtype=getattr(torch, args.dtype))
+    path = init_random(args.size, Path(args.tokenizer), Path(args.out), seed=args.seed,
+                       dtype=getattr(torch, args.dtype))
     print(f"wrote a random-init {family.name} {args.size} model to {path}")
     return 0
 
@@ -441,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(d, "init", designer_init, "write a random-init model directory of a registered family (HF layout)")
     sp.add_argument("--size", required=True,
                     help="a size of a registered family (designer/registry.py), e.g. Qwen3's tiny, demo, 0.6b ... 32b "
-                         "Qwen3.5's qwen3.5-tiny, qwen3.5-9b, Qwen3-MoE's qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b; "
+                         "Qwen3.5's qwen3.5-tiny, qwen3.5-9b, Qwen3-MoE's qwen3-moe-tiny, qwen3-30b-a3b, "
+                         "qwen3-235b-a22b; "
                          "an unknown size lists them all")
     sp.add_argument("--tokenizer", required=True, help="HF tokenizer directory (see `atelier data tokenizer`)")
     sp.add_argument("--out", required=True)
@@ -470,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch_args(sp)
     sp = command(i, "init", imagegen_init, "write a random-init model of a registered family (diffusers layout)")
     sp.add_argument("--size", required=True,
-                    help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, sd3-medium, "
-                         "sd3.5-medium, sd3.5-large; an unknown size lists them all")
+                    help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, "
+                         "sd3-medium, sd3.5-medium, sd3.5-large; an unknown size lists them all")
     sp.add_argument("--out", required=True)
     number(sp, "--seed", type=int, bounds=SEED, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -593,7 +596,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = user_os_error(e)
         if message is None:
             raise
-    print(f"atelier: error: {one_line(message)}", file=sys.stderr)
+    # one write of the whole line: under torchrun every rank prints its error to the same stderr at once, and
+    # print()'s separate writes of the text and the newline let two ranks' lines run together
+    sys.stderr.write(f"atelier: error: {one_line(message)}\n")
+    sys.stderr.flush()
     return 2
 
 

@@ -87,7 +87,8 @@ def deployment_run(name: str, params: dict, env: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.demo", description="the brief-to-image demo on a CPU")
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.demo",
+                                description="the brief-to-image demo on a CPU")
     p.add_argument("--skip-eval", action="store_true")
     args = p.parse_args(argv)
     import os

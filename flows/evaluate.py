@@ -2,7 +2,8 @@
 
     atelier eval --designer runs/d1/model --imagegen runs/i1/ema --briefs runs/world/briefs_eval.txt --out runs/eval
         [--clip models/clip-vit-large-patch14]
-    python -m atelier_studio.flows.evaluate --designer ... --imagegen ... --briefs ... --out ... [--clip DIR]   (as a Prefect flow)
+    python -m atelier_studio.flows.evaluate --designer ... --imagegen ... --briefs ... --out ... [--clip DIR]
+        (as a Prefect flow)
 
 Steps, each a plain function taking and returning paths (the flow wraps each in a task):
     1. `read_briefs`      briefs file → list of briefs, any text (.txt: one per line; .jsonl: {"brief": ...} per
@@ -222,7 +223,8 @@ def caption_stats(captions: Sequence[str]) -> dict[str, float]:
 
     words = [len(c.split()) for c in captions]
     return {"n": len(captions), "mean_words": statistics.fmean(words), "min_words": min(words),
-            "max_words": max(words), "parsed_fraction": statistics.fmean(parse_caption(c) is not None for c in captions),
+            "max_words": max(words),
+            "parsed_fraction": statistics.fmean(parse_caption(c) is not None for c in captions),
             "distinct_fraction": len(set(captions)) / len(captions)}
 
 
@@ -316,7 +318,8 @@ def _clip_scores(per_brief: list[dict[str, Any]], clip: str | Path) -> None:
     drawn = [r for r in per_brief if r["image"] is not None]
     if drawn:
         images = [r["image"] for r in drawn]
-        for key, texts in (("clip_brief", [r["brief"] for r in drawn]), ("clip_caption", [r["caption"] for r in drawn])):
+        for key, texts in (("clip_brief", [r["brief"] for r in drawn]),
+                           ("clip_caption", [r["caption"] for r in drawn])):
             for r, value in zip(drawn, scorer.scores(images, texts)):
                 r[key] = value
     for r in per_brief:

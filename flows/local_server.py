@@ -65,8 +65,9 @@ def endpoint() -> Endpoint:
 def child_env(ep: Endpoint) -> dict[str, str]:
     """Environment of every Prefect process started here: pinned to this endpoint, no telemetry."""
     env = dict(os.environ)
-    env.update({"PREFECT_API_URL": ep.api_url, "PREFECT_HOME": str(ep.home), "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"PREFECT_API_URL": ep.api_url, "PREFECT_HOME": str(ep.home),
+                "PREFECT_SERVER_EPHEMERAL_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     return env
 
 

@@ -1,7 +1,7 @@
 """Flow `render-briefs`: briefs (any text) → designer captions → imagegen images, with no scoring.
 
     atelier render --designer runs/d1 --imagegen runs/sd3/pipeline --briefs briefs.txt --out runs/render
-    python -m atelier_studio.flows.render --designer ... --imagegen ... --briefs ... --out ...        (as a Prefect flow)
+    python -m atelier_studio.flows.render --designer ... --imagegen ... --briefs ... --out ...   (as a Prefect flow)
     prefect deployment run render-briefs/default -p designer=runs/d1 -p imagegen=runs/i1 -p briefs=briefs.txt \
         -p out_dir=runs/render --watch --watch-timeout 1800
 

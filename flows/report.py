@@ -191,7 +191,8 @@ def publish_samples(image: Path, key: str, description: str) -> str | None:
     from prefect.artifacts import create_image_artifact
 
     key = artifact_key(key)
-    create_image_artifact(preview_data_uri(Path(image)), key=key, description=f"{description} ({Path(image).resolve()})")
+    create_image_artifact(preview_data_uri(Path(image)), key=key,
+                          description=f"{description} ({Path(image).resolve()})")
     return key
 
 

@@ -1,9 +1,12 @@
 """The local Prefect server and the process serving Atelier's deployments: start, stop, status, run.
 
-    python -m atelier_studio.flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process, in the background
-    python -m atelier_studio.flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then the server
+    python -m atelier_studio.flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process,
+                                                  # in the background
+    python -m atelier_studio.flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then
+                                                  # the server
     python -m atelier_studio.flows.serve status
-    python -m atelier_studio.flows.serve run      # foreground: serve the deployments (what `start` runs in the background)
+    python -m atelier_studio.flows.serve run      # foreground: serve the deployments (what `start` runs in the
+                                                  # background)
 
 Served deployments, all named `default`: train-designer/default, train-imagegen/default,
 brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with

@@ -1,6 +1,7 @@
 """Flow `train-designer`: fine-tune the designer LM by running `atelier designer train` under Prefect.
 
-    python -m atelier_studio.flows.train_designer --config configs/designer/demo.toml [--set train.max_steps=50] [--nproc 2]
+    python -m atelier_studio.flows.train_designer --config configs/designer/demo.toml [--set train.max_steps=50]
+        [--nproc 2]
     prefect deployment run train-designer/default -p config=configs/designer/demo.toml --watch --watch-timeout 1800
 
 Steps: check the config and the model path (flows/training.py) → the `train` task runs the trainer as a

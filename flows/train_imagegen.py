@@ -1,6 +1,7 @@
 """Flow `train-imagegen`: train the MMDiT by running `atelier imagegen train` under Prefect.
 
-    python -m atelier_studio.flows.train_imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50] [--nproc 2]
+    python -m atelier_studio.flows.train_imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50]
+        [--nproc 2]
     prefect deployment run train-imagegen/default -p config=configs/imagegen/demo.toml --watch --watch-timeout 1800
 
 Steps: check the config and the model path → `cache` task, only when needed → `train` task (a subprocess,

@@ -76,7 +76,8 @@ def publish_task(run_dir: str, name: str) -> list[str]:
 
 
 def training_flow_main(flow_fn: Callable[[str, list[str], int], str], kind: Kind, argv: Sequence[str] | None) -> int:
-    """`python -m atelier_studio.flows.train_<kind> --config ... --set ... --nproc N`: runs the flow against the running server."""
+    """`python -m atelier_studio.flows.train_<kind> --config ... --set ... --nproc N`: runs the flow against the running
+    server."""
     name = f"atelier_studio.flows.train_{kind}"
     p = argparse.ArgumentParser(prog=f"python -m {name}", description=f"run the train-{kind} flow")
     p.add_argument("--config", default=f"configs/{kind}/demo.toml")

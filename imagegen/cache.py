@@ -12,8 +12,8 @@ resolution, counts) so the trainer can check them. With `text.kind = "sd3"` the 
 encoders (imagegen/sd3_text.py): L = 77 + text.max_sequence_length, D = 4096, P = 2048 for the released
 models; with `autoencoder.spec = "model"` the latents come from the vae/ of the pipeline at model.path.
 
-Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its own slice of
-the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
+Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its
+own slice of the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
 index) writes the combined `out_dir/index.json`, listing `rank-RRRRR/shard-NNNNNN.tar`. A single
 process writes `out_dir/shard-*.tar` directly. Resume: a (rank) directory whose index.json exists is
 complete and is skipped. Corrupt image samples are skipped and counted by the shard reader; past
@@ -80,7 +80,8 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
 
 
 def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
-    meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path), "latent_channels": autoencoder.latent_channels,
+    meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path),
+            "latent_channels": autoencoder.latent_channels,
             "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
             "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")

@@ -87,7 +87,8 @@ class Family:
         """The args of a diffusers config.json dict with the implementation choices `impls` (IMPL_FIELDS)."""
         unknown = sorted(set(impls) - set(IMPL_FIELDS))
         if unknown:
-            raise TypeError(f"args_from_diffusers_config: unknown implementation choices {unknown}; known: {IMPL_FIELDS}")
+            raise TypeError(f"args_from_diffusers_config: unknown implementation choices {unknown}; "
+                            f"known: {IMPL_FIELDS}")
         return self.args_cls.from_diffusers_config(config, source=source, **impls)
 
     def diffusers_reference(self) -> type:

@@ -109,7 +109,8 @@ def save_lora(model: nn.Module, args: LoraArgs, out_dir: str | os.PathLike,
     out = Path(out_dir)
     with atomic_dir(out, what="LoRA directory") as tmp:
         save_safetensors(tensors, tmp / LORA_FILE,
-                         metadata={"format": "pt", METADATA_KEY: json.dumps(lora_metadata(model, args), sort_keys=True)})
+                         metadata={"format": "pt",
+                                   METADATA_KEY: json.dumps(lora_metadata(model, args), sort_keys=True)})
     return out
 
 
@@ -159,8 +160,9 @@ def read_lora(path: str | os.PathLike) -> tuple[LoraArgs, dict[str, torch.Tensor
     # bf16 adapters stay bf16; fp32 and fp16 ones load as fp32 (exact for both)
     dtype = "bfloat16" if next(iter(weights.values())).dtype == torch.bfloat16 else "float32"
     try:
-        args = LoraArgs(rank=rank, alpha=float(meta.get("lora_alpha", rank)), dropout=float(meta.get("lora_dropout", 0.0)),
-                        rslora=bool(meta.get("use_rslora", False)), dtype=dtype)
+        args = LoraArgs(rank=rank, alpha=float(meta.get("lora_alpha", rank)),
+                        dropout=float(meta.get("lora_dropout", 0.0)), rslora=bool(meta.get("use_rslora", False)),
+                        dtype=dtype)
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{f}: {e}") from None
     return args, weights

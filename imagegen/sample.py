@@ -14,9 +14,10 @@ resolution, flow shift, the base transformer): what `sample_to_dir` needs beside
 `sample_to_dir` also takes a diffusers StableDiffusion3Pipeline directory (a released SD3 / SD3.5 model, or a
 run's exported `pipeline/`): its three text encoders, its VAE and its scheduler's shift are used, and a LoRA file
 at its top (pytorch_lora_weights.safetensors, a LoRA run's export) is applied, so the images are
-StableDiffusion3Pipeline's (after `load_lora_weights(dir)`) for the same seed, steps and guidance (the noise is drawn as the pipeline draws
-it from a CPU generator: `torch.randn` of the whole batch; the Euler steps and CFG are diffusers', see
-imagegen/flow.py). The pipeline renders with guidance only above 1; here any guidance other than 1 runs CFG.
+StableDiffusion3Pipeline's (after `load_lora_weights(dir)`) for the same seed, steps and guidance (the noise is drawn
+as the pipeline draws it from a CPU generator: `torch.randn` of the whole batch; the Euler steps and CFG are
+diffusers', see imagegen/flow.py). The pipeline renders with guidance only above 1; here any guidance other than 1
+runs CFG.
 """
 
 from __future__ import annotations
@@ -290,5 +291,5 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     return paths
 
 
-__all__ = ["sample_images", "sample_latents", "sample_to_dir", "load_for_sampling", "make_grid", "to_pil", "write_run_meta", "run_meta",
-           "text_encoder_from_meta", "RUN_META"]
+__all__ = ["sample_images", "sample_latents", "sample_to_dir", "load_for_sampling", "make_grid", "to_pil",
+           "write_run_meta", "run_meta", "text_encoder_from_meta", "RUN_META"]

@@ -146,5 +146,5 @@ def default_resolution(path: str | os.PathLike) -> int:
 
 
 __all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files", "scheduler_config",
-           "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS",
-           "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]
+           "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG",
+           "SCHEDULER_FLOW_KEYS", "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]

@@ -73,9 +73,16 @@ from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
 from atelier_studio.imagegen.flow import add_noise, flow_loss, sample_timesteps
-from atelier_studio.imagegen.lora import (LORA_FILE, apply_lora, load_lora, lora_layers, read_lora, save_lora,
-                                          target_modules)
 from atelier_studio.imagegen.hf import build_model, load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
+from atelier_studio.imagegen.lora import (
+    LORA_FILE,
+    apply_lora,
+    load_lora,
+    lora_layers,
+    read_lora,
+    save_lora,
+    target_modules,
+)
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
@@ -84,13 +91,19 @@ from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.imagegen.text import EncodedPrompts, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.distributed import (DistContext, all_gather_objects, all_reduce_sum, is_sharded,
-                                                 materialize_, parallelize)
+from atelier_studio.pipeline.distributed import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_sum,
+    is_sharded,
+    materialize_,
+    parallelize,
+)
 from atelier_studio.pipeline.float8 import apply_precision, check_precision
 from atelier_studio.pipeline.lora import LoraArgs, lora_init_like
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Samples, Skipped
+from atelier_studio.pipeline.task import Samples, Skipped, Task
 
 NUM_BINS = 4
 EVAL_T_GRID = 8  # eval timesteps (k + 0.5) / 8: two per bin
@@ -122,7 +135,7 @@ def draw_seed(seed: int, ordinal: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, ordinal, stream]).generate_state(1, dtype=np.uint64)[0])
 
 
-class ImagegenTask:
+class ImagegenTask(Task):
     unit = "images"
 
     def __init__(self, cfg: ImagegenConfig, device: torch.device, dist: DistContext | None = None):

@@ -94,9 +94,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         raise ValueError(f"packed_causal_attention: expected q [N,H,Dh], k/v [N,Hkv,Dh]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"packed_causal_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+        raise ValueError(f"packed_causal_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "disagree")
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"packed_causal_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+        raise ValueError(f"packed_causal_attention: {q.shape[1]} query heads is not a multiple of "
+                         f"{k.shape[1]} kv heads")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
         raise ValueError(f"packed_causal_attention: cu_seqlens must be int32 [S+1] with S >= 1, got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")

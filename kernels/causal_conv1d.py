@@ -7,7 +7,8 @@ Forward, for token t of the document that starts at s(t):
   a[t, c] = Σ_{k<K, t−(K−1−k) ≥ s(t)} w[c, k] · x[t − (K−1−k), c];   y = silu(a) = a · σ(a).
 This is F.conv1d(x, w, padding=K−1, groups=C)[..., :T] (Hugging Face's causal_conv1d_fn) run on each
 document alone: the taps that would reach into the previous document read zeros instead, so a packed
-row equals its documents one by one (the conv mixes neighbouring tokens, so without the boundary it would leak one document into the next).
+row equals its documents one by one (the conv mixes neighbouring tokens, so without the boundary it would leak one
+document into the next).
 Backward, with da[t] = dy[t] · σ(a[t]) · (1 + a[t] · (1 − σ(a[t]))):
   dx[s', c] = Σ_{j<K, t = s'+j in the same document} w[c, K−1−j] · da[t, c];
   dw[c, k]  = Σ_t da[t, c] · x[t − (K−1−k), c]   (same masking as the forward).

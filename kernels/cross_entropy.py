@@ -68,7 +68,8 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, V, ignore_index,
 
 
 # --- launchers ------------------------------------------------------------------------------------
-def ce_rows(z: torch.Tensor, labels: torch.Tensor, loss_out: torch.Tensor, ignore_index: int, compute_grad: bool) -> None:
+def ce_rows(z: torch.Tensor, labels: torch.Tensor, loss_out: torch.Tensor, ignore_index: int,
+            compute_grad: bool) -> None:
     """z [C, V] (row-contiguous), labels int64 [C] → per-row loss into loss_out fp32 [C]; z := dz when compute_grad."""
     c, v = z.shape
     if c == 0:
@@ -122,7 +123,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         # The matmuls run in one compute dtype: autocast's when it is on (bf16 hidden against fp32 master
         # weights), else the promoted input dtype. Softmax, loss and gradient accumulators stay fp32.
         dev = hidden.device.type
-        c = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(hidden.dtype, weight.dtype)
+        c = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+             else torch.promote_types(hidden.dtype, weight.dtype))
         w = weight.to(c)
         labels = labels.contiguous()
         n = hidden.shape[0]
@@ -173,7 +175,8 @@ def linear_cross_entropy(
             raise ValueError(f"linear_cross_entropy: labels[{i}] = {int(labels[i])} is outside [0, {weight.shape[0]}) "
                              f"and is not ignore_index={ignore_index}")
     use_triton = impl == "triton" or (impl == "auto" and hidden.is_cuda)
-    return LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, torch.is_grad_enabled(), use_triton)
+    return LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, torch.is_grad_enabled(),
+                                    use_triton)
 
 
 # --- reference ------------------------------------------------------------------------------------

@@ -298,8 +298,9 @@ def _fast(impl: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     return len(weights) > 1 and all(_use_scaled_mm(impl, x, w) for w in weights)
 
 
-def fp8_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
-                     recipe: str = "rowwise", impl: str = "auto") -> list[torch.Tensor]:
+def fp8_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                     biases: Sequence[torch.Tensor | None] | None = None, recipe: str = "rowwise",
+                     impl: str = "auto") -> list[torch.Tensor]:
     """[fp8_linear(x, W_i, b_i, recipe, impl) for each i] with x quantised once (trainable W_i, full fine-tuning).
 
     x [..., K], W_i [N_i, K], b_i [N_i] | None → [[..., N_i]] in the compute dtype.
@@ -345,8 +346,8 @@ def fp8_lora_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], froz
     for w, a, b in zip(weights, lora_as, lora_bs):
         _check(x, w, None, recipe, impl)
         if a.dim() != 2 or a.shape[1] != w.shape[1] or b.shape != (w.shape[0], a.shape[0]):
-            raise ValueError(f"fp8_lora_linear_group: expected lora_a [r, I], lora_b [O, r] for weight {tuple(w.shape)}; "
-                             f"got {tuple(a.shape)}, {tuple(b.shape)}")
+            raise ValueError(f"fp8_lora_linear_group: expected lora_a [r, I], lora_b [O, r] for weight "
+                             f"{tuple(w.shape)}; got {tuple(a.shape)}, {tuple(b.shape)}")
         if w.requires_grad:
             raise ValueError("fp8_lora_linear_group: the base weights must be frozen (requires_grad=False)")
     if len({a.dtype for a in (*lora_as, *lora_bs)}) != 1 or len({p.requires_grad for p in (*lora_as, *lora_bs)}) != 1:
@@ -370,7 +371,8 @@ def _frozen_group(x, weights, biases, frozens, lora_as, lora_bs, scales, recipe)
 
 # --- reference ------------------------------------------------------------------------------------
 def fp8_linear_group_ref(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                         biases: Sequence[torch.Tensor | None] | None = None, recipe: str = "rowwise") -> list[torch.Tensor]:
+                         biases: Sequence[torch.Tensor | None] | None = None,
+                         recipe: str = "rowwise") -> list[torch.Tensor]:
     """The group's reference: each member through kernels.fp8_linear's fake-quantised reference."""
     biases = list(biases) if biases is not None else [None] * len(weights)
     return [fp8_linear(x, w, b, recipe, "ref") for w, b in zip(weights, biases)]

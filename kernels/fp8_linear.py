@@ -99,7 +99,8 @@ PRECISION_KEY = 'train.precision = "fp8"'
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast disabled for a block (CPU autocast would round the fp32 scales to bf16); a no-op context where it
     is off already (entering torch.autocast costs several µs of host time, and the ops below run per layer)."""
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+    return (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
+            else contextlib.nullcontext())
 
 
 def padded(m: int) -> int:
@@ -304,7 +305,8 @@ def fp8_lora_bwd(dy: torch.Tensor, x: torch.Tensor, wqt: torch.Tensor, wt_scale:
 
 @fp8_lora_bwd.register_fake
 def _(dy, x, wqt, wt_scale, lora_a, lora_b, u, mask, scale, p, recipe, need_x, need_a, need_b):
-    return (torch.empty_like(x) if need_x else x.new_empty(0), torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
             torch.empty_like(lora_b) if need_b else lora_b.new_empty(0))
 
 
@@ -414,8 +416,8 @@ class Fp8FrozenLoRAFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         x, wqt, wt_scale, lora_a, lora_b, u, mask = ctx.saved_tensors
         need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6], ctx.needs_input_grad[7]
-        dx, da, db = call_op(fp8_lora_bwd, dy.to(ctx.base_dtype).contiguous(), x, wqt, wt_scale, lora_a, lora_b, u, mask,
-                                  ctx.scale, ctx.p, ctx.recipe, need_x, need_a, need_b)
+        dx, da, db = call_op(fp8_lora_bwd, dy.to(ctx.base_dtype).contiguous(), x, wqt, wt_scale, lora_a, lora_b, u,
+                                  mask, ctx.scale, ctx.p, ctx.recipe, need_x, need_a, need_b)
         return ((dx if need_x else None), None, None, None, None, None, (da if need_a else None),
                 (db if need_b else None), None, None, None, None)
 
@@ -556,8 +558,9 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _check_frozen(frozen: Fp8FrozenWeight | None, weight: torch.Tensor, recipe: str) -> None:
     if frozen is None or frozen.recipe != recipe or frozen.q.shape != weight.shape or frozen.q.device != weight.device:
         got = None if frozen is None else (frozen.recipe, tuple(frozen.q.shape), str(frozen.q.device))
-        raise ValueError(f"fp8 frozen linear: needs the weight's fp8 copies (quantize_frozen_weight(weight, {recipe!r})) "
-                         f"for weight {tuple(weight.shape)} on {weight.device}; got {got}")
+        raise ValueError(f"fp8 frozen linear: needs the weight's fp8 copies "
+                         f"(quantize_frozen_weight(weight, {recipe!r})) for weight {tuple(weight.shape)} on "
+                         f"{weight.device}; got {got}")
 
 
 # --- reference ------------------------------------------------------------------------------------

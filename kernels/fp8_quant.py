@@ -30,8 +30,9 @@ Kernels, and the passes they make over v:
 Launch configurations (tile, warps): one fixed choice under the interpreter; on CUDA a small list, timed on the first
 call for each (kernel, dtypes, column count, power-of-two row bucket) of at least 4M elements and the fastest kept
 for the process (every configuration computes the same bits; `launch_configs()` lists the choices); smaller
-tensors, and an untuned key inside a CUDA-graph capture, take the list's first entry. The kernels are memory-bound: an H200 moves ~4.3 TB/s (read +
-write), so 64×128 to 128×128 tiles with 4 to 8 warps keep enough bytes in flight per multiprocessor.
+tensors, and an untuned key inside a CUDA-graph capture, take the list's first entry. The kernels are memory-bound:
+an H200 moves ~4.3 TB/s (read + write), so 64×128 to 128×128 tiles with 4 to 8 warps keep enough bytes in flight per
+multiprocessor.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ import torch
 IMPLS = ("auto", "fla", "ref")
 CHUNK = 64  # fla's chunk size (BT); the FLOP count in designer/qwen35.py uses the same
 FLA_MISSING = ("gated_delta_rule: the fast path needs fla-core, which is not installed: `pip install fla-core` "
-               "(or `pip install 'atelier-studio[gpu]'`); pass impl='ref' to run the slow fp32 PyTorch reference instead")
+               "(or `pip install 'atelier-studio[gpu]'`); pass impl='ref' to run the slow fp32 PyTorch reference "
+               "instead")
 
 # --- Triton kernels -------------------------------------------------------------------------------
 # (none here: the fast path is fla-core's Triton kernels.)
@@ -222,7 +223,8 @@ def fla_guard_lifted(dk: int, device: torch.device, dtype: torch.dtype = torch.b
 @torch.library.custom_op("atelier::gated_delta_rule_fla_fwd", mutates_args=())
 def fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             cu_seqlens: torch.Tensor, chunk_rows: torch.Tensor, chunk_count: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g fp32 [N, Hv], beta [N, Hv] → (o [N, Hv, Dv], then what the backward
     needs: q̂, 1/|q|, k̂, 1/|k| (L2-normalised, fla's l2norm), the chunk-cumulated gates, fla's A)."""
     from fla.modules.norm.l2norm import l2norm_fwd

@@ -137,7 +137,8 @@ class GatedRMSNormFunction(torch.autograd.Function):
 
 
 # --- public ---------------------------------------------------------------------------------------
-def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                  impl: str = "auto") -> torch.Tensor:
     """rmsnorm(x) · weight · silu(z) over the last dim. x, z [..., D], weight [D] → [..., D] in x.dtype."""
     if impl not in IMPLS:
         raise ValueError(f"gated_rmsnorm: impl must be one of {IMPLS}, got {impl!r}")

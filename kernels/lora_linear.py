@@ -10,8 +10,9 @@ Forward, with m the dropout mask (scaled by 1/(1−p)) and xd = x ∘ m:
 Backward, for dy [T, O]:
   g = s · dy B [T, r];  dB = s · dyᵀ u [O, r];  dA = gᵀ xd [r, I];
   dx = dy W + (g A) ∘ m, again one addmm into dy W when there is no dropout and one dtype.
-  No dW and no d(bias): the base is frozen (a weight gradient for it would be a third of the FLOPs, thrown away); dx is skipped when x needs
-  no gradient (layer 0 of a frozen-embedding LoRA run), which autograd over nn.Linear also does.
+  No dW and no d(bias): the base is frozen (a weight gradient for it would be a third of the FLOPs, thrown away); dx
+  is skipped when x needs no gradient (layer 0 of a frozen-embedding LoRA run), which autograd over nn.Linear also
+  does.
 Saved: x, the dropout mask (bool, only with dropout), u, and the weights (no copies).
 Dtypes: under autocast both matmul chains run in the autocast dtype (as nn.Linear would); otherwise
 the base runs in x.dtype and the adapter in lora_a's dtype (PEFT: fp32 adapters on a bf16 base), and
@@ -70,7 +71,8 @@ def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
 
 
 def add_adapter_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                 mask: torch.Tensor | None, p: float, base_dtype: torch.dtype, adapter_dtype: torch.dtype) -> torch.Tensor:
+                 mask: torch.Tensor | None, p: float, base_dtype: torch.dtype,
+                 adapter_dtype: torch.dtype) -> torch.Tensor:
     """y [T, O] (the base's output, in base_dtype) += s · u Bᵀ in place; returns u = dropout(x) Aᵀ [T, r] in
     adapter_dtype. Call with autocast off. Shared by the bf16 base here and the fp8 base (kernels/fp8_linear.py)."""
     cb, ca = base_dtype, adapter_dtype
@@ -142,7 +144,8 @@ def lora_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lor
 
 @lora_linear_bwd.register_fake
 def _(dy, x, weight, lora_a, lora_b, u, mask, scale, p, need_x, need_a, need_b):
-    return (torch.empty_like(x) if need_x else x.new_empty(0), torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(lora_a) if need_a else lora_a.new_empty(0),
             torch.empty_like(lora_b) if need_b else lora_b.new_empty(0))
 
 
@@ -293,7 +296,8 @@ def _group_bwd_flops(dys, x, weights, lora_as, lora_bs, u, scales, need_x, need_
 
 # --- autograd.Function ----------------------------------------------------------------------------
 class LoRALinearFunction(torch.autograd.Function):
-    """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p → y [T, O]."""
+    """x [T, I], weight [O, I], bias [O] | None, lora_a [r, I], lora_b [O, r], scale, mask [T, I] | None, p →
+    y [T, O]."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale: float, mask, p: float):  # noqa: D102
@@ -309,7 +313,8 @@ class LoRALinearFunction(torch.autograd.Function):
         need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dx, da, db = call_op(lora_linear_bwd, dy.to(ctx.base_dtype).contiguous(), x, weight, lora_a, lora_b, u, mask,
                                      ctx.scale, ctx.p, need_x, need_a, need_b)
-        return (dx if need_x else None), None, None, (da if need_a else None), (db if need_b else None), None, None, None
+        return ((dx if need_x else None), None, None, (da if need_a else None), (db if need_b else None), None, None,
+                None)
 
 
 class LoRALinearGroupFunction(torch.autograd.Function):
@@ -349,11 +354,13 @@ def _check(x, weight, bias, lora_a, lora_b, dropout, impl) -> None:
     r = lora_a.shape[0] if lora_a.dim() == 2 else None
     if (i is None or r is None or x.shape[-1] != i or lora_a.shape != (r, i) or lora_b.shape != (o, r)
             or (bias is not None and bias.shape != (o,))):
-        raise ValueError(f"lora_linear: expected x [..., I], weight [O, I], bias [O], lora_a [r, I], lora_b [O, r]; got "
-                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}, "
+        raise ValueError(f"lora_linear: expected x [..., I], weight [O, I], bias [O], lora_a [r, I], lora_b [O, r]; "
+                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}, "
                          f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("lora_linear: the base weight and bias must be frozen (requires_grad=False); no dW is computed")
+        raise ValueError("lora_linear: the base weight and bias must be frozen (requires_grad=False); "
+                         "no dW is computed")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"lora_linear: dropout must be in [0, 1), got {dropout}")
 
@@ -375,7 +382,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def lora_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], lora_as: Sequence[torch.Tensor],
-                      lora_bs: Sequence[torch.Tensor], scales: Sequence[float], impl: str = "auto") -> list[torch.Tensor]:
+                      lora_bs: Sequence[torch.Tensor], scales: Sequence[float],
+                      impl: str = "auto") -> list[torch.Tensor]:
     """[lora_linear(x, W_i, None, A_i, B_i, s_i) for each i] as one op over the shared x (no bias, no dropout).
 
     The adapters must all train or all be frozen, in one dtype. x [..., I] → [[..., O_i]] (the base compute dtype).
@@ -398,7 +406,8 @@ def lora_linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor], lora_as:
 
 # --- reference ------------------------------------------------------------------------------------
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                    lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None = None, p: float = 0.0) -> torch.Tensor:
+                    lora_b: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+                    p: float = 0.0) -> torch.Tensor:
     """Plain PyTorch in fp32, cast back to the base compute dtype (autocast's, else x.dtype). mask: bool keep-mask."""
     out_dtype = _compute_dtypes(x, lora_a)[0]
     with torch.autocast(x.device.type, enabled=False):

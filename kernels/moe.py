@@ -445,7 +445,8 @@ def moe_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
                 continue
             xg = xf[token]  # [n_g, D]
 
-            def proj(inp: torch.Tensor, w: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            def proj(inp: torch.Tensor, w: torch.Tensor,
+                     pair: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
                 y = inp @ w.float().t()
                 if pair is not None:
                     y = y + (inp @ pair[0][g].float().t()) @ pair[1][g].float().t() * lora.scale

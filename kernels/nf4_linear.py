@@ -463,5 +463,5 @@ def nf4_lora_linear_ref(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None
     return lora_linear_ref(x, dequantize_nf4(w), bias, lora_a, lora_b, scale, mask, p)
 
 
-__all__ = ["IMPLS", "PATHS", "DENSE_MIN_M", "nf4_dequantize", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref", "nf4_lora_linear_ref", "nf4_matmul",
-           "nf4_matmul_t"]
+__all__ = ["IMPLS", "PATHS", "DENSE_MIN_M", "nf4_dequantize", "nf4_linear", "nf4_lora_linear", "nf4_linear_ref",
+           "nf4_lora_linear_ref", "nf4_matmul", "nf4_matmul_t"]

@@ -170,8 +170,8 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):  # noqa: D102
         h, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[2]
-        dx, dw = call_op(rmsnorm_bwd, dy.contiguous(), dh_out.contiguous() if dh_out is not None else None, h, weight, rstd,
-                             compute_dw)
+        dx, dw = call_op(rmsnorm_bwd, dy.contiguous(), dh_out.contiguous() if dh_out is not None else None, h, weight,
+                             rstd, compute_dw)
         dres = dx if ctx.has_res and ctx.needs_input_grad[1] else None
         return dx, dres, (dw.to(weight.dtype) if compute_dw else None), None
 

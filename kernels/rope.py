@@ -82,7 +82,8 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if n == 0:
         return qo, ko
-    block_h, block_hkv, block_half = triton.next_power_of_2(h), triton.next_power_of_2(hkv), triton.next_power_of_2(dh // 2)
+    block_h, block_hkv, block_half = (triton.next_power_of_2(h), triton.next_power_of_2(hkv),
+                                      triton.next_power_of_2(dh // 2))
     num_warps = 8 if block_h * block_half >= 4096 else 4
     _rope_kernel[(n,)](q, k, qo, ko, cos, sin, h, hkv, dh // 2, BACKWARD=backward, BLOCK_H=block_h,
                        BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, num_warps=num_warps)
@@ -201,7 +202,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rope: impl must be one of {IMPLS}, got {impl!r}")
     for name, t in (("q", q), ("k", k)):
         if t.shape[:-2] != cos.shape[:-1] or t.shape[-1] != cos.shape[-1]:
-            raise ValueError(f"rope: {name} {tuple(t.shape)} does not match cos {tuple(cos.shape)} ([..., H, Dh] vs [..., Dh])")
+            raise ValueError(f"rope: {name} {tuple(t.shape)} does not match cos {tuple(cos.shape)} "
+                             "([..., H, Dh] vs [..., Dh])")
     if sin.shape != cos.shape:
         raise ValueError(f"rope: sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
     if q.shape[-1] % 2:
@@ -212,8 +214,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError("rope: the Triton path treats cos/sin as constants; got cos/sin that require grad "
                          "(use impl='ref' to differentiate through them)")
     dh = q.shape[-1]
-    qo, ko = RoPEFunction.apply(q.reshape(-1, q.shape[-2], dh).contiguous(), k.reshape(-1, k.shape[-2], dh).contiguous(),
-                                cos.reshape(-1, dh).contiguous(), sin.reshape(-1, dh).contiguous())  # [N,H,Dh], [N,Hkv,Dh]
+    qo, ko = RoPEFunction.apply(q.reshape(-1, q.shape[-2], dh).contiguous(),  # [N,H,Dh], [N,Hkv,Dh]
+                                k.reshape(-1, k.shape[-2], dh).contiguous(),
+                                cos.reshape(-1, dh).contiguous(), sin.reshape(-1, dh).contiguous())
     return qo.view(q.shape), ko.view(k.shape)
 
 
@@ -223,7 +226,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch rotate-half RoPE in fp32, cast back. cos/sin [..., Dh] get a heads axis inserted."""
     c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)  # [..., 1, Dh]
     qf, kf = q.float(), k.float()

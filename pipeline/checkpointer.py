@@ -2,7 +2,7 @@
 
 A checkpoint holds everything a resumed run needs to continue as if it had never stopped: the trainable weights,
 the optimizer state, the task's own state (its data position), the step, and every random generator (Python,
-NumPy, torch's CPU and CUDA generators). The formats and the atomic writes are pipeline/checkpoint.py's: one
+NumPy, torch's CPU and CUDA generators). The formats and the atomic writes are pipeline/checkpoint_files.py's: one
 process writes a safetensors checkpoint, several ranks a sharded one (torch.distributed.checkpoint, optionally in
 the background) that resumes on any number of ranks. docs/checkpoints.md describes both.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from atelier_studio.pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     PendingSave,

@@ -316,7 +316,8 @@ def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
         if part not in hints:
             where = ".".join(parts[:i]) or "the top level"
             allowed = ", ".join(sorted(hints)) if hints else "none (not a section)"
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key (--set {item}); allowed keys under {where}: {allowed}")
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key (--set {item}); "
+                              f"allowed keys under {where}: {allowed}")
         tp = hints[part]
         if i < len(parts) - 1:
             if not is_dataclass(tp):

@@ -87,7 +87,7 @@ class ResumeCheck:
 
 def resumed_checkpoint(out_dir: Path, resume: str) -> Path | None:
     """The checkpoint `train.resume` continues from (the Checkpointer verifies it when it loads it)."""
-    from atelier_studio.pipeline.checkpoint import list_checkpoints
+    from atelier_studio.pipeline.checkpoint_files import list_checkpoints
 
     if resume == "never":
         return None

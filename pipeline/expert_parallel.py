@@ -79,7 +79,8 @@ class ExpertExchange:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if num_experts % self.size:
-            raise ConfigError(f"train.distributed.expert_parallel: {num_experts} experts do not split over {self.size} ranks")
+            raise ConfigError(f"train.distributed.expert_parallel: {num_experts} experts do not split over "
+                              f"{self.size} ranks")
         self.local = num_experts // self.size
 
     @property

@@ -65,7 +65,8 @@ class SharedInputOperands:
 
 
 class LoRALinear(nn.Module):
-    """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A, lora_B)."""
+    """base(x) + lora_B(lora_A(dropout(x))) · scale over a frozen nn.Linear (PEFT's names: base_layer, lora_A,
+    lora_B)."""
 
     def __init__(self, base: nn.Linear, args: LoraArgs, impl: str = "auto") -> None:
         super().__init__()

@@ -13,9 +13,10 @@ over-weights short micro-batches (a known bug class of fused cross-entropy under
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -60,65 +61,80 @@ class Skipped:
         return f"{self.total} sample{'s' if self.total != 1 else ''} skipped so far" + (f" ({per})" if per else "")
 
 
-class Task(Protocol):
+class Task(ABC):
+    """What a model family supplies to the loop. Subclasses implement the abstract methods; the hooks below them
+    have defaults that suit a task without the feature, so the trainer calls every one of them unconditionally."""
+
     #: the module whose trainable parameters the optimizer updates
     model: nn.Module
     #: the throughput unit: "tokens" or "images"
     unit: str
 
+    @abstractmethod
     def train_batches(self) -> Iterator[Any]:
-        """An endless iterator of micro-batches, positioned by `load_state_dict`.
+        """An endless iterator of micro-batches (or of their pieces, see `pieces_per_micro_batch`), positioned by
+        `load_state`."""
 
-        A task may split a micro-batch into several items (each its own forward and backward, like gradient
-        accumulation) by defining `pieces_per_micro_batch`; the trainer then draws grad_accum x that many
-        items per step (default 1)."""
-        ...
-
+    @abstractmethod
     def batch_weight(self, batch: Any) -> int:
         """Number of loss units (tokens or images) in the micro-batch; a host int, no device sync."""
-        ...
 
+    @abstractmethod
     def batch_units(self, batch: Any) -> int:
         """Throughput units processed (non-padding tokens, or images); a host int."""
-        ...
 
+    @abstractmethod
     def batch_flops(self, batch: Any) -> int:
         """Useful model FLOPs of forward + backward for this micro-batch (from the model's own count)."""
-        ...
 
+    @abstractmethod
     def loss_sum(self, batch: Any) -> torch.Tensor:
         """Sum of per-unit losses of the micro-batch, an fp32 scalar tensor with grad."""
-        ...
 
+    @abstractmethod
     def evaluate(self) -> dict[str, float]:
         """Metrics on the held-out set (may be empty when there is none)."""
-        ...
 
-    def after_optimizer_step(self, step: int) -> None:
-        """Hook after each optimizer step (EMA update)."""
-        ...
-
-    # Optional: `skipped() -> Skipped | None`, called on every rank at each logged step and at the end (a task may
-    # gather its ranks' counts in it): what the training data skipped so far, which the trainer reports (progress
-    # line, metrics.jsonl, TensorBoard, the run summary); None when this run's data cannot skip anything.
-
-    # Optional: `samples(step) -> Samples | None`, called after every optimizer step: the validation images when
-    # they are due (imagegen's sample.every), which the trainer logs to TensorBoard and names on the progress line.
-
+    @abstractmethod
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors to checkpoint beyond the trainable weights (EMA weights, ...)."""
-        ...
 
+    @abstractmethod
     def state_meta(self) -> dict[str, Any]:
         """JSON-serialisable state to checkpoint (data cursor, ...)."""
-        ...
 
+    @abstractmethod
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        ...
+        """Restore what `state_tensors` and `state_meta` saved."""
 
+    @abstractmethod
     def export(self, out_dir: Path) -> dict[str, Path]:
         """Write the final artefacts (adapter / model / transformer / ema); returns name → path."""
-        ...
 
-    # Optional: `export_reads_frozen: bool` (default True). False when export() writes the trainable weights alone
-    # (a LoRA adapter): under FSDP2 the trainer then gathers only those to rank 0, never the frozen base.
+    # ---- hooks with defaults
+
+    @property
+    def pieces_per_micro_batch(self) -> int:
+        """Items `train_batches` yields per micro-batch: a task may split one into several (each its own forward and
+        backward, like gradient accumulation); the trainer draws grad_accum x this many items per step."""
+        return 1
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Called after each optimizer step (an EMA update)."""
+
+    def samples(self, step: int) -> Samples | None:
+        """Called after every optimizer step: the validation images when they are due (imagegen's sample.every),
+        which the trainer logs to TensorBoard and names on the progress line; None when none are due."""
+        return None
+
+    def skipped(self) -> Skipped | None:
+        """What the training data skipped so far, which the trainer reports (progress line, metrics.jsonl,
+        TensorBoard, the run summary); None when this run's data cannot skip anything. Called on every rank at each
+        logged step and at the end, so a task may gather its ranks' counts in it."""
+        return None
+
+    @property
+    def export_reads_frozen(self) -> bool:
+        """False when `export` writes the trainable weights alone (a LoRA adapter): under FSDP2 the trainer then
+        gathers only those to rank 0, never the frozen base."""
+        return True

@@ -1,14 +1,14 @@
 """The one training loop, shared by the designer and imagegen trainers.
 
-Per optimizer step: draw `grad_accum` micro-batches, sum their loss weights on the host, backpropagate
-each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss unit
-of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule,
-step AdamW. Around it: logging (pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard; with what
-the task's data skipped so far, pipeline/task.py's Skipped),
-evaluation, checkpoints on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position,
-RNG, data cursor; pipeline/checkpointer.py's Checkpointer does the saving and restoring).
+Per optimizer step (`train_step`): draw `grad_accum` micro-batches, sum their loss weights on the host,
+backpropagate each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss
+unit of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule, step AdamW.
+Around it (`fit`): logging (`log_step`; pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard;
+with what the task's data skipped so far, pipeline/task.py's Skipped), validation samples, evaluation, checkpoints
+on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor;
+pipeline/checkpointer.py's Checkpointer does the saving and restoring).
 
-The step itself reads nothing back from the device; the host syncs only where a value is logged.
+The step itself reads nothing back from the device; the host syncs only where a value is logged (`log_step`).
 
 Under torchrun (a `DistContext` with `enabled`, pipeline/distributed.py) the same loop runs on every rank
 over its own slice of each global micro-batch: the loss weights are summed over ranks (so the mean is over
@@ -24,19 +24,26 @@ import math
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from atelier_studio.pipeline.atomic import ensure_dir
 from atelier_studio.pipeline.checkpointer import Checkpointer, seed_everything
 from atelier_studio.pipeline.config import OutputConfig, TrainConfig
-from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum, barrier, consolidated, is_sharded, set_gradient_sync
+from atelier_studio.pipeline.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    consolidated,
+    is_sharded,
+    set_gradient_sync,
+)
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
 from atelier_studio.pipeline.progress import RunLog, announce_fallback, fallbacks, log
-from atelier_studio.pipeline.task import Task
+from atelier_studio.pipeline.task import Skipped, Task
 
 
 class TrainingError(AtelierError, RuntimeError):
@@ -51,6 +58,31 @@ class TrainResult:
     exports: dict[str, Path] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     signal: int | None = None
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as `log_step` reads it: the loss and gradient norm stay on the device until a logged
+    step reads them."""
+
+    lr: float
+    weight: int  # loss units of the step's accumulated batch (over every rank)
+    loss: torch.Tensor  # this rank's share of the step's mean loss (fp32 scalar)
+    grad_norm: torch.Tensor
+    units: int  # throughput units and model FLOPs of this rank's micro-batches
+    flops: int
+
+
+@dataclass
+class _Run:
+    """What one `fit` carries from step to step."""
+
+    report: RunLog
+    meter: ThroughputMeter
+    saved_step: int = -1  # the step of the last checkpoint (the resumed one's, if any)
+    evaluated_step: int = -1
+    last_loss: float | None = None  # of the last logged step
+    reported_skips: dict[str, dict[str, int]] = field(default_factory=dict)  # what report.skipped last wrote
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -138,6 +170,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> TrainResult:
+        """Resume, then per optimizer step: `train_step`, `log_step` on the log cadence, the cadences (validation
+        samples, evaluation, checkpoint); until max_steps or a stop signal. Then `_finish` (the last checkpoint, and
+        unless stopped the final evaluation and the export) and the run's summary."""
         cfg = self.cfg
         ensure_dir(self.out, "output.dir")
         if self.device.type != "cuda":
@@ -145,114 +180,138 @@ class Trainer:
                                          f"rule run their plain-PyTorch references (exact, slow: for tests and small "
                                          f"models)")
         resume = self.resume()
-        report = RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
-                        main=self.dist.is_main)
-        meter = ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops))
+        run = _Run(RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
+                          main=self.dist.is_main),
+                   ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops)),
+                   saved_step=self.step if resume is not None else -1)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        model = self.task.model
-        model.train()
+        self.task.model.train()
         batches = self.task.train_batches()
-        per_step = cfg.grad_accum * getattr(self.task, "pieces_per_micro_batch", 1)  # items drawn per step
-        params = [p for _, p in self.named_params]
-        render = getattr(self.task, "samples", None)  # optional (pipeline/task.py)
-        skipped = getattr(self.task, "skipped", None)  # optional: what the data skipped so far
-        reported_skips: dict[str, dict[str, int]] = {}
-        last_loss: float | None = None
-        saved_step = self.step if resume is not None else -1
-        evaluated_step = -1
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.step < cfg.max_steps and not self._should_stop():
-                lr = cfg.lr * lr_factor(self.step, cfg)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                micro = [next(batches) for _ in range(per_step)]
-                weight = sum(self.task.batch_weight(b) for b in micro)
-                if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
-                    weight = int(all_reduce_sum(self.dist, [weight])[0])
-                loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
-                if weight > 0:
-                    for i, b in enumerate(micro):
-                        set_gradient_sync(model, i == len(micro) - 1)  # one reduce-scatter per step
-                        with cpu_offload(enabled=cfg.distributed.cpu_offload):  # forward AND backward inside
-                            loss = self.task.loss_sum(b) / weight
-                            loss.backward()
-                        loss_total += loss.detach()
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                grad_norm = self._clip(params, max_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.step += 1
-                self.task.after_optimizer_step(self.step)
-                meter.add(sum(self.task.batch_units(b) for b in micro), sum(self.task.batch_flops(b) for b in micro))
-
+                result = self.train_step(batches)
+                run.meter.add(result.units, result.flops)
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                    if self.dist.enabled:  # each rank holds its share of the global mean
-                        last_loss = all_reduce_sum(self.dist, [loss_total.item()])[0]
-                    else:
-                        last_loss = loss_total.item()  # the host sync of this step
-                    if not math.isfinite(last_loss):
-                        raise TrainingError(
-                            f"loss is {last_loss} at step {self.step}; stopping without saving over the last good "
-                            f"checkpoint (lower train.lr, check the data)"
-                        )
-                    rate = meter.measure()
-                    record = {"kind": "train", "step": self.step, "loss": last_loss, "lr": lr,
-                              "grad_norm": float(grad_norm), "loss_weight": weight}
-                    if rate is not None:
-                        record.update({f"{self.task.unit}_per_s": rate.units_per_s, "step_time": rate.step_time,
-                                       "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
-                    if self.device.type == "cuda":
-                        record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    skips = skipped() if skipped is not None else None
-                    if skips is not None:
-                        record["skipped"] = skips.total
-                    report.train(record)
-                    if skips is not None and skips.by_source != reported_skips:  # which shards, when it changes
-                        report.skipped(self.step, skips)
-                        reported_skips = skips.by_source
-
-                rendered = render(self.step) if render is not None else None
-                if rendered is not None:  # validation images: TensorBoard, and a line the flows pick up
-                    report.samples(self.step, cfg.max_steps, rendered)
-                    meter.restart_clock()  # rendering is not training time
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self._evaluate(report)
-                    evaluated_step = self.step
-                    meter.restart_clock()
-                if cfg.save_every and self.step % cfg.save_every == 0:
-                    path = self.save()
-                    saved_step = self.step
-                    report.message(f"saved {path}")
-                    meter.restart_clock()
-
+                    self.log_step(result, run)
+                self._samples_on_cadence(run)
+                self._evaluate_on_cadence(run)
+                self._save_on_cadence(run)
             interrupted = self._stop_signal is not None
-            final_skips = skipped() if skipped is not None else None  # every rank: a task may gather its counts
-            if saved_step != self.step:
-                path = self.save()
-                report.message(f"saved {path}")
-            self.checkpoints.finish_pending()
-            exports: dict[str, Path] = {}
-            if not interrupted:
-                if evaluated_step != self.step:
-                    self._evaluate(report)
-                exports = self._export()
-                for name, p in exports.items():
-                    report.message(f"exported {name}: {p}")
+            final_skips, exports = self._finish(run, interrupted)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            report.close()
-        summary = meter.summary()
+            run.report.close()
+        return TrainResult(step=self.step, interrupted=interrupted, final_loss=run.last_loss, exports=exports,
+                           summary=self._summary(run, final_skips), signal=self._stop_signal)
+
+    def train_step(self, batches: Iterator[Any]) -> StepResult:
+        """One optimizer step: draw its micro-batches, backpropagate each one's loss sum over the step's total loss
+        weight, clip, step AdamW at the schedule's learning rate. Reads nothing back from the device."""
+        cfg = self.cfg
+        lr = cfg.lr * lr_factor(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = [next(batches) for _ in range(cfg.grad_accum * self.task.pieces_per_micro_batch)]
+        weight = sum(self.task.batch_weight(b) for b in micro)
+        if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
+            weight = int(all_reduce_sum(self.dist, [weight])[0])
+        loss_total = torch.zeros((), device=self.device, dtype=torch.float32)
+        if weight > 0:
+            for i, b in enumerate(micro):
+                set_gradient_sync(self.task.model, i == len(micro) - 1)  # one reduce-scatter per step
+                with cpu_offload(enabled=cfg.distributed.cpu_offload):  # forward AND backward inside
+                    loss = self.task.loss_sum(b) / weight
+                    loss.backward()
+                loss_total += loss.detach()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = self._clip([p for _, p in self.named_params], max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.task.after_optimizer_step(self.step)
+        return StepResult(lr=lr, weight=weight, loss=loss_total, grad_norm=grad_norm,
+                          units=sum(self.task.batch_units(b) for b in micro),
+                          flops=sum(self.task.batch_flops(b) for b in micro))
+
+    def log_step(self, result: StepResult, run: _Run) -> None:
+        """The logged record of the step just taken: the step's one host sync (its loss, summed over ranks), which
+        stops the run if it is not finite, then the rates, peak memory and what the data skipped so far."""
+        if self.dist.enabled:  # each rank holds its share of the global mean
+            run.last_loss = all_reduce_sum(self.dist, [result.loss.item()])[0]
+        else:
+            run.last_loss = result.loss.item()  # the host sync of this step
+        if not math.isfinite(run.last_loss):
+            raise TrainingError(
+                f"loss is {run.last_loss} at step {self.step}; stopping without saving over the last good "
+                f"checkpoint (lower train.lr, check the data)"
+            )
+        rate = run.meter.measure()
+        record = {"kind": "train", "step": self.step, "loss": run.last_loss, "lr": result.lr,
+                  "grad_norm": float(result.grad_norm), "loss_weight": result.weight}
+        if rate is not None:
+            record.update({f"{self.task.unit}_per_s": rate.units_per_s, "step_time": rate.step_time,
+                           "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
+        if self.device.type == "cuda":
+            record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        skips = self.task.skipped()
+        if skips is not None:
+            record["skipped"] = skips.total
+        run.report.train(record)
+        if skips is not None and skips.by_source != run.reported_skips:  # which shards, when it changes
+            run.report.skipped(self.step, skips)
+            run.reported_skips = skips.by_source
+
+    # ------------------------------------------------------------------ cadences (each restarts the throughput clock:
+    # its time is not training time)
+
+    def _samples_on_cadence(self, run: _Run) -> None:
+        """Validation images, when the task renders some at this step: TensorBoard, and a line the flows pick up."""
+        rendered = self.task.samples(self.step)
+        if rendered is not None:
+            run.report.samples(self.step, self.cfg.max_steps, rendered)
+            run.meter.restart_clock()
+
+    def _evaluate_on_cadence(self, run: _Run) -> None:
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+            self._evaluate(run)
+            run.meter.restart_clock()
+
+    def _save_on_cadence(self, run: _Run) -> None:
+        if self.cfg.save_every and self.step % self.cfg.save_every == 0:
+            self._save(run)
+            run.meter.restart_clock()
+
+    # ------------------------------------------------------------------ the finish
+
+    def _finish(self, run: _Run, interrupted: bool) -> tuple[Skipped | None, dict[str, Path]]:
+        """After the last step: a checkpoint of it (unless the cadence just saved one) and the wait for a background
+        save; unless stopped by a signal, the final evaluation and the export. Returns what the data skipped and the
+        exports."""
+        final_skips = self.task.skipped()  # every rank: a task may gather its counts
+        if run.saved_step != self.step:
+            self._save(run)
+        self.checkpoints.finish_pending()
+        exports: dict[str, Path] = {}
+        if not interrupted:
+            if run.evaluated_step != self.step:
+                self._evaluate(run)
+            exports = self._export()
+            for name, p in exports.items():
+                run.report.message(f"exported {name}: {p}")
+        return final_skips, exports
+
+    def _summary(self, run: _Run, final_skips: Skipped | None) -> dict[str, Any]:
+        summary = run.meter.summary()
         if final_skips is not None:
             summary["skipped"] = final_skips.as_dict()
         if self.device.type == "cuda":
             summary["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if fallbacks():
             summary["fallbacks"] = fallbacks()
-        return TrainResult(step=self.step, interrupted=interrupted, final_loss=last_loss, exports=exports,
-                           summary=summary, signal=self._stop_signal)
+        return summary
 
     def _should_stop(self) -> bool:
         """A signal on any rank stops every rank after the same step (or ranks would wait on each other)."""
@@ -279,20 +338,26 @@ class Trainer:
         """The task's export from rank 0, of the consolidated weights: equal to a one-process export. A task whose
         export reads only its trainable weights (`export_reads_frozen` False: a LoRA adapter) gets only those."""
         exports: dict[str, Path] = {}
-        trainable_only = not getattr(self.task, "export_reads_frozen", True)
+        trainable_only = not self.task.export_reads_frozen
         with consolidated(self.task.model, self.dist, trainable_only=trainable_only):
             if self.dist.is_main:
                 exports = self.task.export(self.out)
         barrier(self.dist)
         return exports
 
-    def _evaluate(self, report: RunLog) -> None:
+    def _evaluate(self, run: _Run) -> None:
         model = self.task.model
         model.eval()
         with torch.no_grad():
             result = self.task.evaluate()
         model.train()
-        report.eval(self.step, result)
+        run.report.eval(self.step, result)
+        run.evaluated_step = self.step
+
+    def _save(self, run: _Run) -> None:
+        path = self.save()
+        run.saved_step = self.step
+        run.report.message(f"saved {path}")
 
 
 def exit_code(result: TrainResult) -> int:

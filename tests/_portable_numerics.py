@@ -24,7 +24,8 @@ def problem(env: Mapping[str, str], capability: str) -> str | None:
     if env.get(CAPABILITY_ENV) != WANTED_ENV:
         return (f"--portable-numerics needs {CAPABILITY_ENV}={WANTED_ENV} in the environment before Python starts "
                 f"(torch reads it once, at import); it is {env.get(CAPABILITY_ENV, 'unset')!r}. "
-                f"Run `make test-portable`, or `{CAPABILITY_ENV}={WANTED_ENV} python -m pytest --portable-numerics ...`")
+                f"Run `make test-portable`, or "
+                f"`{CAPABILITY_ENV}={WANTED_ENV} python -m pytest --portable-numerics ...`")
     if capability != WANTED_CAPABILITY:
         return (f"--portable-numerics: {CAPABILITY_ENV}={WANTED_ENV} is set but torch runs its {capability} kernels: "
                 f"torch was imported before the variable was set")

@@ -1,8 +1,8 @@
 """Bad input through the real CLI: one table of cases, each a clear one-line error, status 2, nothing half-written.
 
 Each row of CASES builds one bad input under the test's tmp directory, runs the command through the CLI's
-entry point (`atelier_studio.flows.cli.main`, which `python -m atelier_studio.flows.cli` exits with; rows marked `subprocess`, and the
-disk-full row, run `python -m atelier_studio.flows.cli` itself in a subprocess) and checks:
+entry point (`atelier_studio.flows.cli.main`, which `python -m atelier_studio.flows.cli` exits with; rows marked
+`subprocess`, and the disk-full row, run `python -m atelier_studio.flows.cli` itself in a subprocess) and checks:
 
 - the exit status (2: a user-fixable error);
 - stderr is exactly one line, `atelier: error: ...`, with no traceback, containing every `expect` substring
@@ -572,8 +572,9 @@ def run_cli(argv: list[str], cwd: Path, file_size_limit: int | None = None) -> s
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600, preexec_fn=limit_file_size if file_size_limit else None)
+    return subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit_file_size if file_size_limit else None)
 
 
 def run_in_process(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture, monkeypatch) -> tuple[int, str, str]:

@@ -32,7 +32,8 @@ def _probe(more: str = "", extra_path: Path | None = None) -> dict:
     env = dict(os.environ)
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(extra_path), *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, "-c", PROBE.format(more=more)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE.format(more=more)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

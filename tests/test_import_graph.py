@@ -126,8 +126,8 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def test_arrows_point_down():
     bad = upward_imports(import_graph())
-    assert not bad, "imports against the layering (kernels → pipeline → data → designer, imagegen → flows, bench):\n" + \
-        "\n".join(bad)
+    assert not bad, ("imports against the layering (kernels → pipeline → data → designer, imagegen → flows, "
+                     "bench):\n" + "\n".join(bad))
 
 
 def test_no_import_cycles():

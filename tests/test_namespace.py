@@ -34,4 +34,5 @@ def test_a_plain_checkout_imports_through_the_links():
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd="/", env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     files = [Path(line) for line in out.stdout.split()]
-    assert files == [ROOT / "atelier_studio" / "pipeline" / "errors.py", ROOT / "atelier_studio" / "data" / "textfile.py"]
+    assert files == [ROOT / "atelier_studio" / "pipeline" / "errors.py",
+                     ROOT / "atelier_studio" / "data" / "textfile.py"]

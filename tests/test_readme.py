@@ -1,4 +1,5 @@
-"""The README stays true: its quick start, its links, and docs/layout.md's tree, which lists every file of the project."""
+"""The README stays true: its quick start, its links, and docs/layout.md's tree, which lists every file of the
+project."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from atelier_studio.flows.cli import main
-from atelier_studio.pipeline.checkpoint import list_checkpoints, verify_checkpoint
+from atelier_studio.pipeline.checkpoint_files import list_checkpoints, verify_checkpoint
 from atelier_studio.pipeline.run_lock import LOCK_NAME, acquire_run_lock
 
 from tests.designer.conftest import world  # noqa: F401  (the fixture: a tokenizer and a tiny random Qwen3)

@@ -1,4 +1,5 @@
-"""bench/designer.py end to end at tiny size on the CPU (fp32): every JSON field, and loss parity with transformers+PEFT."""
+"""bench/designer.py end to end at tiny size on the CPU (fp32): every JSON field, and loss parity with
+transformers+PEFT."""
 
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def test_tiny_moe_parity_active_flops_and_expert_spread(name, tmp_path):
     assert losses["hf"] == losses["hf-gc"]  # the recompute is the same arithmetic on the CPU: equal losses
     assert r["peer_config"]["hf-gc"]["gradient_checkpointing"] and not r["peer_config"]["hf"]["gradient_checkpointing"]
     e = r["expert_tokens"]
-    assert (e["layers"], e["experts"]) == (2, 8) and e["max_over_mean_worst_layer"] >= e["max_over_mean_median_layer"] >= 1
+    assert ((e["layers"], e["experts"]) == (2, 8)
+            and e["max_over_mean_worst_layer"] >= e["max_over_mean_median_layer"] >= 1)
     first = make_batches(cfg, 2, 4, None, 2)[0]  # bench()'s batches at micro-batch 2 (seed + 2, warmup + steps)
     assert e["tokens_per_expert_mean"] * e["experts"] == pytest.approx(2 * first.num_tokens)  # k = 2 per real token
     args = args_from_size(cfg.size, vocab_size=cfg.vocab_size)

@@ -1,6 +1,7 @@
 """bench/session.py on the CPU: the tiny plan through the real driver (wheels installed from a folder, the
-checkout's own `atelier_studio/` links on PYTHONPATH, the bundle and summary in the output folder), a step killed at its time limit keeping what it wrote,
-a step skipped when its minimum no longer fits, and the packing of wheels into one archive."""
+checkout's own `atelier_studio/` links on PYTHONPATH, the bundle and summary in the output folder), a step killed at
+its time limit keeping what it wrote, a step skipped when its minimum no longer fits, and the packing of wheels into one
+archive."""
 from __future__ import annotations
 
 import base64

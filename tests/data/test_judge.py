@@ -43,7 +43,8 @@ def degrade(image: Image.Image, sigma: float, blur: float, seed: int) -> np.ndar
 
 
 @pytest.mark.parametrize("size", [32, 64])
-@pytest.mark.parametrize("sigma,blur", [(0.0, 0.0), (0.05, 0.6), (0.08, 0.8)], ids=["clean", "noisy-blurred", "noisier"])
+@pytest.mark.parametrize("sigma,blur", [(0.0, 0.0), (0.05, 0.6), (0.08, 0.8)],
+                         ids=["clean", "noisy-blurred", "noisier"])
 def test_judge_reads_rendered_truth(size, sigma, blur):
     samples = _samples(300, seed=size)
     images = [render(s.spec, size, s.center) for s in samples]

@@ -71,7 +71,8 @@ def assert_same(a: list[list[dict]], b: list[list[dict]]) -> None:
     """The same chunks: keys, buckets and every tensor bit for bit (the loader copies bytes)."""
     assert len(a) == len(b)
     for x, y in zip((c for batch in a for c in batch), (c for batch in b for c in batch)):
-        assert (x["ordinal"], x["stream"], x["keys"], x["bucket"]) == (y["ordinal"], y["stream"], y["keys"], y["bucket"])
+        assert ((x["ordinal"], x["stream"], x["keys"], x["bucket"])
+                == (y["ordinal"], y["stream"], y["keys"], y["bucket"]))
         for name in ("latent", "text_states", "pooled"):
             assert torch.equal(x[name], y[name]), name
 
@@ -214,7 +215,8 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path):
     d.mkdir()
     bad = [
         {"__key__": "nojson", "safetensors": enc[0]["safetensors"]},
-        {"__key__": "garbage", "safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", "json": enc[0]["json"]},
+        {"__key__": "garbage", "safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all",
+         "json": enc[0]["json"]},
         {"__key__": "nobucket", "safetensors": enc[0]["safetensors"], "json": b'{"caption": "x"}'},
         {"__key__": "badjson", "safetensors": enc[0]["safetensors"], "json": b"{"},
     ]

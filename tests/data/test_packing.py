@@ -254,7 +254,8 @@ class ToyLM(torch.nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [N, D] each
         n = ids.shape[0]
         allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()  # [N, N]
-        return self.head(torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed)[0])
+        return self.head(torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None],
+                                                                          attn_mask=allowed)[0])
 
 
 def test_packed_loss_equals_documents_one_by_one():

@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from atelier_studio.data.synthetic import (
     FAMILIES,
     HELD_OUT_PAIRS,
     KINDS,
+    LAYOUT_PHRASES,
     LAYOUTS,
     MOODS,
     POSITIONS,
@@ -197,6 +199,12 @@ def test_text_only_samples_extend_the_designer_data_and_leave_the_splits_alone(w
         assert spec.color in c.colors and spec.shape in c.shapes and spec.position in c.positions
         assert (spec.color, spec.shape) not in HELD_OUT_PAIRS
     assert len({r["brief"] for r in text}) > 100  # new briefs, not copies of the train ones
+    # every text-only brief states a layout, and every (layout, phrase) is stated as often as any other (+-1)
+    said = [next((p for _, p in LAYOUT_PHRASES if r["brief"].endswith(", " + p)), None) for r in text]
+    assert None not in said and all(parse_brief(r["brief"]).layout == r["layout"] for r in text)
+    phrases = Counter(said)
+    assert sorted(phrases) == sorted(p for _, p in LAYOUT_PHRASES)
+    assert max(phrases.values()) - min(phrases.values()) <= 1
     with pytest.raises(ValueError, match="n_text=-1"):
         generate_world(tmp_path / "bad", n=10, seed=0, n_text=-1)
 

@@ -28,7 +28,8 @@ def test_fp8_run_learns_and_saves_what_bf16_saves(world, tmp_path, lora, drop):
                            "--set", "train.fp8_recipe=rowwise")) == 0
     losses = [l for _, l in train_losses(fp8_out)]
     assert sum(losses[-5:]) / 5 < drop * sum(losses[:5]) / 5, losses  # it learns
-    assert main(train_args(world, bf16_out, *common, "--set", "train.max_steps=1", "--set", "train.warmup_steps=1")) == 0
+    assert main(train_args(world, bf16_out, *common, "--set", "train.max_steps=1",
+                           "--set", "train.warmup_steps=1")) == 0
     bf16_losses = [l for _, l in train_losses(bf16_out)]
     assert bf16_losses[0] != losses[0]  # the first step's loss differs: the fp8 run really quantised
     for rel in ("checkpoints/step-24/model.safetensors", "adapter/adapter_model.safetensors" if lora != "0"

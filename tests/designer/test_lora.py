@@ -26,7 +26,8 @@ V = 89
 
 
 def _peft_name(ours: str) -> str:
-    # model.layers.0.self_attn.q_proj.lora_A.weight → base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
+    # model.layers.0.self_attn.q_proj.lora_A.weight
+    #   → base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
     return "base_model.model." + ours.replace(".weight", ".default.weight")
 
 

@@ -114,7 +114,8 @@ def test_logits_match_transformers(tmp_path, overrides):
                     p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
         path = save_pretrained(model, tmp_path / "with-bias", dtype=torch.float32)
     ours, hf = load_pretrained(path), load_hf(path)
-    assert set(ours.state_dict()) == set(k for k in hf.state_dict() if not (args.tie_embeddings and k == "lm_head.weight"))
+    assert set(ours.state_dict()) == set(k for k in hf.state_dict()
+                                         if not (args.tie_embeddings and k == "lm_head.weight"))
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = ours.logits(run_rows(ours, ids))

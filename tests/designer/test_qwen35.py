@@ -63,7 +63,8 @@ def save_tiny(root: Path, seed: int = 0, **overrides) -> Path:
 
 # --- parity with transformers ---------------------------------------------------------------------
 @pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=False, attention_bias=True),
-                                       dict(layer_types=(FULL, LINEAR, LINEAR), num_layers=3, partial_rotary_factor=0.5)])
+                                       dict(layer_types=(FULL, LINEAR, LINEAR), num_layers=3,
+                                            partial_rotary_factor=0.5)])
 def test_logits_match_transformers(tmp_path, overrides):
     path = save_tiny(tmp_path, 1, **overrides)
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_text"
@@ -346,7 +347,8 @@ def test_two_processes_equal_one(q35_world, tmp_path):
     assert_same_losses(one, two, range(1, 5))
     # the bounds of the Qwen3 test (tests/designer/test_distributed.py's docstring derives them): its lr 1e-3 keeps
     # Adam from turning the rounding noise in in_proj_a's near-zero gradients into lr-sized steps
-    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors", two / "adapter" / "adapter_model.safetensors")
+    assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
+                            two / "adapter" / "adapter_model.safetensors")
 
 
 def test_compiled_blocks_train_like_eager():
@@ -678,7 +680,8 @@ def test_kernels_on_equals_kernels_off(monkeypatch):
                              ("causal_conv1d", "conv_fwd"), ("gated_rmsnorm", "gated_rmsnorm_fwd")):
         mod = importlib.import_module(f"atelier_studio.kernels.{module}")
         real = getattr(mod, launcher)
-        monkeypatch.setattr(mod, launcher, lambda *a, _r=real, _k=launcher, **kw: launched.update({_k: 1}) or _r(*a, **kw))
+        monkeypatch.setattr(mod, launcher,
+                            lambda *a, _r=real, _k=launcher, **kw: launched.update({_k: 1}) or _r(*a, **kw))
 
     ref = random_qwen35(6)
     ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))

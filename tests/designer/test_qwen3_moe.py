@@ -65,7 +65,8 @@ def router_inputs(model) -> tuple[list[torch.Tensor], list]:
     seen, handles = [], []
     for block in model.model.layers:
         if block.sparse:
-            handles.append(block.mlp.register_forward_hook(lambda m, a, out: seen.append(a[0].reshape(-1, a[0].shape[-1]))))
+            handles.append(block.mlp.register_forward_hook(
+                lambda m, a, out: seen.append(a[0].reshape(-1, a[0].shape[-1]))))
     return seen, handles
 
 
@@ -406,7 +407,8 @@ def test_init_writes_what_transformers_loads_and_streams_init_weights(moe_world)
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
     again = init_random("qwen3-moe-tiny", moe_world / "tok", moe_world / "again", seed=0, dtype=torch.float32,
                         max_shard_bytes=60_000)
-    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), load_pretrained(again).state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(ours.state_dict().values(), load_pretrained(again).state_dict().values()))
 
 
 @pytest.mark.slow

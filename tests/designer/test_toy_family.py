@@ -173,7 +173,8 @@ def test_init_writes_a_transformers_phi3(phi3_world, capsys):
     with torch.no_grad():
         assert rel_err(ours.logits(run_rows(ours, ids)), hf(input_ids=ids).logits) <= 1e-5  # fp32, as above
     again = init_random("phi3-tiny", phi3_world / "tok", phi3_world / "again", seed=0, dtype=torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), load_pretrained(again).state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(ours.state_dict().values(), load_pretrained(again).state_dict().values()))
 
 
 @pytest.mark.parametrize("mode", ["lora", "lora-two-targets", "full"])
@@ -184,7 +185,8 @@ def test_train_then_generate_through_the_cli(phi3_world, tmp_path, mode):
 
     out = tmp_path / mode
     extra = {"lora": ["--set", "lora.rank=8", "--set", "train.lr=1e-2"],
-             "lora-two-targets": ["--set", "lora.rank=8", "--set", "lora.targets=qkv,gate_up", "--set", "train.lr=1e-2"],
+             "lora-two-targets": ["--set", "lora.rank=8", "--set", "lora.targets=qkv,gate_up",
+                                  "--set", "train.lr=1e-2"],
              "full": ["--set", "lora.rank=0", "--set", "train.lr=3e-3"]}[mode]
     assert main(train_args(phi3_world, out, *extra, "--set", "train.max_steps=30", "--set", "train.warmup_steps=2",
                            "--set", "train.eval_every=0", "--set", "train.save_every=15")) == 0

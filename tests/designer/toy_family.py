@@ -69,7 +69,8 @@ class Phi3Args:
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
             raise ValueError(f"Phi3Args.dim={self.dim} must split into {self.num_heads} heads of an even size")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"Phi3Args.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"Phi3Args.num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
         if self.attention_impl not in ATTENTION_IMPLS or self.kernels not in KERNEL_IMPLS:
             raise ValueError(f"Phi3Args: attention_impl {self.attention_impl!r} / kernels {self.kernels!r} unknown")
 

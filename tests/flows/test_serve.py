@@ -1,4 +1,5 @@
-"""The real path: `python -m atelier_studio.flows.serve start` (server + serve), `prefect deployment run ... --watch`, stop.
+"""The real path: `python -m atelier_studio.flows.serve start` (server + serve), `prefect deployment run ... --watch`,
+stop.
 
 One test, about 2-3 minutes on 2 cores: a fresh SQLite server takes 30-60 s to become healthy. It runs on a free
 port with its own PREFECT_HOME, so a developer's own `make serve` on 4200 is left alone.

@@ -1,5 +1,6 @@
-"""imagegen/export.py: a pipeline directory from a base pipeline, loaded back by StableDiffusion3Pipeline.from_pretrained:
-the scheduler's shift from the run, files linked not copied, extra files, T5-less loading, atomic on failure."""
+"""imagegen/export.py: a pipeline directory from a base pipeline, loaded back by
+StableDiffusion3Pipeline.from_pretrained: the scheduler's shift from the run, files linked not copied, extra files,
+T5-less loading, atomic on failure."""
 
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ def test_bad_lora_files_name_the_problem(tmp_path):
         (file("te", {"text_encoder.layer.lora_A.weight": a}), r"'text_encoder.layer.lora_A.weight' is not a "
                                                                r"transformer LoRA weight"),
         (file("ranks", {f"{blk}.to_q.lora_A.weight": a, f"{blk}.to_q.lora_B.weight": b,
-                        f"{blk}.to_k.lora_A.weight": a[:2].clone(), f"{blk}.to_k.lora_B.weight": b[:, :2].contiguous()}),
+                        f"{blk}.to_k.lora_A.weight": a[:2].clone(),
+                        f"{blk}.to_k.lora_B.weight": b[:, :2].contiguous()}),
          r"ranks \[2, 4\]"),
         (file("dora", {f"{blk}.to_q.lora_A.weight": a, f"{blk}.to_q.lora_B.weight": b},
               {"lora_adapter_metadata": json.dumps({"transformer.use_dora": True})}), r"use_dora = True"),

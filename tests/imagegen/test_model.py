@@ -288,7 +288,8 @@ def test_pinned_sdpa_backend_gives_the_same_model_and_compiles():
         with pytest.raises(RuntimeError):
             cudnn(*x)
     block = pinned.transformer_blocks[0]
-    hidden, ctx, temb = torch.randn(2, 16, SD35_TINY.dim), torch.randn(2, 5, SD35_TINY.dim), torch.randn(2, SD35_TINY.dim)
+    hidden, ctx, temb = (torch.randn(2, 16, SD35_TINY.dim), torch.randn(2, 5, SD35_TINY.dim),
+                         torch.randn(2, SD35_TINY.dim))
     torch._dynamo.reset()
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     for a, b in zip(compiled(hidden, ctx, temb), block(hidden, ctx, temb)):

@@ -61,7 +61,8 @@ FORK = Family(
 def test_a_registered_family_goes_through_init_and_the_loader(tmp_path, capsys):
     registry.register(FORK)
     try:
-        assert main(["imagegen", "init", "--size", "fork-tiny", "--out", str(tmp_path / "m"), "--dtype", "float32"]) == 0
+        assert main(["imagegen", "init", "--size", "fork-tiny", "--out", str(tmp_path / "m"),
+                     "--dtype", "float32"]) == 0
         assert "random-init Fork fork-tiny" in capsys.readouterr().out
         assert json.loads((tmp_path / "m" / "config.json").read_text())["_class_name"] == "ForkTransformer2DModel"
         model = load_pretrained(tmp_path / "m")
@@ -73,7 +74,8 @@ def test_a_registered_family_goes_through_init_and_the_loader(tmp_path, capsys):
     finally:
         registry.unregister(FORK)
     with pytest.raises(ModelLoadError, match=r"config.json: _class_name 'ForkTransformer2DModel' is not a registered "
-                                             r"imagegen family \(registered _class_names — MMDiT: SD3Transformer2DModel\)"):
+                                             r"imagegen family \(registered _class_names — "
+                                             r"MMDiT: SD3Transformer2DModel\)"):
         load_pretrained(tmp_path / "m")
     assert main(["imagegen", "init", "--size", "fork-tiny", "--out", str(tmp_path / "gone")]) == 2
     assert "unknown imagegen size 'fork-tiny'" in capsys.readouterr().err

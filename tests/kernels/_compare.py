@@ -13,7 +13,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
     if bad.any():
         diff = (a - e).abs()
         idx = bad.nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} mismatches (atol={atol}, rtol={rtol}); first at {idx}; "
+        raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} mismatches (atol={atol}, rtol={rtol}); "
+                             f"first at {idx}; "
                              f"max diff {diff.max():.3e}, mean diff {diff.mean():.3e}; nan {int(a.isnan().sum())}, "
                              f"inf {int(a.isinf().sum())}")
 

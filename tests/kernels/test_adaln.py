@@ -1,4 +1,5 @@
-"""AdaLN modulation (LayerNorm without affine, then per-image scale/shift) forward and backward against the reference."""
+"""AdaLN modulation (LayerNorm without affine, then per-image scale/shift) forward and backward against the
+reference."""
 
 import pytest
 import torch

@@ -112,7 +112,8 @@ def test_fast_paths_match_ref_on_cuda(impl):
 
     ob = eager_attention(q, k, v, lens)
     gb = torch.autograd.grad(ob, (q, k, v), do)
-    for name, a, b, e in (("o", o, ob, oe), ("dq", dq, gb[0], ge[0]), ("dk", dk, gb[1], ge[1]), ("dv", dv, gb[2], ge[2])):
+    for name, a, b, e in (("o", o, ob, oe), ("dq", dq, gb[0], ge[0]), ("dk", dk, gb[1], ge[1]),
+                          ("dv", dv, gb[2], ge[2])):
         err, base = (a.double() - e).abs().max(), (b.double() - e).abs().max()
         assert err <= 2 * base + 1e-3, f"{impl} {name}: max error {err:.3e} vs eager bf16 {base:.3e}"
 

@@ -26,7 +26,8 @@ def _run(lens, c, k, dtype, impl, device=DEV, seed=0):
     """(names, kernel outputs+grads, fp64 math outputs+grads, eager-in-dtype baselines)."""
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
-    x64, w64 = torch.randn(n, c, generator=g, dtype=torch.float64), torch.randn(c, k, generator=g, dtype=torch.float64) / k
+    x64, w64 = (torch.randn(n, c, generator=g, dtype=torch.float64),
+                torch.randn(c, k, generator=g, dtype=torch.float64) / k)
     dy = torch.randn(n, c, generator=g, dtype=torch.float64).to(device)
     cu = _cu(lens, device)
 

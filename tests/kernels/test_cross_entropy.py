@@ -19,13 +19,15 @@ def test_cross_entropy_ref_matches_math():
     labels[[2, 5]] = -100
     loss, n = cross_entropy_ref(logits, labels)
     keep = labels != -100
-    manual = (torch.logsumexp(logits.double(), -1) - logits.double().gather(1, labels.clamp(min=0)[:, None])[:, 0])[keep].sum()
+    manual = (torch.logsumexp(logits.double(), -1)
+              - logits.double().gather(1, labels.clamp(min=0)[:, None])[:, 0])[keep].sum()
     assert n == 7 and loss.dtype == torch.float32
     assert_close(loss, manual, atol=1e-5, rtol=1e-6, what="loss")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("n,d,v,chunk", [(1, 8, 5, 4), (13, 16, 37, 1), (13, 16, 37, 3), (29, 32, 101, 7), (29, 32, 101, 4096)])
+@pytest.mark.parametrize("n,d,v,chunk", [(1, 8, 5, 4), (13, 16, 37, 1), (13, 16, 37, 3), (29, 32, 101, 7),
+                                         (29, 32, 101, 4096)])
 def test_linear_cross_entropy_matches_ref_with_grads(n, d, v, chunk, impl):
     g = torch.Generator().manual_seed(n + chunk)
     h = torch.randn(n, d, generator=g).requires_grad_()
@@ -46,7 +48,8 @@ def test_linear_cross_entropy_matches_ref_with_grads(n, d, v, chunk, impl):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_linear_cross_entropy_bf16_and_frozen_weight(impl):
     g = torch.Generator().manual_seed(3)
-    h64, w64 = torch.randn(40, 32, generator=g, dtype=torch.float64), torch.randn(97, 32, generator=g, dtype=torch.float64) * 0.2
+    h64, w64 = (torch.randn(40, 32, generator=g, dtype=torch.float64),
+                torch.randn(97, 32, generator=g, dtype=torch.float64) * 0.2)
     labels = torch.randint(0, 97, (40,), generator=g)
     h = h64.to(torch.bfloat16).requires_grad_()
     w = w64.to(torch.bfloat16)  # frozen: no dW is computed or returned
@@ -140,8 +143,8 @@ def test_ce_rows_bad_label_gives_nan_without_sync():
 def test_linear_cross_entropy_ref_matches_full_logits():
     g = torch.Generator().manual_seed(6)
     h, w, y = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g), torch.randint(0, 11, (5,), generator=g)
-    assert_close(linear_cross_entropy_ref(h, w, y), F.cross_entropy(h @ w.t(), y, reduction="sum"), atol=1e-5, rtol=1e-6,
-                 what="ref")
+    assert_close(linear_cross_entropy_ref(h, w, y), F.cross_entropy(h @ w.t(), y, reduction="sum"), atol=1e-5,
+                 rtol=1e-6, what="ref")
 
 
 @pytest.mark.gpu
@@ -173,5 +176,6 @@ def test_linear_cross_entropy_triton_bf16(train_weight, n, d, v, chunk):
     for name, a, e, b in zip(("loss", "dhidden", "dweight"), got, exp, base):
         assert_error_within(a, e, b, what=f"{name} {n, d, v}", atol=1e-2 if name == "loss" else 1e-3)
     print(f"linear_cross_entropy extra peak memory: {extra:.2f} GiB (train_weight={train_weight})")
-    if not train_weight and v == 151936:  # bf16 h, W (1.16 GiB) and one [4096, V] chunk (1.16 GiB); fp32 [N, V] logits alone are 4.6 GiB
+    # bf16 h, W (1.16 GiB) and one [4096, V] chunk (1.16 GiB); fp32 [N, V] logits alone are 4.6 GiB
+    if not train_weight and v == 151936:
         assert extra < 2.9, f"extra peak {extra:.2f} GiB: the [N, V] logits were materialised?"

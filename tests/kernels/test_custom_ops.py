@@ -130,7 +130,8 @@ def test_compiled_triton_paths_give_the_eager_outputs_and_gradients():
 def test_custom_ops_are_opaque_to_dynamo(fn):
     """The compiled graph holds the atelier:: op as one node (Dynamo did not trace into the Triton launch)."""
     x, w = _randn(4, 16, seed=0), _randn(16, seed=1)
-    call = (lambda a: rmsnorm(a, w, 1e-6, impl="triton")) if fn == "rmsnorm" else (lambda a: swiglu(a, a * 2, impl="triton"))
+    call = ((lambda a: rmsnorm(a, w, 1e-6, impl="triton")) if fn == "rmsnorm"
+            else (lambda a: swiglu(a, a * 2, impl="triton")))
     seen = []
 
     def backend(gm, example_inputs):

@@ -112,7 +112,8 @@ def test_frozen_group_equals_the_members_alone(recipe):
     x0 = _randn(27, k, seed=35)
     dys = [_randn(27, n, seed=36 + i) for i, n in enumerate(outs)]
     group = _grads(lambda x, p: fp8_frozen_linear_group(x, ws, bs, frozens, recipe, "scaled_mm"), x0, [], dys)
-    alone = _grads(lambda x, p: [fp8_frozen_linear(x, w, b, f, recipe, "scaled_mm") for w, b, f in zip(ws, bs, frozens)],
+    alone = _grads(lambda x, p: [fp8_frozen_linear(x, w, b, f, recipe, "scaled_mm")
+                                 for w, b, f in zip(ws, bs, frozens)],
                    x0, [], dys)
     assert all(torch.equal(a, b) for a, b in zip(group[0], alone[0])), "y"
     parts = [_grads(lambda x, p, i=i: [fp8_frozen_linear(x, ws[i], bs[i], frozens[i], recipe, "scaled_mm")], x0, [],

@@ -344,7 +344,8 @@ def test_frozen_lora_matches_reference(recipe, adapter_dtype):
     w, bias = _randn(o, i, seed=20, scale=0.1, dtype=torch.bfloat16), _randn(o, seed=21, dtype=torch.bfloat16)
     frozen = quantize_frozen_weight(w, recipe)
     x = _randn(t, i, seed=22, dtype=torch.bfloat16)
-    a0, b0 = _randn(r, i, seed=23, scale=0.1, dtype=adapter_dtype), _randn(o, r, seed=24, scale=0.1, dtype=adapter_dtype)
+    a0, b0 = (_randn(r, i, seed=23, scale=0.1, dtype=adapter_dtype),
+              _randn(o, r, seed=24, scale=0.1, dtype=adapter_dtype))
     dy = _randn(t, o, seed=25, dtype=torch.bfloat16)
     outs = []
     for impl in ("scaled_mm", "ref"):
@@ -533,14 +534,16 @@ for cfg in m.CUDA_CONFIGS["tiles"]:
         sig2 = {"x_ptr": "*bf16", "amax_q_ptr": "*fp32", "amax_qt_ptr": "*fp32", "q_ptr": "*fp8e4nv",
                 "s_q_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "s_qt_ptr": "*fp32", "R": "i32", "C": "i32",
                 "R_PAD": "i32", "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const2}}
-        k2 = triton.compile(ASTSource(m._cast_kernel, sig2, const2), target=target, options={"num_warps": cfg.num_warps})
+        k2 = triton.compile(ASTSource(m._cast_kernel, sig2, const2), target=target,
+                            options={"num_warps": cfg.num_warps})
         assert k1.metadata.shared <= SMEM and k2.metadata.shared <= SMEM, (cfg, k1.metadata.shared, k2.metadata.shared)
 for cfg in m.CUDA_CONFIGS["rows"]:
     const3 = dict(FP8_MAX=448.0, MANT=3, EMIN=-6, EPS=m.AMAX_EPS, INV_MAX=m.INV_MAX[m.E4M3], BLOCK_R=cfg.block_r,
                   BLOCK_C=cfg.block_c)
     sig3 = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": "i32", "C": "i32",
             "stride_r": "i32", "stride_c": "i32", **{k: "constexpr" for k in const3}}
-    k3 = triton.compile(ASTSource(m._quant_rows_kernel, sig3, const3), target=target, options={"num_warps": cfg.num_warps})
+    k3 = triton.compile(ASTSource(m._quant_rows_kernel, sig3, const3), target=target,
+                        options={"num_warps": cfg.num_warps})
     assert k3.metadata.shared <= SMEM, (cfg, k3.metadata.shared)
 print("ok")
 """

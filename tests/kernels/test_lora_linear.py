@@ -36,7 +36,8 @@ def _grads(y, dy, x, a, b):
     return [y, *torch.autograd.grad((y.double() * dy).sum(), (x, a, b))]
 
 
-@pytest.mark.parametrize("lead,i,o,r,bias", [((1,), 5, 3, 1, False), ((2, 7), 13, 11, 4, True), ((37,), 24, 40, 8, False)])
+@pytest.mark.parametrize("lead,i,o,r,bias", [((1,), 5, 3, 1, False), ((2, 7), 13, 11, 4, True),
+                                             ((37,), 24, 40, 8, False)])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_lora_linear_fused_matches_ref_fp32(lead, i, o, r, bias, dropout):
     make, dy = _leaves(lead, i, o, r, bias, torch.float32, torch.float32, DEV, seed=i)

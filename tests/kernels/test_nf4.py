@@ -40,7 +40,8 @@ def _weight(shape, dtype, seed):
 
 
 def torchao_nf4():
-    """torchao's NF4Tensor module (its path in recent releases, or the older torchao.dtypes.nf4tensor); skips without it."""
+    """torchao's NF4Tensor module (its path in recent releases, or the older torchao.dtypes.nf4tensor); skips without
+    it."""
     pytest.importorskip("torchao")
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor

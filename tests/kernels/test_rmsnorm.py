@@ -54,7 +54,8 @@ def _run(shape, dtype, residual, weight_grad, impl, device=DEV, seed=0):
     x64 = torch.randn(shape, generator=g, dtype=torch.float64) * 2
     r64 = torch.randn(shape, generator=g, dtype=torch.float64) if residual else None
     w64 = 1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
-    dy64, dh64 = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    dy64, dh64 = (torch.randn(shape, generator=g, dtype=torch.float64),
+                  torch.randn(shape, generator=g, dtype=torch.float64))
 
     def leaves(dt):
         x = x64.to(device, dt).requires_grad_()

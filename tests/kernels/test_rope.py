@@ -20,8 +20,10 @@ def _rope_complex(x, pos, inv_freq):
 def test_rope_ref_matches_complex_rotation_with_grads(n, h, hkv, dh, dtype):
     g = torch.Generator().manual_seed(2)
     pos = torch.randint(0, 500, (n,), generator=g)
-    q64, k64 = torch.randn(n, h, dh, generator=g, dtype=torch.float64), torch.randn(n, hkv, dh, generator=g, dtype=torch.float64)
-    dq, dk = torch.randn(n, h, dh, generator=g, dtype=torch.float64), torch.randn(n, hkv, dh, generator=g, dtype=torch.float64)
+    q64, k64 = (torch.randn(n, h, dh, generator=g, dtype=torch.float64),
+                torch.randn(n, hkv, dh, generator=g, dtype=torch.float64))
+    dq, dk = (torch.randn(n, h, dh, generator=g, dtype=torch.float64),
+              torch.randn(n, hkv, dh, generator=g, dtype=torch.float64))
     cos, sin = rope_cos_sin(pos, dh, 10000.0)
     q, k = q64.to(dtype).requires_grad_(), k64.to(dtype).requires_grad_()
     qo, ko = rope_ref(q, k, cos, sin)
@@ -81,8 +83,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _run(lead, h, hkv, dh, dtype, device=DEV, seed=0, scaling=None):
     g = torch.Generator().manual_seed(seed)
     pos = torch.randint(0, 4096, lead, generator=g)
-    q64, k64 = torch.randn(*lead, h, dh, generator=g, dtype=torch.float64), torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64)
-    dq, dk = torch.randn(*lead, h, dh, generator=g, dtype=torch.float64).to(device), torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64).to(device)
+    q64, k64 = (torch.randn(*lead, h, dh, generator=g, dtype=torch.float64),
+                torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64))
+    dq, dk = (torch.randn(*lead, h, dh, generator=g, dtype=torch.float64).to(device),
+              torch.randn(*lead, hkv, dh, generator=g, dtype=torch.float64).to(device))
     cos, sin = (t.to(device) for t in rope_cos_sin(pos, dh, 1e6, scaling))  # fp32, as the model passes them
 
     def go(dt, fn, cs):

@@ -69,7 +69,8 @@ def test_bad_overrides_name_the_key(toml_file, override, expected):
 def test_unknown_key_in_file_lists_allowed(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text(BASE + "\n[lora]\nrnak = 8\n")
-    with pytest.raises(ConfigError, match=r"lora.rnak: unknown key; allowed keys in \[lora\]: alpha, base_dtype, dropout"):
+    with pytest.raises(ConfigError,
+                       match=r"lora.rnak: unknown key; allowed keys in \[lora\]: alpha, base_dtype, dropout"):
         load_config(DesignerConfig, p)
 
 

@@ -52,7 +52,8 @@ def test_frozen_float8_linear_rebuilds_its_copies_on_load(impl):
     lin = nn.Linear(32, 48).requires_grad_(False)
     f = Float8Linear.from_linear(lin, "tensorwise", impl)
     x = torch.randn(7, 32)
-    want = fp8_frozen_linear(x, lin.weight, lin.bias, quantize_frozen_weight(lin.weight, "tensorwise"), "tensorwise", impl)
+    want = fp8_frozen_linear(x, lin.weight, lin.bias, quantize_frozen_weight(lin.weight, "tensorwise"), "tensorwise",
+                             impl)
     assert torch.equal(f(x), want)
     assert set(f.state_dict()) == {"weight", "bias"}
     new = {"weight": torch.randn(48, 32), "bias": torch.randn(48)}
@@ -160,8 +161,8 @@ def test_apply_fp8_imagegen_skips_the_per_image_linears():
     for p in model.parameters():
         nn.init.normal_(p, std=0.2)
     g = torch.Generator().manual_seed(1)
-    inputs = (torch.randn(1, 16, 8, 8, generator=g), torch.randn(1, 5, 48, generator=g), torch.randn(1, 40, generator=g),
-              torch.tensor([500.0]))
+    inputs = (torch.randn(1, 16, 8, 8, generator=g), torch.randn(1, 5, 48, generator=g),
+              torch.randn(1, 40, generator=g), torch.tensor([500.0]))
     with torch.no_grad():
         before = model(*inputs)
     names = apply_fp8(model, "rowwise", MMDIT_FAMILY.fp8_skip)
@@ -171,7 +172,8 @@ def test_apply_fp8_imagegen_skips_the_per_image_linears():
     kept = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     assert "context_embedder" in names and "transformer_blocks.0.attn.to_q" in names
     assert "transformer_blocks.1.ff.net.2" in names and "transformer_blocks.0.attn.add_k_proj" in names
-    assert sorted(kept) == sorted(["time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2",
+    assert sorted(kept) == sorted(["time_text_embed.timestep_embedder.linear_1",
+                                   "time_text_embed.timestep_embedder.linear_2",
                                    "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2",
                                    "transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
                                    "transformer_blocks.1.norm1.linear", "transformer_blocks.1.norm1_context.linear",
@@ -332,11 +334,13 @@ def test_mmdit_projections_run_as_fp8_groups(monkeypatch):
 def test_float8_group_only_groups_what_can_share():
     """Mixed recipes, trainable beside frozen, or a plain nn.Linear: no group (None), so the caller runs the layers
     one by one."""
-    a, b = Float8Linear.from_linear(nn.Linear(32, 16), "rowwise"), Float8Linear.from_linear(nn.Linear(32, 16), "rowwise")
+    a, b = (Float8Linear.from_linear(nn.Linear(32, 16), "rowwise"),
+            Float8Linear.from_linear(nn.Linear(32, 16), "rowwise"))
     x = torch.randn(3, 32)
     assert float8.float8_group(x, [a]) is None
     assert float8.float8_group(x, [a, Float8Linear.from_linear(nn.Linear(32, 16), "tensorwise")]) is None
-    assert float8.float8_group(x, [a, Float8Linear.from_linear(nn.Linear(32, 16).requires_grad_(False), "rowwise")]) is None
+    assert float8.float8_group(x, [a, Float8Linear.from_linear(nn.Linear(32, 16).requires_grad_(False),
+                                                               "rowwise")]) is None
     assert float8.float8_group(x, [a, nn.Linear(32, 16)]) is None
     ys = float8.float8_group(x, [a, b])
     assert all(torch.equal(y, m(x)) for y, m in zip(ys, (a, b)))  # CPU "auto": the members' reference, one by one

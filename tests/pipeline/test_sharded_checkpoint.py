@@ -1,4 +1,4 @@
-"""pipeline/checkpoint.py's sharded format on one process: safetensors and JSON only, nothing pickled or unpickled.
+"""pipeline/checkpoint_files.py's sharded format on one process: safetensors and JSON only, nothing (un)pickled.
 
 The multi-process writes and resumes (FSDP2 shards over 2 gloo ranks, resumed on 1 and 2) are in
 tests/designer/test_distributed.py and tests/imagegen/test_distributed.py; here DCP runs without a process group,
@@ -12,7 +12,7 @@ import pickle
 import pytest
 import torch
 
-from atelier_studio.pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint_files import (
     PICKLED_DCP_METADATA,
     CheckpointError,
     is_sharded_checkpoint,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import atelier_studio.pipeline.checkpoint as ckpt_module
+import atelier_studio.pipeline.checkpoint_files as ckpt_module
 from atelier_studio.pipeline.atomic import is_temporary
-from atelier_studio.pipeline.checkpoint import (
+from atelier_studio.pipeline.checkpoint_files import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
@@ -59,7 +59,8 @@ def test_accumulated_loss_is_token_weighted_mean(tmp_path):
     ((reference(x) - y) ** 2).mean().backward()
     seen = {}
     step = trainer.optimizer.step
-    trainer.optimizer.step = lambda: seen.update({i: p.grad.clone() for i, p in enumerate(task.model.parameters())}) or step()
+    trainer.optimizer.step = lambda: (seen.update({i: p.grad.clone() for i, p in enumerate(task.model.parameters())})
+                                      or step())
     trainer.fit()
     # the same gradient summed in another order (1 + 5 rows, weighted, vs the mean of 6): fp32 rounding over the
     # longest reduction (16 hidden units, then the 6 rows), at each gradient's scale; a wrong weighting of the
@@ -135,7 +136,7 @@ import os, sys
 from pathlib import Path
 import torch
 from atelier_studio.pipeline import atomic
-from atelier_studio.pipeline.checkpoint import Checkpoint, save_checkpoint
+from atelier_studio.pipeline.checkpoint_files import Checkpoint, save_checkpoint
 real = os.replace
 def replace(src, dst):
     real(src, dst)

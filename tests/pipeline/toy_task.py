@@ -8,6 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from atelier_studio.pipeline.task import Task
+
 
 class ToyLoader:
     """Deterministic micro-batches of varying size (so token weighting matters), with a cursor."""
@@ -29,7 +31,7 @@ class ToyLoader:
         return {"x": x, "y": y}
 
 
-class ToyTask:
+class ToyTask(Task):
     unit = "tokens"
 
     def __init__(self, seed: int = 0, dropout: float = 0.1):
@@ -56,9 +58,6 @@ class ToyTask:
         g = torch.Generator().manual_seed(999)
         x = torch.randn(32, 8, generator=g)
         return {"loss": float(((self.model(x) - x.sum(1, keepdim=True)) ** 2).mean())}
-
-    def after_optimizer_step(self, step: int) -> None:
-        pass
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}

@@ -1,4 +1,5 @@
-"""Atomic checkpoints and exact resume.
+"""The checkpoint files: their formats, written atomically, verified and read back (pipeline/checkpointer.py decides
+what goes into them and which one a run resumes from).
 
 A checkpoint is a directory `checkpoints/step-N/`:
 
@@ -56,8 +57,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from atelier_studio.pipeline.atomic import atomic_dir, ensure_dir, install_dir, is_temporary, remove_stale, restore_aside
-from atelier_studio.pipeline.atomic import save_safetensors, temp_path
+from atelier_studio.pipeline.atomic import (
+    atomic_dir,
+    ensure_dir,
+    install_dir,
+    is_temporary,
+    remove_stale,
+    restore_aside,
+    save_safetensors,
+    temp_path,
+)
 from atelier_studio.pipeline.dcp_safetensors import StreamingSafetensorsWriter
 from atelier_studio.pipeline.errors import AtelierError
 
@@ -417,7 +426,8 @@ def optimizer_state_from_tensors(
     offset = 0
     for saved_group, live_group in zip(meta["param_groups"], optimizer.param_groups):
         n = len(live_group["params"])
-        groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": list(range(offset, offset + n))})
+        kept = {k: v for k, v in saved_group.items() if k != "params"}
+        groups.append(kept | {"params": list(range(offset, offset + n))})
         offset += n
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
