@@ -49,9 +49,8 @@ def test_fp8_lora_on_a_cpu_quantises_nothing_with_triton(world, monkeypatch):
     which without a GPU died with Triton's "0 active drivers" outside the tests' interpreter) are never made."""
     import torch
 
-    from atelier_studio.designer import lora_fp8
     from atelier_studio.designer.lora import LoRALinear
-    from atelier_studio.pipeline import float8
+    from atelier_studio.pipeline import float8, lora_fp8
     from atelier_studio.pipeline.lora import LoraArgs
 
     def no_triton(*args, **kwargs):
