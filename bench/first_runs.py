@@ -22,7 +22,7 @@ from atelier_studio.bench.env import clocks, environment, matmul_tflops
 from atelier_studio.bench.harness import atelier, read_run
 from atelier_studio.pipeline.atomic import atomic_write_text
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # resolved: imported through atelier_studio/ links too
 
 
 def designer_run(work: Path, tokenizer: Path, log: Path) -> dict:

@@ -303,8 +303,9 @@ def atelier(*args: str, log: Path) -> tuple[int, float]:
     with open(log, "a") as fh:
         fh.write(f"$ atelier {' '.join(args)}\n")
         fh.flush()
-        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=Path(__file__).parents[1],
-                              stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        root = Path(__file__).resolve().parents[1]  # resolved: imported through atelier_studio/ links too
+        proc = subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", *args], cwd=root, stdout=fh,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc.returncode, time.time() - start
 
 

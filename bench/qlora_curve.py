@@ -30,7 +30,7 @@ from atelier_studio.bench.harness import atelier, fmt, read_run
 from atelier_studio.pipeline.atomic import atomic_write_text
 
 BASES = ("bf16", "nf4")
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # resolved: imported through atelier_studio/ links too
 
 
 def prepare(work: Path, size: str, tokenizer: str | None, docs: int, dtype: str, log: Path) -> Path:

@@ -39,7 +39,7 @@ from atelier_studio.bench.env import clocks, environment
 from atelier_studio.bench.harness import fmt, parse_ints
 from atelier_studio.pipeline.atomic import atomic_write_text
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # resolved: imported through atelier_studio/ links too
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
