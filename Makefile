@@ -30,8 +30,8 @@ lock: $(STAMP)
 	mv constraints.txt.tmp constraints.txt
 
 # The CLI's one-line errors depend on what earlier imports printed, so a test file that passes only after another
-# hides a bug a user sees (issue 27: test_bad_input.py alone failed two rows). ISOLATED_TESTS leave the main pass
-# and run each in a fresh pytest process of its own: the same tests, no extra time but a process start.
+# hides a bug a user sees (test_bad_input.py alone once failed two rows). ISOLATED_TESTS leave the main pass and run
+# each in a fresh pytest process of its own: the same tests, no extra time but a process start.
 ISOLATED_TESTS := tests/test_bad_input.py
 # ruff (pyproject.toml's [tool.ruff]: line length 120, import order, pyflakes): the tree stays clean
 lint: $(STAMP)

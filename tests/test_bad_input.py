@@ -716,7 +716,8 @@ def test_a_word_where_a_number_goes_is_one_line(words, action, tmp_path, capsys,
 
 
 def test_the_walk_finds_the_options_of_the_issue():
-    """The cases found by hand (issue 27) are among the walked ones, so the walk itself cannot go empty."""
+    """The cases found by hand (docs/training.md's bad-input table) are among the walked ones, so the walk itself
+    cannot go empty."""
     walked = {(" ".join(w), a.option_strings[0]) for w, a, _ in NUMERIC}
     for case in [("designer generate", "--batch-size"), ("designer generate", "--max-new-tokens"),
                  ("designer generate", "--temperature"), ("designer generate", "--top-p"),
