@@ -58,14 +58,15 @@ def merge_source(run: Path) -> MergeSource:
     naming what is missing."""
     run = Path(run)
     if not run.is_dir():
-        raise ModelLoadError(f"{run}: not a directory (pass a LoRA run folder or its adapter/ folder)")
+        raise ModelLoadError(f"--merge {run}: not a directory (pass a LoRA run folder or its adapter/ folder)")
     if (run / "adapter_config.json").is_file():
         adapter, config = run, run.parent / "config.toml"  # a run's adapter/ sits beside the run's config.toml
     elif (run / "adapter" / "adapter_config.json").is_file():
         adapter, config = run / "adapter", run / "config.toml"
     else:
         full = " (a full fine-tuning run: its model/ is already a full model)" if (run / "model").is_dir() else ""
-        raise ModelLoadError(f"{run}: not a LoRA run: no adapter/adapter_config.json or adapter_config.json{full}")
+        raise ModelLoadError(f"--merge {run}: not a LoRA run: no adapter/adapter_config.json or "
+                             f"adapter_config.json{full}")
     if not (adapter / "adapter_model.safetensors").is_file():
         raise ModelLoadError(f"{adapter}: adapter_model.safetensors is missing (an unfinished or copied-in-part run?)")
     cfg = read_json(adapter / "adapter_config.json", ModelLoadError)

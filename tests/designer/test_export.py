@@ -208,4 +208,6 @@ def test_bad_input_is_one_line(world, tmp_path, capsys):
         assert main(["designer", "export", "--merge", run, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("atelier: error: ") and what in err[0] and run in err[0], err
+        if what != "adapter_model.safetensors is missing":  # the argument is named with its value
+            assert f"--merge {run}: " in err[0], err
         assert not (tmp_path / "out").exists()
