@@ -41,7 +41,9 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
                          torch.compile'd at each model's largest shape as torchao recommends) on the real projection
                          shapes of Qwen3-8B, Qwen3-1.7B and SD3-medium 1024, with whole blocks and the shared-input
                          groups (bench/fp8_linear.py, 5 repeats)
-Parts h, i, j and k run only when --parts names them.
+  l  moe-30b-80gb        Qwen3-30B-A3B LoRA with activation checkpointing at micro-batches 1 and 2 (the 80 GB card's
+                         setting: peak memory and speed) against transformers + PEFT under checkpointing at 1
+Parts h, i, j, k and l run only when --parts names them.
 
 Time: each step gets min(time left − a 10 s reserve, 1.5 × its estimate); a step whose minimum no longer fits is
 skipped (the summary says so, with its command, for a later session). A bench is told to start no run after its
@@ -160,6 +162,9 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Part("k", "fp8-linear", (Step("fp8-linear", ("-m", "atelier_studio.bench.fp8_linear", "--tiny",
                                                          "--repeats", "1", "--sections", "linears", "--models",
                                                          "qwen3-1.7b"), 60, 5, 20),)),
+            Part("l", "moe-30b-80gb", (
+                Step("designer", _designer("--config", "qwen3-30b-a3b-lora-ac", *run, "--micro-batches", "1",
+                                           "--lora-dtype", "bfloat16", "--peers", "hf-amp-gc@1"), 60, 5, 20),)),
         ]
     run = ("--steps", "6", "--warmup", "3")
     return [
@@ -176,9 +181,10 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             "--fp8-compile", "off", "--peers", "diffusers", "--peer-batches", "8,12", "--no-loader", *run),
             110, 60, 60, ("diffusers",)),)),
         Part("d", "fp8-quality", (Step("quality", ("-m", "atelier_studio.bench.fp8_quality", "--steps", "300",
-                                                   "--designer-size", "0.6b", *tok), 120, 60, 55),)),
+                                                   "--parts", "imagegen,designer", "--designer-size", "0.6b", *tok),
+                                       300, 120, 150),)),
         Part("e", "designer-9b-fp8", (Step("designer", _designer(
-            "--config", "qwen3.5-9b-lora", "--compile", "off", "--micro-batches", "8", "--lora-dtype", "mixed",
+            "--config", "qwen3.5-9b-lora", "--compile", "off", "--micro-batches", "4,8", "--lora-dtype", "mixed",
             "--fp8", "rowwise,tensorwise", "--peers", "", *run, *tok), 150, 60, 80, ("fla",)),)),
         Part("f", "kernels", (
             Step("joint-attention", ("-m", "atelier_studio.bench.joint_attention", "--paths",
@@ -215,6 +221,11 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
         Part("k", "fp8-linear", (Step("fp8-linear", (
             "-m", "atelier_studio.bench.fp8_linear", "--repeats", "5", "--sections", "linears,blocks,groups"),
             200, 90, 60, ("torchao",)),)),
+        Part("l", "moe-30b-80gb", (
+            Step("designer", _designer(
+                "--config", "qwen3-30b-a3b-lora-ac", "--compile", "off", "--micro-batches", "1,2", "--lora-dtype",
+                "bfloat16", "--peers", "hf-amp-gc@1", "--steps", "4", "--warmup", "3", *tok), 240, 120, 100,
+                ("peft",)),)),
     ]
 
 
@@ -482,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python3 bench/session.py", description=__doc__.split("\n")[0])
     p.add_argument("--budget-s", type=float, required=True, help="seconds for the whole session (set-up included)")
-    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..j)")
+    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..l)")
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="folder of *.whl and packed *.tar.xz")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where the results go (default: $OUT)")

@@ -100,6 +100,23 @@ def moe_no_peer(oom_reports: tuple[str, ...]) -> Callable[[dict[str, Any], str],
     return cells
 
 
+def designer_memory(r: dict[str, Any], peer: str) -> list[str]:
+    """Atelier bf16 against the report's strongest peer, each with its peak memory (the rows about fitting a card)."""
+    a, p = r["atelier"], r["peers"][r["strongest_peer"]]
+    return [f"{tok(a['tokens_per_s'])} tok/s, {gb(a['peak_gb'])} (micro-batch {a['micro_batch']})",
+            f"{peer}: {tok(p['tokens_per_s'])}, {gb(p['peak_gb'])} (micro-batch {p['micro_batch']})",
+            f"{ratio(r['speedup_vs_strongest_peer'])}; {same_micro_batch(r, p['micro_batch'], p['tokens_per_s'])}",
+            f"{pct(a['mfu_4n'])} (active)"]
+
+
+def same_micro_batch(r: dict[str, Any], micro_batch: int, peer_tokens_per_s: float) -> str:
+    """Atelier's best run at the peer's micro-batch against the peer: the ratio at equal memory pressure."""
+    runs = [v["tokens_per_s"] for v in r["atelier_runs"].get(str(micro_batch), {}).values() if "tokens_per_s" in v]
+    if not runs:
+        return f"no Atelier run at micro-batch {micro_batch}"
+    return f"{ratio(max(runs) / peer_tokens_per_s)} at micro-batch {micro_batch}"
+
+
 @dataclass(frozen=True)
 class Row:
     workload: str
@@ -110,6 +127,8 @@ class Row:
 
 ROWS = (
     Row("Qwen3-8B LoRA r16, packed rows of 2048", "designer-qwen3-8b-lora-2026-12-04",
+        "PEFT + Liger, bf16 adapters", designer_fp8),
+    Row("Qwen3-8B LoRA r16, packed rows of 2048", "designer-qwen3-8b-lora-2026-12-05",
         "PEFT + Liger, bf16 adapters", designer_fp8),
     Row("Qwen3-1.7B full fine-tuning, rows of 2048", "designer-qwen3-1.7b-full-2026-12-04",
         "transformers + Liger", designer_fp8),
@@ -124,6 +143,8 @@ ROWS = (
     Row("Qwen3-30B-A3B (MoE) LoRA r16, packed rows of 2048", "designer-qwen3-30b-a3b-lora-mb2-bf16adapters-2026-12-04",
         "transformers + PEFT", moe_no_peer(("designer-qwen3-30b-a3b-lora-mb1-2026-12-04",
                                             "designer-qwen3-30b-a3b-lora-mb2-2026-12-04"))),
+    Row("Qwen3-30B-A3B (MoE) LoRA r16, activation checkpointing, packed rows of 2048",
+        "designer-qwen3-30b-a3b-lora-ac-2026-12-05", "transformers + PEFT, checkpointing", designer_memory),
 )
 
 

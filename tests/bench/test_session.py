@@ -122,7 +122,7 @@ def test_bad_arguments_say_what(capsys, tmp_path):
         main(["--budget-s", "5", "--out", str(tmp_path)])
     assert "--budget-s must be > 10" in capsys.readouterr().err
     assert main(["--budget-s", "500", "--plan", "--parts", "a,d"]) == 0
-    assert "total ~260 s of estimates" in capsys.readouterr().out
+    assert "total ~440 s of estimates" in capsys.readouterr().out
 
 
 def test_every_step_of_the_gpu_plan_is_a_valid_command_of_its_bench():
@@ -137,7 +137,7 @@ def test_every_step_of_the_gpu_plan_is_a_valid_command_of_its_bench():
     from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 
     steps = [s for part in plan("/tok") for s in part.steps]
-    assert [p.key for p in plan(None)] == list("abcdefghijk") and len(steps) == 16
+    assert [p.key for p in plan(None)] == list("abcdefghijkl") and len(steps) == 17
     for s in steps:
         assert s.command[0] == "-m" and s.min_s <= s.estimate_s and s.tail_s < s.estimate_s
         module = importlib.import_module(s.command[1])

@@ -51,3 +51,10 @@ def test_the_marker_block_is_replaced_and_nothing_else():
     assert readme_table(new) == "| a |"
     with pytest.raises(ValueError):
         readme_table("no markers")
+
+
+def test_same_micro_batch_ratio_uses_atelier_s_best_run_at_the_peer_s_micro_batch():
+    r = {"atelier_runs": {"1": {"False": {"tokens_per_s": 300.0}, "True": {"tokens_per_s": 400.0}},
+                          "2": {"False": {"oom": True}}}}
+    assert tables.same_micro_batch(r, 1, 200.0) == "2.00× at micro-batch 1"
+    assert tables.same_micro_batch(r, 2, 200.0) == "no Atelier run at micro-batch 2"
