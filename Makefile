@@ -51,9 +51,13 @@ test-isolated: $(STAMP)
 PORTABLE_TESTS := tests/kernels tests/designer tests/imagegen/test_model.py tests/imagegen/test_autoencoder.py \
 	tests/imagegen/test_lora.py tests/imagegen/test_distributed.py tests/pipeline/test_distributed.py tests/pipeline/test_policies.py \
 	tests/pipeline/test_trainer.py tests/data/test_packing.py
+# Left out of this pass: the torch.compile tests (Inductor's generated code picks its own vector ISA, whatever
+# ATEN_CPU_CAPABILITY says, and they compare compiled with eager on one path) and the signal tests (kill, SIGTERM:
+# process behaviour, no arithmetic): a third of the pass's time, nothing it could catch.
+PORTABLE_SKIP := not compile and not sigkill and not sigterm and not kill_mid
 test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-		$(PY) -m pytest -q -m "not gpu" --portable-numerics $(PORTABLE_TESTS)
+		$(PY) -m pytest -q -m "not gpu" -k "$(PORTABLE_SKIP)" --portable-numerics $(PORTABLE_TESTS)
 
 # Prefect: the local server (SQLite under .prefect/, see prefect.toml) and the serve process; no telemetry.
 PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
