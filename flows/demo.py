@@ -9,7 +9,9 @@ Steps (each skipped when its output exists, so a re-run continues where the last
     4. runs/world-shards(-eval)  image shards; the latents are cached by train-imagegen's cache step
     5. the local Prefect server + the serve process (`make serve`'s code), left running at the end
     6. prefect deployment run train-designer/default, train-imagegen/default, brief-to-image-eval/default,
-       each with --watch --watch-timeout, so every step shows up in the UI with its logs and artifacts
+       each with --watch (no time limit: a busy machine only makes it slower), so every step shows up in the UI
+       with its logs and artifacts; a run of the deployment still going from an earlier `make demo` (interrupted
+       while the serve process kept it running) is followed to its end instead of starting a second one
     7. prints the judged scores, where the grid is, and the UI URL
 
 The server and serve process stay up afterwards so the runs can be browsed; `make stop` ends them.
@@ -34,7 +36,7 @@ IMAGEGEN_MODEL = Path("models/imagegen-demo")
 SHARDS, EVAL_SHARDS = Path("runs/world-shards"), Path("runs/world-shards-eval")
 DESIGNER_CONFIG, IMAGEGEN_CONFIG = "configs/designer/demo.toml", "configs/imagegen/demo.toml"
 EVAL_OUT = Path("runs/eval")
-WATCH_TIMEOUT_S = 1500  # one deployment run; the whole demo must fit in 30 minutes on 2 cores
+LIVE_STATES = ("SCHEDULED", "PENDING", "RUNNING")  # a flow run in one of these still owns its output folder
 
 
 def step(name: str, done: bool) -> bool:
@@ -75,15 +77,60 @@ def finished(run_dir: Path) -> bool:
     return f.is_file() and not json.loads(f.read_text()).get("interrupted", False)
 
 
+def live_run(name: str, api_url: str) -> tuple[str, str] | None:
+    """(id, name) of the newest flow run of deployment `name` ("flow/deployment") on the server at `api_url`
+    that has not ended, or None."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    flow, deployment = name.split("/", 1)
+
+    async def newest() -> tuple[str, str] | None:
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=[flow])),
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType[s] for s in LIVE_STATES]))),
+                sort=FlowRunSort.START_TIME_DESC, limit=1)
+        return (str(runs[0].id), runs[0].name) if runs else None
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return asyncio.run(newest())
+
+
 def deployment_run(name: str, params: dict, env: dict) -> None:
-    cmd = [sys.executable, "-m", "prefect", "deployment", "run", name, "--params", json.dumps(params), "--watch",
-           "--watch-timeout", str(WATCH_TIMEOUT_S)]
-    print(f"[demo] $ prefect deployment run {name} --params '{json.dumps(params)}' --watch", flush=True)
+    """Start a run of deployment `name` and follow it to its end, or follow the one an earlier demo left going."""
+    live = live_run(name, env["PREFECT_API_URL"])
+    if live:
+        run_id, run_name = live
+        print(f"[demo] {name}: flow run '{run_name}' from an earlier `make demo` is still going; following it "
+              f"(Ctrl-C stops following, not the run)", flush=True)
+        cmd = [sys.executable, "-c", "import sys; from uuid import UUID; from prefect.flow_runs import "
+               "wait_for_flow_run; r = wait_for_flow_run(UUID(sys.argv[1]), timeout=None, log_states=True); "
+               "sys.exit(0 if r.state and r.state.is_completed() else 1)", run_id]
+    else:
+        cmd = [sys.executable, "-m", "prefect", "deployment", "run", name, "--params", json.dumps(params), "--watch"]
+        print(f"[demo] $ prefect deployment run {name} --params '{json.dumps(params)}' --watch", flush=True)
     code = subprocess.call(cmd, cwd=REPO, env=env)
     if code != 0:
         raise SystemExit(f"[demo] {name} did not complete (exit {code}); see the run in the Prefect UI and "
                          f"{env['PREFECT_HOME']}/logs/serve.log. Re-run `make demo` to resume: finished steps "
-                         f"are skipped and training resumes from its last checkpoint.")
+                         f"are skipped, a run still going is followed, and training resumes from its last "
+                         f"checkpoint.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
