@@ -3,6 +3,7 @@
     atelier data tokenizer --corpus FILE... --vocab-size N --out DIR
     atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
+    atelier data shards --from DIR --out DIR   (images + caption files, imagefolder, parquet)
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR
         (registered sizes)
@@ -277,6 +278,22 @@ def data_synth(args: argparse.Namespace) -> int:
 
 
 def data_shards(args: argparse.Namespace) -> int:
+    from atelier_studio.pipeline.errors import UsageError
+
+    if args.source is not None:
+        if args.images is not None or args.captions is not None:
+            raise UsageError("data shards: --from reads images and captions together; drop --images / --captions")
+        from atelier_studio.data.image_sources import write_source_shards
+
+        got = write_source_shards(Path(args.source), Path(args.out), args.shard_size, args.caption_column)
+        print(f"wrote {got.shards.total} samples ({got.images} images, {got.layout} layout) in "
+              f"{len(got.shards.shards)} shards to {args.out}; {got.skipped.summary()}")
+        return 0
+    if args.images is None or args.captions is None:
+        raise UsageError("data shards: give --from SRC (an image folder, an imagefolder or parquet), or --images DIR "
+                         "with --captions FILE")
+    if args.caption_column is not None:
+        raise UsageError("data shards: --caption-column goes with --from; the --captions JSONL's column is 'caption'")
     from atelier_studio.data.shards import write_image_shards
 
     stats = write_image_shards(Path(args.images), Path(args.captions), Path(args.out), args.shard_size)
@@ -518,8 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--n-text", type=int, bounds=Bounds(0, meaning="text-only samples"), default=0,
                     help="text-only train samples (brief + caption, no image) added to designer_train.jsonl")
     sp = command(dd, "shards", data_shards, "write WebDataset image shards")
-    sp.add_argument("--images", required=True)
-    sp.add_argument("--captions", required=True)
+    sp.add_argument("--from", dest="source", help="images with .txt/.caption files, an HF imagefolder or parquet "
+                    "(docs/data-in.md)")
+    sp.add_argument("--caption-column", help="with --from: the caption column of metadata or parquet")
+    sp.add_argument("--images", help="the folder the --captions lines' image paths are relative to")
+    sp.add_argument("--captions", help='JSONL of {"image", "caption"} lines')
     sp.add_argument("--out", required=True)
     number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
