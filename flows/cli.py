@@ -14,6 +14,7 @@
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
+    atelier imagegen export RUN --out PATH --lora-format diffusers|kohya | --merge | --single-file
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
     atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
@@ -235,6 +236,18 @@ def imagegen_init(args: argparse.Namespace) -> int:
         given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
         raise UsageError(f"imagegen init --size {args.size} {given}: {e}") from None
     print(f"wrote a random-init {family.name} {args.size} to {path}")
+    return 0
+
+
+def imagegen_export(args: argparse.Namespace) -> int:
+    from atelier_studio.imagegen.export_run import export_run
+    from atelier_studio.pipeline.errors import UsageError
+
+    forms = [f for f, on in (("lora", args.lora_format), ("merge", args.merge), ("single-file", args.single_file))
+             if on]
+    if len(forms) != 1:
+        raise UsageError("imagegen export: choose one of --lora-format diffusers|kohya, --merge, --single-file")
+    export_run(Path(args.run), Path(args.out), args.lora_format or forms[0])
     return 0
 
 
@@ -503,6 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
            help="text encoder hidden size (e.g. 384 for MiniLM, 4096 for T5-XXL)")
     number(sp, "--pooled-projection-dim", "--pooled-dim", type=int, bounds=size, default=0,
            dest="pooled_projection_dim", help="pooled text vector size")
+    sp = command(i, "export", imagegen_export, "a run's result as a kohya / diffusers LoRA, a merged pipeline or "
+                 "a single-file checkpoint")
+    sp.add_argument("run", help="the run folder (output.dir of a finished imagegen run)")
+    sp.add_argument("--out", required=True, help="the file (.safetensors: kohya, single-file) or folder to write")
+    sp.add_argument("--lora-format", choices=["diffusers", "kohya"], help="the LoRA in diffusers' or kohya's names")
+    sp.add_argument("--merge", action="store_true", help="the LoRA merged into the transformer: a pipeline folder")
+    sp.add_argument("--single-file", action="store_true",
+                    help="the transformer (merged) in the original SD3 layout, for from_single_file / ComfyUI")
     sp = command(i, "cache", imagegen_cache, "encode image shards into latent shards (once, offline)")
     train_args(sp)
     sp.add_argument("--out", required=True)
