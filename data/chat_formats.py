@@ -26,6 +26,7 @@ and messages lines may be mixed in one JSONL file, as they always could.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,13 @@ def data_files(path: Path) -> list[Path]:
             raise DataError(f"{path}: unknown data file kind {path.suffix or '(no suffix)'!r}; give a "
                             f"{', '.join(SUFFIXES)} file, a folder of them, or a `datasets` save_to_disk folder")
         return [path]
-    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+    found = []
+    for root, dirs, files in os.walk(path):  # a saved dataset inside the folder is one unit, its own files not data
+        here = Path(root)
+        saved = sorted(d for d in dirs if is_saved_dataset(here / d))
+        dirs[:] = [d for d in dirs if d not in saved]
+        found += [here / d for d in saved] + [here / f for f in files if Path(f).suffix in SUFFIXES]
+    found.sort()
     if not found:
         raise DataError(f"{path}: a folder with no data files ({', '.join(SUFFIXES)}) and no `datasets` save_to_disk "
                         f"folder (state.json)")
