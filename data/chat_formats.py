@@ -2,7 +2,9 @@
 
 Files: JSONL (read line by line by data/textfile.py, so errors name `file:line`), and JSON / CSV / Parquet files,
 `datasets` folders written by `save_to_disk`, and folders of such files, all read through Hugging Face `datasets`
-(errors name `file row N`). A folder of files is read file by file, sorted, each with its own format.
+(errors name `file row N`). A folder of files is read file by file, sorted, each with its own format. A hub
+dataset id (`org/name`, `org/name@revision`) that is no local path is its snapshot in the local Hugging Face cache
+(pipeline/hub.py; offline, nothing is downloaded).
 
 Formats (the fields each reads; `?` optional):
 
@@ -35,6 +37,7 @@ from typing import Any, Iterator, Mapping
 from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, Example, _check_text, parse_example
 from atelier_studio.data.textfile import iter_json_lines
 from atelier_studio.pipeline.errors import DataError
+from atelier_studio.pipeline.hub import resolve_dataset_path
 
 FORMATS = ("auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca")
 # the fields a format needs, then the optional ones; `columns` may rename any of them
@@ -288,6 +291,7 @@ def load_data(path: str | Path, fmt: str = "auto", columns: Mapping[str, str] | 
     """The examples of data.train / data.eval: a file, a saved dataset or a folder of files, in order."""
     examples: list[Example] = []
     formats = []
+    path = resolve_dataset_path(str(path), "data file or folder")  # a hub dataset id: its cached snapshot
     for file in data_files(Path(path)):
         got, how = load_file(file, fmt, columns)
         examples += got

@@ -1,6 +1,7 @@
 """Image/caption data in the layouts trainers' users keep it in -> image shards (data/shards.py's format).
 
-`atelier data shards --from SRC --out DIR` reads SRC as one of:
+`atelier data shards --from SRC --out DIR` reads SRC (a path, or a hub dataset id in the local cache: pipeline/hub.py)
+as one of:
 
     parquet      a .parquet file, or a folder holding only .parquet files: an image column (bytes, or datasets'
                  Image struct {bytes, path}) and a caption column
@@ -38,6 +39,7 @@ from rich.progress import Progress
 from atelier_studio.data.shards import ShardStats, _shard_set, _ShardSink
 from atelier_studio.data.textfile import iter_json_lines, iter_lines
 from atelier_studio.pipeline.errors import DataError
+from atelier_studio.pipeline.hub import resolve_dataset_path
 
 FILE_EXTS = ("jpg", "jpeg", "png", "webp")  # the image files a folder source lists
 PIL_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # what Pillow says the bytes are -> shard member
@@ -191,7 +193,7 @@ def _chain(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
 
 def iter_source(src: Path, caption_column: str | None, skipped: Skipped) -> tuple[str, Iterator[SourceImage]]:
     """(layout name, images) of SRC (module docstring)."""
-    src = Path(src)
+    src = Path(resolve_dataset_path(str(src), "--from"))  # a hub dataset id: its cached snapshot
     if not src.exists():
         raise DataError(f"{src}: no such file or folder")
     if src.is_file():

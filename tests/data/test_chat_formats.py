@@ -11,6 +11,7 @@ from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, DataError, Example, 
 from atelier_studio.data.chat_formats import load_data, load_file
 
 from tests.data.test_chat import _check_encoding, tok  # noqa: F401 (a fixture)
+from tests.pipeline.test_hub import lay_out_cache, offline_cache  # noqa: F401 (a fixture)
 
 PAIRS = [("a calm circle", "a small blue circle on a pale yellow background"),
          ("a loud square", "a big red square in the center on a black background")]
@@ -191,3 +192,17 @@ def test_jsonl_lines_of_both_native_forms_still_mix(tmp_path):
     examples, [how] = load_data(write(tmp_path / "d.jsonl", [RECORDS["brief_caption"](*PAIRS[0]), rec]))
     assert messages_of(examples) == messages_of(expected()) and how.format == "brief_caption"
     assert load_file(tmp_path / "d.jsonl", "messages")[0][1].messages == parse_example(rec, "x").messages
+
+
+def test_a_hub_dataset_id_reads_its_cached_snapshot(tmp_path, offline_cache):  # noqa: F811
+    (tmp_path / "files").mkdir()
+    write(tmp_path / "files" / "train.parquet", [RECORDS["alpaca"](b, c) for b, c in PAIRS])
+    snapshot = lay_out_cache(offline_cache, "org/briefs", tmp_path / "files", repo_type="dataset")
+    examples, [how] = load_data("org/briefs")
+    assert messages_of(examples) == messages_of(expected())
+    assert how.path == str(snapshot / "train.parquet") and how.format == "alpaca"
+    lay_out_cache(offline_cache, "org/a-model", tmp_path / "files")  # a model of that name is no dataset
+    with pytest.raises(DataError, match=r"data file or folder 'org/a-model': no such file or folder, and the hub "
+                                        r"dataset org/a-model is not in the Hugging Face cache .*`huggingface-cli "
+                                        r"download --repo-type dataset org/a-model`"):
+        load_data("org/a-model")

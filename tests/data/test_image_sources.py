@@ -15,6 +15,8 @@ from atelier_studio.data.shards import validate_shards
 from atelier_studio.flows.cli import main
 from atelier_studio.pipeline.errors import DataError
 
+from tests.pipeline.test_hub import lay_out_cache, offline_cache  # noqa: F401 (a fixture)
+
 
 def png(color: tuple[int, int, int], fmt: str = "PNG", side: int = 20) -> bytes:
     buf = io.BytesIO()
@@ -139,3 +141,14 @@ def test_cli_from_prints_the_counts_and_refuses_mixed_options(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"atelier: error: {tmp_path / 'nothing'}: no usable image (sidecars layout); skipped 1 images: "
                    f"no caption file 1 (first: {tmp_path / 'nothing' / 'c.png'})"]
+
+
+def test_from_a_hub_dataset_id_in_the_cache(tmp_path, offline_cache):  # noqa: F811
+    a = png((7, 8, 9))
+    put(tmp_path / "files" / "a.png", a), put(tmp_path / "files" / "metadata.jsonl",
+                                              json.dumps({"file_name": "a.png", "text": "from the hub"}) + "\n")
+    lay_out_cache(offline_cache, "org/pictures", tmp_path / "files", repo_type="dataset")
+    got = write_source_shards("org/pictures", tmp_path / "out", 10, progress=False)
+    assert got.layout == "imagefolder" and [(d, c) for d, c, _ in samples(tmp_path / "out")] == [(a, "from the hub")]
+    with pytest.raises(DataError, match=r"--from 'org/absent': no such file or folder, and the hub dataset"):
+        write_source_shards("org/absent", tmp_path / "out2", 10, progress=False)
