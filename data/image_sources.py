@@ -92,12 +92,14 @@ def repeats_of(src: Path, path: Path) -> int:
     return int(m[1])
 
 
-def _caption_column(columns: list[str], skip: set[str], given: str | None, where: str) -> str:
+def _caption_column(first: dict, skip: set[str], given: str | None, where: str) -> str:
+    """`given`, or the one column of the first row holding text (numbers, sizes and ids are no captions)."""
+    columns = list(first)
     if given:
         if given not in columns:
             raise DataError(f"{where}: no column {given!r} (--caption-column; columns: {', '.join(columns)})")
         return given
-    text = [c for c in columns if c not in skip]
+    text = [c for c in columns if c not in skip and isinstance(first[c], str)]
     if len(text) == 1:
         return text[0]
     if not text:
@@ -126,7 +128,7 @@ def iter_imagefolder(src: Path, metas: list[Path], caption_column: str | None) -
             if "file_name" not in row:
                 raise DataError(f"{where}: no 'file_name' (imagefolder metadata names each image in 'file_name')")
             if column is None:
-                column = _caption_column(list(row), {"file_name"}, caption_column, where)
+                column = _caption_column(row, {"file_name"}, caption_column, where)
             path = meta.parent / str(row["file_name"])
             if not path.is_file():
                 raise DataError(f"{where}: file_name {row['file_name']!r}: no such file {path}")
@@ -178,7 +180,7 @@ def iter_parquet(files: list[Path], caption_column: str | None) -> Iterator[Sour
             raise DataError(f"{file}: expected one image column (bytes, or an Image struct with 'bytes'), found "
                             f"{', '.join(images) or 'none'} among {', '.join(first)}")
         image_col = images[0]
-        column = _caption_column(list(first), {image_col}, caption_column, f"{file}")
+        column = _caption_column(first, {image_col}, caption_column, f"{file}")
         for i, row in enumerate(_chain(first, rows), start=1):
             data = _image_bytes(row.get(image_col)) or b""
             caption = row.get(column)

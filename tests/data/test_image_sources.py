@@ -80,7 +80,8 @@ def test_kohya_repeat_folders_repeat_each_image(tmp_path):
 def test_imagefolder_metadata_jsonl_and_csv(tmp_path):
     src = tmp_path / "src"
     a, b = png((10, 20, 30)), png((40, 50, 60), "JPEG")
-    put(src / "a.png", a), put(src / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "first"}) + "\n")
+    put(src / "a.png", a)  # a number column beside the text is no caption candidate
+    put(src / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "first", "aesthetic": 6.5}) + "\n")
     put(src / "more" / "imgs" / "b.jpg", b)
     put(src / "more" / "metadata.csv", 'file_name,text\nimgs/b.jpg,"second, with a comma"\n')
     got = write_source_shards(src, tmp_path / "out", shard_size=10, progress=False)
