@@ -1,5 +1,6 @@
 """Image data in users' layouts through the whole imagegen path on the CLI: a kohya-style folder (caption sidecars, a
-repeat folder, one broken image) -> `data shards --from` -> `imagegen cache` -> `imagegen train`."""
+repeat folder, one broken image) -> `data shards --from` -> `imagegen cache` -> `imagegen train`; an imagefolder and
+a parquet file through `data shards --from` into the latent cache."""
 from __future__ import annotations
 
 import json
@@ -25,14 +26,41 @@ def test_a_sidecar_folder_with_repeats_trains(tmp_path_factory, tmp_path):
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert index["total"] == 20 and index["skipped"] == {"undecodable image": 1}
 
-    sets = [s for s in config_overrides(world) if not s.startswith(("data.image_shards", "data.eval_image_shards"))]
-    cache = ["imagegen", "cache", "--config", str(DEMO), "--out", str(tmp_path / "latents")]
-    for s in [*sets, f"data.image_shards={tmp_path / 'shards'}", "data.eval_image_shards="]:
-        cache += ["--set", s]
-    assert main(cache) == 0
-    assert json.loads((tmp_path / "latents" / "index.json").read_text())["total"] == 20
+    assert _cache(world, tmp_path / "shards", tmp_path / "latents")["total"] == 20
     out = tmp_path / "run"
     assert main(cli_args(world, out, f"data.shards={tmp_path / 'latents'}", "data.eval_shards=",
                          "train.max_steps=2", "train.warmup_steps=1", "train.save_every=2")) == 0
     losses = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in losses if r["kind"] == "train"] == [1, 2]
+
+
+def _cache(world, shards, out) -> dict:
+    sets = [s for s in config_overrides(world) if not s.startswith(("data.image_shards", "data.eval_image_shards"))]
+    argv = ["imagegen", "cache", "--config", str(DEMO), "--out", str(out)]
+    for s in [*sets, f"data.image_shards={shards}", "data.eval_image_shards="]:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    return json.loads((out / "index.json").read_text())
+
+
+def test_imagefolder_and_parquet_sources_reach_the_latent_cache(tmp_path_factory, tmp_path):
+    """The other layouts give the same shards; `imagegen cache` encodes every sample of each (training reads latents,
+    whatever the source)."""
+    import datasets
+
+    world = build_world(tmp_path_factory.getbasetemp() / "imagegen-world")
+    rows = [json.loads(line) for line in (world / "world" / "captions.jsonl").read_text().splitlines()][:6]
+    folder = tmp_path / "imagefolder"
+    (folder / "train").mkdir(parents=True)
+    for i, row in enumerate(rows):
+        shutil.copy(world / "world" / row["image"], folder / "train" / f"{i}.png")
+    (folder / "train" / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": f"{i}.png", "text": r["caption"]}) + "\n" for i, r in enumerate(rows)))
+    images = [{"bytes": (world / "world" / r["image"]).read_bytes(), "path": None} for r in rows]
+    datasets.Dataset.from_dict({"image": images, "caption": [r["caption"] for r in rows]},
+                               features=datasets.Features({"image": datasets.Image(),
+                                                           "caption": datasets.Value("string")})
+                               ).to_parquet(str(tmp_path / "train.parquet"))
+    for name, src in (("imagefolder", folder), ("parquet", tmp_path / "train.parquet")):
+        assert main(["data", "shards", "--from", str(src), "--out", str(tmp_path / f"shards-{name}")]) == 0
+        assert _cache(world, tmp_path / f"shards-{name}", tmp_path / f"latents-{name}")["total"] == len(rows), name
