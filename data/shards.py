@@ -2,7 +2,8 @@
 
 Two shard kinds live in a directory `out_dir/shard-000000.tar, shard-000001.tar, ...` with an
 `index.json` ({"kind", "shards": [{"name", "count"}], "total"}; a latent shard's entry also counts its samples
-per bucket, "buckets": {"HxW": n}). A writer builds the whole set in a
+per bucket, "buckets": {"HxW": n}; a set written from a folder or parquet source (data/image_sources.py) counts the
+images it skipped, "skipped": {reason: n}). A writer builds the whole set in a
 temporary directory and installs it at out_dir only once every sample is written (pipeline/atomic.py):
 a failed write (a bad input line, a full disk) leaves out_dir as it was, never a partial set. Keys
 are `%09d` ordinals (image shards) or the caller's key (latent shards); keys never contain "." or
@@ -186,6 +187,7 @@ class _ShardSink:
         self.names: list[str] = []
         self.counts: list[int] = []
         self.buckets: list[Counter] = []  # latent shards: samples per "HxW" bucket, for the index
+        self.index_extra: dict[str, Any] = {}  # more fields for index.json (a source's skipped images)
         self.writer: wds.TarWriter | None = None
 
     def __enter__(self) -> "_ShardSink":
@@ -221,7 +223,7 @@ class _ShardSink:
         if self.kind == "latent":  # the streaming loader plans with these (data/latent_stream.py)
             for entry, hist in zip(shards, self.buckets):
                 entry["buckets"] = dict(sorted(hist.items()))
-        index = {"kind": self.kind, "shards": shards, "total": sum(self.counts)}
+        index = {"kind": self.kind, "shards": shards, "total": sum(self.counts), **self.index_extra}
         (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1))
         return tuple(self.names), tuple(self.counts)
 

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError, load_examples
+from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, ENDOFTEXT, IM_END, IM_START, DataError
+from atelier_studio.data.chat_formats import SUFFIXES, load_data
 from atelier_studio.data.textfile import iter_lines
 from atelier_studio.pipeline.atomic import atomic_dir
 
@@ -47,17 +48,20 @@ class TokenizerError(DataError):
 
 
 def iter_corpus_texts(corpus_files: list[Path]) -> Iterator[str]:
-    """Texts of a corpus: .txt one text per non-blank line; .jsonl the brief/caption/system or message contents."""
+    """Texts of a corpus: .txt one text per non-blank line; designer data (data/chat_formats.py: .jsonl, .json, .csv,
+    .parquet, a folder of them or a datasets folder, in any of its formats) the contents of every message."""
     for path in map(Path, corpus_files):
-        if not path.is_file():
+        if not path.exists():
             raise TokenizerError(f"{path}: corpus file not found")
         if path.suffix == ".txt":
             yield from (line for _, line in iter_lines(path) if line.strip())  # non-UTF-8: named path:line
-        elif path.suffix == ".jsonl":
-            for example in load_examples(path):
+        elif path.is_dir() or path.suffix in SUFFIXES:
+            examples, _ = load_data(path)
+            for example in examples:
                 yield from (m.content for m in example.messages)
         else:
-            raise TokenizerError(f"{path}: corpus files must be .txt or .jsonl, got {path.suffix or 'no suffix'!r}")
+            raise TokenizerError(f"{path}: corpus files must be .txt or designer data ({', '.join(SUFFIXES)}, or a "
+                                 f"folder of them), got {path.suffix or 'no suffix'!r}")
 
 
 def train_tokenizer(corpus_files: list[Path], vocab_size: int, out_dir: Path) -> Path:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -36,16 +37,51 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ColumnsConfig:
+    """`[data.columns]`: the file's column for a format's field, when its name differs (data/chat_formats.py);
+    "" keeps the field's own name. E.g. `brief = "question"`, `caption = "answer"`."""
+
+    brief: str = ""
+    caption: str = ""
+    system: str = ""
+    messages: str = ""
+    conversations: str = ""
+    instruction: str = ""
+    input: str = ""
+    output: str = ""
+    prompt: str = ""
+    completion: str = ""
+
+    def mapping(self) -> dict[str, str]:
+        """{field: column} for the fields given a column of another name."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v and v != k}
+
+    def validate(self) -> None:
+        given = {k: v for k, v in dataclasses.asdict(self).items() if v}
+        for name, column in given.items():
+            other = next((k for k, v in given.items() if v == column and k != name), None)
+            if other is not None:
+                raise ConfigError(f"{name}: the column {column!r} is also data.columns.{other}'s; give each field its "
+                                  f"own column")
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    train: str = ""  # JSONL: {"brief", "caption"} or {"messages": [...]} per line
-    eval: str = ""  # optional, same format
+    # a file (.jsonl, .json, .csv, .parquet), a folder of them, or a `datasets` save_to_disk folder
+    # (data/chat_formats.py; docs/data-in.md)
+    train: str = ""
+    eval: str = ""  # optional, read the same way
+    # the records' shape: "auto" detects it per file from the columns and logs what it chose
+    format: Literal["auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca"] = "auto"
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     seq_len: int = 2048  # packed row length in tokens
     overflow: Literal["split", "truncate", "drop"] = "split"  # documents longer than a row
     max_eval_batches: int = 0  # 0 = the whole eval set
 
     def validate(self) -> None:
         if not self.train:
-            raise ConfigError("train: required — a JSONL file of {brief, caption} or {messages} lines")
+            raise ConfigError("train: required — a data file or folder (e.g. JSONL of {brief, caption} or {messages} "
+                              "lines; docs/data-in.md lists every format)")
         if self.seq_len < 16:
             raise ConfigError(f"seq_len: must be >= 16, got {self.seq_len}")
         if self.max_eval_batches < 0:
@@ -77,11 +113,12 @@ class LoraConfig(engine_config.LoraConfig):
 @dataclass(frozen=True)
 class DesignerConfig:
     # what a resume may change (pipeline/config_diff.py; docs/training.md): the model and its dtype, the data stream
-    # (the train file, row length, overflow policy) and everything that fixes the adapters' shapes and meaning are
-    # refused; kernels, attention and delta-rule paths (the same math), the MoE auxiliary loss, the eval set and
-    # lora.dropout are hyper-parameters or execution choices, taken with a warning
+    # (the train file, its format and columns, row length, overflow policy) and everything that fixes the adapters'
+    # shapes and meaning are refused; kernels, attention and delta-rule paths (the same math), the MoE auxiliary loss,
+    # the eval set and lora.dropout are hyper-parameters or execution choices, taken with a warning
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
-        refuse=("model.path", "model.dtype", "data.train", "data.seq_len", "data.overflow", "lora", *TRAIN_REFUSE),
+        refuse=("model.path", "model.dtype", "data.train", "data.format", "data.columns", "data.seq_len",
+                "data.overflow", "lora", *TRAIN_REFUSE),
         warn=("model.attention", "model.kernels", "model.delta_rule", "model.router_aux_loss", "data.eval",
               "data.max_eval_batches", "lora.dropout", *TRAIN_WARN),
         free=TRAIN_FREE)

@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from atelier_studio.data.balance import BalancedPackedLoader
-from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples, load_examples
+from atelier_studio.data.chat import DataError, EncodedDoc, Example, encode_examples
+from atelier_studio.data.chat_formats import load_data
 from atelier_studio.data.packing import Batch, compile_shape, pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
@@ -252,7 +253,10 @@ class DesignerTask(Task):
     # ------------------------------------------------------------------ data
 
     def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> BalancedPackedLoader:
-        examples = load_examples(path)
+        examples, formats = load_data(path, self.cfg.data.format, self.cfg.data.columns.mapping())
+        for f in formats:
+            log(f"data {f.path}: {f.examples} examples read as {f.format}"
+                f"{' (detected from its columns; set data.format to choose)' if f.detected else ''}")
         docs = encode_examples(self.tokenizer, examples)
         if self.cfg.data.overflow != "drop":  # "drop" leaves such documents out on purpose
             check_prompts_fit(examples, docs, self.cfg.data.seq_len)

@@ -3,6 +3,7 @@
     atelier data tokenizer --corpus FILE... --vocab-size N --out DIR
     atelier data synth --out DIR --n N --seed S [--n-text M]
     atelier data shards --images DIR --captions FILE --out DIR --shard-size N
+    atelier data shards --from DIR --out DIR   (images + caption files, imagefolder, parquet)
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR
         (registered sizes)
@@ -13,6 +14,7 @@
     atelier imagegen cache --config FILE --out DIR [--set ...]
     atelier imagegen train --config FILE [--set ...] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
+    atelier imagegen export RUN --out PATH --lora-format diffusers|kohya | --merge | --single-file
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
     atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
@@ -237,6 +239,18 @@ def imagegen_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def imagegen_export(args: argparse.Namespace) -> int:
+    from atelier_studio.imagegen.export_run import export_run
+    from atelier_studio.pipeline.errors import UsageError
+
+    forms = [f for f, on in (("lora", args.lora_format), ("merge", args.merge), ("single-file", args.single_file))
+             if on]
+    if len(forms) != 1:
+        raise UsageError("imagegen export: choose one of --lora-format diffusers|kohya, --merge, --single-file")
+    export_run(Path(args.run), Path(args.out), args.lora_format or forms[0])
+    return 0
+
+
 def imagegen_cache(args: argparse.Namespace) -> int:
     from atelier_studio.imagegen.cache import cache_latents
     from atelier_studio.imagegen.config import ImagegenConfig
@@ -277,6 +291,22 @@ def data_synth(args: argparse.Namespace) -> int:
 
 
 def data_shards(args: argparse.Namespace) -> int:
+    from atelier_studio.pipeline.errors import UsageError
+
+    if args.source is not None:
+        if args.images is not None or args.captions is not None:
+            raise UsageError("data shards: --from reads images and captions together; drop --images / --captions")
+        from atelier_studio.data.image_sources import write_source_shards
+
+        got = write_source_shards(Path(args.source), Path(args.out), args.shard_size, args.caption_column)
+        print(f"wrote {got.shards.total} samples ({got.images} images, {got.layout} layout) in "
+              f"{len(got.shards.shards)} shards to {args.out}; {got.skipped.summary()}")
+        return 0
+    if args.images is None or args.captions is None:
+        raise UsageError("data shards: give --from SRC (an image folder, an imagefolder or parquet), or --images DIR "
+                         "with --captions FILE")
+    if args.caption_column is not None:
+        raise UsageError("data shards: --caption-column goes with --from; the --captions JSONL's column is 'caption'")
     from atelier_studio.data.shards import write_image_shards
 
     stats = write_image_shards(Path(args.images), Path(args.captions), Path(args.out), args.shard_size)
@@ -486,6 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
            help="text encoder hidden size (e.g. 384 for MiniLM, 4096 for T5-XXL)")
     number(sp, "--pooled-projection-dim", "--pooled-dim", type=int, bounds=size, default=0,
            dest="pooled_projection_dim", help="pooled text vector size")
+    sp = command(i, "export", imagegen_export, "a run's result as a kohya / diffusers LoRA, a merged pipeline or "
+                 "a single-file checkpoint")
+    sp.add_argument("run", help="the run folder (output.dir of a finished imagegen run)")
+    sp.add_argument("--out", required=True, help="the file (.safetensors: kohya, single-file) or folder to write")
+    sp.add_argument("--lora-format", choices=["diffusers", "kohya"], help="the LoRA in diffusers' or kohya's names")
+    sp.add_argument("--merge", action="store_true", help="the LoRA merged into the transformer: a pipeline folder")
+    sp.add_argument("--single-file", action="store_true",
+                    help="the transformer (merged) in the original SD3 layout, for from_single_file / ComfyUI")
     sp = command(i, "cache", imagegen_cache, "encode image shards into latent shards (once, offline)")
     train_args(sp)
     sp.add_argument("--out", required=True)
@@ -505,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dd = groups.add_parser("data", help="datasets, tokenizers, shards").add_subparsers(dest="command", required=True)
     sp = command(dd, "tokenizer", data_tokenizer, "train a byte-level BPE tokenizer with a chat template")
-    sp.add_argument("--corpus", nargs="+", required=True)
+    sp.add_argument("--corpus", nargs="+", required=True, help=".txt files (a text a line) or designer data files or "
+                    "folders in any format of docs/data-in.md (every message's text)")
     number(sp, "--vocab-size", type=int, bounds=Bounds(1, meaning="tokens, specials included"), required=True)
     sp.add_argument("--out", required=True)
     sp = command(dd, "synth", data_synth, "generate the shapes world")
@@ -518,8 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--n-text", type=int, bounds=Bounds(0, meaning="text-only samples"), default=0,
                     help="text-only train samples (brief + caption, no image) added to designer_train.jsonl")
     sp = command(dd, "shards", data_shards, "write WebDataset image shards")
-    sp.add_argument("--images", required=True)
-    sp.add_argument("--captions", required=True)
+    sp.add_argument("--from", dest="source", help="images with .txt/.caption files, an HF imagefolder or parquet "
+                    "(docs/data-in.md)")
+    sp.add_argument("--caption-column", help="with --from: the caption column of metadata or parquet")
+    sp.add_argument("--images", help="the folder the --captions lines' image paths are relative to")
+    sp.add_argument("--captions", help='JSONL of {"image", "caption"} lines')
     sp.add_argument("--out", required=True)
     number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")

@@ -461,6 +461,13 @@ CASES = [
          ("{tmp}/bad.jsonl:3", "not valid UTF-8", "0xff"), absent=("run",)),
     Case("eval-jsonl-not-utf8", lambda t, w: train_on(t, w, "data.eval", "eval.jsonl", NOT_UTF8 + b"\n"),
          ("{tmp}/eval.jsonl:1", "not valid UTF-8"), absent=("run",)),
+    Case("data-no-known-format", lambda t, w: train_on(t, w, "data.train", "bad.csv", "question,answer\nq,a\n"),
+         ("{tmp}/bad.csv row 1", "no known format in the columns (answer, question)"), absent=("run",)),
+    Case("data-ambiguous-format",
+         lambda t, w: train_on(t, w, "data.train", "bad.json", '[{"prompt": "p", "completion": "c", "brief": "b", '
+                                                               '"caption": "c"}]'),
+         ("{tmp}/bad.json row 1", "fit the formats brief_caption and prompt_completion", "set data.format"),
+         absent=("run",)),
     Case("jsonl-missing", lambda t, w: designer_train(t, w, f"data.train={t / 'missing.jsonl'}"),
          ("{tmp}/missing.jsonl: no such file",), absent=("run",)),
     Case("seq-len-shorter-than-a-brief", lambda t, w: designer_train(t, w, "data.seq_len=16"),

@@ -71,14 +71,25 @@ def test_jsonl_corpus_takes_message_texts(tmp_path):
     assert list(iter_corpus_texts([p])) == ["u1", "a1", "s", "b", "c"]
 
 
+def test_corpus_of_other_designer_formats(tmp_path):
+    import csv
+
+    (tmp_path / "s.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                                                     {"from": "gpt", "value": "a red star"}]}) + "\n")
+    with open(tmp_path / "a.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["instruction", "output"], ["draw", "a blue moon"]])
+    texts = list(iter_corpus_texts([tmp_path / "s.jsonl", tmp_path / "a.csv"]))
+    assert texts == ["hi", "a red star", DEFAULT_SYSTEM_PROMPT, "draw", "a blue moon"]
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(TokenizerError, match="vocab_size=100"):
         train_tokenizer([FIXTURE], 100, tmp_path / "t")
     with pytest.raises(TokenizerError, match="nope.txt: corpus file not found"):
         train_tokenizer([tmp_path / "nope.txt"], 300, tmp_path / "t")
-    bad = tmp_path / "c.csv"
+    bad = tmp_path / "c.bin"
     bad.write_text("a,b\n")
-    with pytest.raises(TokenizerError, match=r"c\.csv: corpus files must be \.txt or \.jsonl"):
+    with pytest.raises(TokenizerError, match=r"c\.bin: corpus files must be \.txt or designer data \(\.jsonl, \.json"):
         train_tokenizer([bad], 300, tmp_path / "t")
     empty = tmp_path / "e.txt"
     empty.write_text("\n\n")

@@ -14,11 +14,12 @@ from atelier_studio.pipeline.hub import hub_cache_dir, parse_repo_id, resolve_mo
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def lay_out_cache(cache: Path, repo_id: str, files: Path, commit: str = COMMIT, refs: tuple[str, ...] = ("main",)
-                  ) -> Path:
+def lay_out_cache(cache: Path, repo_id: str, files: Path, commit: str = COMMIT, refs: tuple[str, ...] = ("main",),
+                  repo_type: str = "model") -> Path:
     """A hub cache entry as huggingface_hub writes it: models--org--name/{refs/<ref> = commit, snapshots/<commit>/...}
-    with the files of the folder `files` copied in; returns the snapshot folder."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (datasets--org--name for repo_type "dataset") with the files of the folder `files` copied in; returns the
+    snapshot folder."""
+    repo = cache / (f"{repo_type}s--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     shutil.copytree(files, snapshot)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
