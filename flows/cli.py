@@ -16,6 +16,7 @@
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
     atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
+    atelier config list | show NAME   (the shipped configs: `atelier config show designer/demo > my.toml`)
 
 A model DIR (and a config's model.path, lora.init_adapter, text.encoder, autoencoder.spec) may also be a Hugging
 Face hub id, `org/name[@revision]`, found in the local cache only (pipeline/hub.py; an existing path always wins).
@@ -254,6 +255,25 @@ def imagegen_sample(args: argparse.Namespace) -> int:
                   out_dir=Path(args.out),
                   steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
                   resolution=args.resolution)
+    return 0
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+def config_list(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.shipped import configs_dir, list_configs
+
+    for name in list_configs():
+        print(name)
+    print(f"(in {configs_dir()}; `atelier config show NAME > my.toml` copies one)", file=sys.stderr)
+    return 0
+
+
+def config_show(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.shipped import shipped_config
+
+    sys.stdout.write(shipped_config(args.name).read_text(encoding="utf-8"))
     return 0
 
 
@@ -524,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
+
+    c = groups.add_parser("config", help="the configs shipped in the package").add_subparsers(dest="command",
+                                                                                             required=True)
+    command(c, "list", config_list, "name every shipped config (designer/demo, imagegen/sd3-medium, ...)")
+    sp = command(c, "show", config_show, "print a shipped config, e.g. `atelier config show designer/demo > my.toml`")
+    sp.add_argument("name", help="a name from `atelier config list`, e.g. designer/demo")
 
     sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
     sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")

@@ -31,11 +31,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Sequence
 
 from atelier_studio.flows.launch import kill_process_group
 from atelier_studio.flows.local_server import (
-    REPO,
     Endpoint,
     ServerNotRunning,
     child_env,
@@ -91,7 +91,7 @@ def _spawn(ep: Endpoint, name: str, cmd: Sequence[str]) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=REPO, env=child_env(ep), start_new_session=True)
+                                cwd=Path.cwd(), env=child_env(ep), start_new_session=True)
     ep.path(f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
 
