@@ -113,6 +113,7 @@ def params_from_sets(model: type[BaseModel], config_cls: type, items: list[str])
     data: dict[str, Any] = {}
     for item in items:
         _apply_override(config_cls, data, item)
+    data = _typed(config_cls, data, "")  # each value checked as the trainer's config checks it, naming the key
     try:
         model.model_validate(data)
     except ValueError as e:
@@ -120,6 +121,14 @@ def params_from_sets(model: type[BaseModel], config_cls: type, items: list[str])
         where = ".".join(str(p) for p in first["loc"]) if first else "?"
         raise ConfigError(f"--set {where}: {first['msg'] if first else e}") from None
     return _jsonable(data)
+
+
+def _typed(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    from atelier_studio.pipeline.config import _coerce, _field_types
+
+    hints = _field_types(cls)
+    return {k: _typed(hints[k], v, f"{prefix}{k}.") if dataclasses.is_dataclass(hints[k])
+            else _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
 
 
 def _jsonable(data: Any) -> Any:

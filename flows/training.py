@@ -86,11 +86,25 @@ def prepare_run(kind: Kind, config: str | Path, params: Any,
     path = resolve(kind, config)
     items = to_overrides(params) + list(overrides or [])
     cfg = check_config(kind, path, items)
+    if not Path(cfg.output.dir).is_absolute() and in_throwaway_dir():
+        raise FlowInputError(f"output.dir {cfg.output.dir} is relative, and this flow run's working directory "
+                             f"{Path.cwd()} is the process worker's temporary one, deleted when the run ends: set the "
+                             f"work pool's working_dir job variable (docs/deploy.md), or an absolute output.dir")
     publish_output(kind, path, items, cfg.output.dir)
     return path, items, cfg
 
 
 OUTPUT_LINE = "output folder: "
+
+
+def in_throwaway_dir() -> bool:
+    """True in the temporary directory a Prefect process worker runs a flow run in when its pool sets no working_dir
+    (tempfile.TemporaryDirectory(suffix="prefect"), removed with everything in it when the run ends)."""
+    import tempfile
+
+    cwd = Path.cwd()
+    return cwd.parent == Path(tempfile.gettempdir()).resolve() and cwd.name.startswith("tmp") and \
+        cwd.name.endswith("prefect")
 
 
 def publish_output(kind: Kind, path: Path, items: Sequence[str], output_dir: str) -> None:
