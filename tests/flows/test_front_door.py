@@ -162,17 +162,25 @@ def test_a_relative_output_dir_in_the_workers_throwaway_directory_is_refused(des
 
 
 def test_two_runs_on_one_gpu_slot_never_overlap(worker, designer_world, tmp_path):
+    """The test holds the one `gpu` slot while both runs start, so both are running and waiting; once it lets go,
+    the trainers run one after the other."""
     from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.concurrency.sync import concurrency
 
     with client() as c:
         dep = c.read_deployment_by_name("train-designer/default")
         c.update_deployment(dep.id, DeploymentUpdate(concurrency_limit=2))  # only the `gpu` limit is left to hold
         assert c.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
-        runs = [c.create_flow_run_from_deployment(dep.id, parameters={
-            "config": str(designer_config(designer_world, tmp_path / f"r{i}", max_steps=4, save_every=4))})
-            for i in range(2)]
         deadline = time.monotonic() + 300
+        with concurrency(GPU_LIMIT, occupy=1):
+            runs = [c.create_flow_run_from_deployment(dep.id, parameters={
+                "config": str(designer_config(designer_world, tmp_path / f"r{i}", max_steps=4, save_every=4))})
+                for i in range(2)]
+            while not all(c.read_flow_run(r.id).state.is_running() for r in runs):  # both started: now waiting
+                assert time.monotonic() < deadline, [c.read_flow_run(r.id).state for r in runs]
+                time.sleep(0.5)
+            released = datetime.now().astimezone()
         while not all(c.read_flow_run(r.id).state.is_final() for r in runs):
             assert time.monotonic() < deadline, "the runs did not finish"
             time.sleep(1)
@@ -184,9 +192,6 @@ def test_two_runs_on_one_gpu_slot_never_overlap(worker, designer_world, tmp_path
             times = [e.timestamp for e in logs if e.message.startswith("step ")]
             steps.append((min(times), max(times)))
         c.update_deployment(dep.id, DeploymentUpdate(concurrency_limit=1))
-    (a_first, a_last), (b_first, b_last) = sorted(steps)
+    assert min(first for first, _ in steps) > released, f"a trainer ran while the slot was taken: {steps}, {released}"
+    (_, a_last), (b_first, _) = sorted(steps)
     assert a_last < b_first, f"the trainers overlapped: {steps}"
-    # the second run was already running (waiting for the slot) while the first trained: it waited, then ran
-    later = finished[0] if steps[0][0] > steps[1][0] else finished[1]
-    assert later.start_time < a_last, (later.start_time, a_last)
-    assert isinstance(later.start_time, datetime)
