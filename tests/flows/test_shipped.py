@@ -22,11 +22,13 @@ def test_every_config_file_is_shipped_and_listed():
     assert set(list_configs()) == names and "designer/demo" in names
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert data["package-dir"]["atelier_studio.configs"] == "configs"
-    patterns = data["package-data"]["atelier_studio.configs"]
     for f in (ROOT / "configs").rglob("*"):
         if f.is_file():
-            rel = f.relative_to(ROOT / "configs").as_posix()
-            assert any(fnmatch.fnmatch(rel, p) for p in patterns), f"{rel} is not package data (pyproject.toml)"
+            rel = f.relative_to(ROOT / "configs")
+            package = ".".join(("atelier_studio.configs", *rel.parent.parts))
+            assert package in data["packages"], f"{package} is not in pyproject.toml's packages"
+            patterns = data["package-data"].get(package, [])
+            assert any(fnmatch.fnmatch(rel.name, p) for p in patterns), f"{rel} is not package data (pyproject.toml)"
     assert prefect_yaml().is_file() and (ROOT / "prefect.yaml").resolve() == prefect_yaml().resolve()
 
 
