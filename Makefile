@@ -59,8 +59,9 @@ test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 		$(PY) -m pytest -q -m "not gpu" -k "$(PORTABLE_SKIP)" --portable-numerics $(PORTABLE_TESTS)
 
-# Prefect: the local server (SQLite under .prefect/, see prefect.toml) and the serve process; no telemetry.
-PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+# Prefect: the local server (SQLite under the checkout's .prefect/, Prefect's own PREFECT_HOME setting; prefect.toml
+# gives the URL) and the serve process; no telemetry.
+PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME=$(CURDIR)/.prefect
 
 # The whole product on the shapes world, through Prefect; leaves the server running (`make stop`). See docs/demo.md.
 demo: $(STAMP)

@@ -25,21 +25,21 @@ from atelier_studio.flows.train_imagegen import train_imagegen
 
 
 @flow(name="brief-to-image", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
-def brief_to_image(designer_config: str = "configs/designer/demo.toml",
-                   imagegen_config: str = "configs/imagegen/demo.toml",
+def brief_to_image(designer_config: str = "designer/demo",
+                   imagegen_config: str = "imagegen/demo",
                    briefs: str = "runs/world/briefs_eval.txt", out_dir: str = "runs/eval",
                    designer_overrides: list[str] | None = None, imagegen_overrides: list[str] | None = None,
                    nproc: int = 1, seed: int = 0, steps: int = 20, guidance: float = 4.0) -> dict[str, Any]:
     """Train both models, then judge brief → caption → image; returns the evaluation's aggregate and files."""
-    designer_dir = train_designer(designer_config, designer_overrides, nproc)
-    imagegen_dir = train_imagegen(imagegen_config, imagegen_overrides, nproc)
+    designer_dir = train_designer(designer_config, overrides=designer_overrides, nproc=nproc)
+    imagegen_dir = train_imagegen(imagegen_config, overrides=imagegen_overrides, nproc=nproc)
     return brief_to_image_eval(designer_dir, imagegen_dir, briefs, out_dir, seed=seed, steps=steps, guidance=guidance)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.chain", description="run the brief-to-image flow")
-    p.add_argument("--designer-config", default="configs/designer/demo.toml")
-    p.add_argument("--imagegen-config", default="configs/imagegen/demo.toml")
+    p.add_argument("--designer-config", default="designer/demo")
+    p.add_argument("--imagegen-config", default="imagegen/demo")
     p.add_argument("--briefs", default="runs/world/briefs_eval.txt")
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--nproc", type=int, default=1)

@@ -18,6 +18,11 @@
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
     atelier eval --captions FILE [--imagegen DIR] --out DIR
     atelier render --designer DIR --imagegen DIR --briefs FILE --out DIR
+    atelier serve [--stop | --status | --foreground]   (zero setup: a local Prefect server + every deployment served)
+    atelier deploy [--pool atelier-gpu] [--gpus N]    (work pool + `gpu` limit + `prefect deploy --all`)
+    atelier run DEPLOYMENT [--config X] [--set k=v ...] [--timeout S]   (a flow run, its logs followed to the end)
+    atelier runs [--limit N]                          (recent flow runs: state, output folder, MFU)
+    atelier config list | show NAME   (the shipped configs: `atelier config show designer/demo > my.toml`)
 
 A model DIR (and a config's model.path, lora.init_adapter, text.encoder, autoencoder.spec) may also be a Hugging
 Face hub id, `org/name[@revision]`, found in the local cache only (pipeline/hub.py; an existing path always wins).
@@ -269,6 +274,67 @@ def imagegen_sample(args: argparse.Namespace) -> int:
                   steps=args.steps, guidance=args.guidance, seed=args.seed, config_path=args.config,
                   resolution=args.resolution)
     return 0
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+def config_list(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.shipped import configs_dir, list_configs
+
+    for name in list_configs():
+        print(name)
+    print(f"(in {configs_dir()}; `atelier config show NAME > my.toml` copies one)", file=sys.stderr)
+    return 0
+
+
+def config_show(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.shipped import shipped_config
+
+    sys.stdout.write(shipped_config(args.name).read_text(encoding="utf-8"))
+    return 0
+
+
+# ----------------------------------------------------------------------------- Prefect: serve, deploy, run, runs
+
+
+def serve_cmd(args: argparse.Namespace) -> int:
+    from atelier_studio.flows import serve
+    from atelier_studio.flows.local_server import ServerNotRunning
+    from atelier_studio.pipeline.errors import UsageError
+
+    try:
+        if args.stop:
+            serve.stop()
+        elif args.status:
+            import json
+
+            print(json.dumps(serve.status(), indent=1))
+        elif args.foreground:
+            serve.run()
+        else:
+            serve.start(server_timeout=args.timeout)
+    except (ServerNotRunning, TimeoutError, RuntimeError) as e:
+        raise UsageError(f"serve: {e}") from None
+    return 0
+
+
+def deploy_cmd(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.front_door import deploy
+
+    return deploy(args.pool, args.gpus, args.prefect_file)
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.front_door import run
+
+    return run(args.deployment, args.config, args.set, timeout=args.timeout)
+
+
+def runs_cmd(args: argparse.Namespace) -> int:
+    from atelier_studio.flows.front_door import runs
+
+    return runs(args.limit)
 
 
 # ----------------------------------------------------------------------------- data and eval
@@ -566,6 +632,35 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--shard-size", type=int, bounds=SHARD_SIZE, default=1000)
     sp = command(dd, "validate", data_validate, "check shards and count bad samples")
     sp.add_argument("dir")
+
+    sp = command(groups, "serve", serve_cmd, "zero setup: start a local Prefect server (SQLite) and serve every "
+                 "deployment, in the background")
+    how = sp.add_mutually_exclusive_group()
+    how.add_argument("--stop", action="store_true", help="stop the serve process (and its runs), then the server")
+    how.add_argument("--status", action="store_true", help="print the server's and the serve process's state")
+    how.add_argument("--foreground", action="store_true", help="serve in this process (the server must answer)")
+    number(sp, "--timeout", type=float, bounds=Bounds(1, meaning="seconds to wait for the server"), default=180.0)
+    sp = command(groups, "deploy", deploy_cmd, "create the work pool and the `gpu` limit, then `prefect deploy --all`")
+    sp.add_argument("--pool", default="atelier-gpu", help="the process work pool (created when missing)")
+    number(sp, "--gpus", type=int, bounds=Bounds(1, meaning="GPUs a worker of the pool drives"), default=1,
+           help="slots of the global concurrency limit `gpu` (default 1)")
+    sp.add_argument("--prefect-file", default=None, help="default: ./prefect.yaml, else the one in the package")
+    sp = command(groups, "run", run_cmd, "run a deployment and follow its logs; exit 0 when it completes")
+    sp.add_argument("deployment", help="train-designer, train-imagegen, brief-to-image-eval, brief-to-image, "
+                                       "render-briefs (or FLOW/DEPLOYMENT)")
+    sp.add_argument("--config", default=None, help="trainers: a TOML file or a shipped name (atelier config list)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="trainers: a config key (train.lr=3e-4); other flows: a parameter (out_dir=runs/x)")
+    number(sp, "--timeout", type=float, bounds=Bounds(0, meaning="seconds to follow; 0 = until the run ends"),
+           default=0.0)
+    sp = command(groups, "runs", runs_cmd, "recent flow runs: state, start, MFU, output folder")
+    number(sp, "--limit", type=int, bounds=Bounds(1, meaning="runs listed"), default=20)
+
+    c = groups.add_parser("config", help="the configs shipped in the package").add_subparsers(dest="command",
+                                                                                             required=True)
+    command(c, "list", config_list, "name every shipped config (designer/demo, imagegen/sd3-medium, ...)")
+    sp = command(c, "show", config_show, "print a shipped config, e.g. `atelier config show designer/demo > my.toml`")
+    sp.add_argument("name", help="a name from `atelier config list`, e.g. designer/demo")
 
     sp = command(groups, "eval", run_eval, "brief → designer → imagegen → scores")
     sp.add_argument("--designer", default="", help="the designer (model, adapter or run directory)")

@@ -2,8 +2,10 @@
 environment every Prefect process started here gets, and the health check that the flows' command lines run
 first (`require_server`). flows/serve.py starts and stops the server; the flows only need to find it.
 
-The API URL comes from Prefect's settings: prefect.toml at the repo root says http://127.0.0.1:4200/api and
-PREFECT_HOME=.prefect; PREFECT_API_URL in the environment wins.
+The API URL and the home come from Prefect's own settings (environment, profile, a prefect.toml in the working
+directory): the checkout's prefect.toml says http://127.0.0.1:4200/api, and the Makefile sets
+PREFECT_HOME=<checkout>/.prefect; elsewhere the home is Prefect's default (~/.prefect). Nothing here depends on the
+working directory being the checkout.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the checkout (the demo's root); never used for an installed package
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
 
@@ -51,15 +53,13 @@ class Endpoint:
 
 
 def endpoint() -> Endpoint:
-    """The API URL and home from Prefect's settings (env beats prefect.toml), home made absolute."""
+    """The API URL and home from Prefect's settings (env beats prefect.toml), home made absolute (against the cwd,
+    as Prefect itself reads a relative PREFECT_HOME)."""
     from prefect.settings import get_current_settings
 
     s = get_current_settings()
     url = str(s.api.url or "http://127.0.0.1:4200/api")
-    home = Path(s.home)
-    if not home.is_absolute():
-        home = REPO / home  # prefect.toml's ".prefect" is relative to the repo root, where it is read
-    return Endpoint(url, home)
+    return Endpoint(url, Path(s.home).expanduser().absolute())
 
 
 def child_env(ep: Endpoint) -> dict[str, str]:

@@ -1,5 +1,16 @@
 """The local Prefect server and the process serving Atelier's deployments: start, stop, status, run.
 
+    atelier serve [--stop | --status | --foreground]    # the same commands, the spelling for users
+
+Why a wrapper and not `prefect server start --background` / `prefect server stop`: those start and stop the server
+only. This also (1) starts the process that serves the five deployments (Prefect's `serve()`, which runs in the
+foreground and has no background mode) and waits until the API lists all of them, so the command returns when a
+`prefect deployment run` would be picked up; (2) stops that process before the server, as a process group, so
+the runs it started and their trainers (torchrun and its workers, flows/launch.py) end with it instead of
+outliving the server; (3) reuses a server that already answers, and refuses a remote PREFECT_API_URL that does
+not, naming it. The production path needs none of this: prefect.yaml, `prefect deploy --all` and workers
+(docs/deploy.md).
+
     python -m atelier_studio.flows.serve start    # `make serve`: server (SQLite under PREFECT_HOME) + serve process,
                                                   # in the background
     python -m atelier_studio.flows.serve stop     # `make stop`: the serve process first (no new runs picked up), then
@@ -12,11 +23,11 @@ Served deployments, all named `default`: train-designer/default, train-imagegen/
 brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with
 `prefect deployment run train-designer/default --watch --watch-timeout 1800`.
 
-The API URL comes from Prefect's settings: prefect.toml at the repo root says http://127.0.0.1:4200/api and
-PREFECT_HOME=.prefect. When PREFECT_API_URL names anything else (a user's own server), `start` uses that
-server and starts only the serve process. Logs go to <PREFECT_HOME>/logs/{server,serve}.log and pid files
-to <PREFECT_HOME>/{server,serve}.pid; each process leads its own process group so `stop` ends its children
-(the serve process's flow runs and their trainers) too.
+The API URL and home come from Prefect's settings: the checkout's prefect.toml says http://127.0.0.1:4200/api,
+the Makefile sets PREFECT_HOME to the checkout's .prefect (else Prefect's ~/.prefect). When PREFECT_API_URL names
+anything else (a user's own server), `start` uses that server and starts only the serve process. Logs go to
+<PREFECT_HOME>/logs/{server,serve}.log and pid files to <PREFECT_HOME>/{server,serve}.pid; each process leads its
+own process group so `stop` ends its children (the serve process's flow runs and their trainers) too.
 """
 
 from __future__ import annotations
@@ -31,11 +42,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Sequence
 
 from atelier_studio.flows.launch import kill_process_group
 from atelier_studio.flows.local_server import (
-    REPO,
     Endpoint,
     ServerNotRunning,
     child_env,
@@ -91,7 +102,7 @@ def _spawn(ep: Endpoint, name: str, cmd: Sequence[str]) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{name}.log", "ab") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=REPO, env=child_env(ep), start_new_session=True)
+                                cwd=Path.cwd(), env=child_env(ep), start_new_session=True)
     ep.path(f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
 

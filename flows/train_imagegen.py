@@ -1,8 +1,8 @@
 """Flow `train-imagegen`: train the MMDiT by running `atelier imagegen train` under Prefect.
 
-    python -m atelier_studio.flows.train_imagegen --config configs/imagegen/demo.toml [--set train.max_steps=50]
+    python -m atelier_studio.flows.train_imagegen --config imagegen/demo [--set train.max_steps=50]
         [--nproc 2]
-    prefect deployment run train-imagegen/default -p config=configs/imagegen/demo.toml --watch --watch-timeout 1800
+    prefect deployment run train-imagegen/default -p config=imagegen/demo --watch --watch-timeout 1800
 
 Steps: check the config and the model path → `cache` task, only when needed → `train` task (a subprocess,
 retried once; it resumes from its newest checkpoint) → artifacts: metrics table, throughput/MFU summary and
@@ -24,15 +24,21 @@ from typing import Any, Sequence
 from prefect import flow, task
 
 from atelier_studio.flows.launch import kill_trainers_hook, run_trainer
+from atelier_studio.flows.params import params_model
 from atelier_studio.flows.report import artifact_key
 from atelier_studio.flows.training import (
     FlowInputError,
-    check_config,
+    gpu_slots,
+    prepare_run,
     publish_task,
     require_path,
     train_task,
     training_flow_main,
 )
+from atelier_studio.imagegen.config import ImagegenConfig
+
+# the UI's form: every section and key of the config, typed, with its default and help (flows/params.py)
+ImagegenParams = params_model(ImagegenConfig, "ImagegenParams")
 
 
 def needs_cache(cfg: Any) -> bool:
@@ -52,16 +58,17 @@ def cache_argv(config: str | Path, overrides: Sequence[str], out: str | Path) ->
 @task(name="cache-latents", retries=1, retry_delay_seconds=2)
 def cache_task(config: str, overrides: list[str], out: str) -> str:
     """Encode image shards into latent shards once (the autoencoder and text encoder never run in the step)."""
-    run_trainer(cache_argv(config, overrides, out), progress_key=artifact_key("imagegen", "cache"))
+    with gpu_slots(1):  # the autoencoder and text encoder run on one GPU
+        run_trainer(cache_argv(config, overrides, out), progress_key=artifact_key("imagegen", "cache"))
     return out
 
 
 @flow(name="train-imagegen", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
-def train_imagegen(config: str = "configs/imagegen/demo.toml", overrides: list[str] | None = None,
-                   nproc: int = 1) -> str:
+def train_imagegen(config: str = "imagegen/demo", params: ImagegenParams | None = None,
+                   overrides: list[str] | None = None, nproc: int = 1) -> str:
     """Train the MMDiT from `config` (+ overrides) on nproc local processes, caching latents first if missing."""
-    overrides = list(overrides or [])
-    cfg = check_config("imagegen", config, overrides)
+    path, overrides, cfg = prepare_run("imagegen", config, params, overrides)
+    config = str(path)
     require_path(cfg.model.path, f"{config}: model.path", "create it with `atelier imagegen init`, or run `make demo`")
     if needs_cache(cfg):
         require_path(cfg.data.image_shards, f"{config}: data.image_shards",

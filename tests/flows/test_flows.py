@@ -91,12 +91,12 @@ def test_train_designer_publishes_metrics_summary_and_progress(designer_run):
 def test_bad_config_and_missing_model_are_named_before_training(designer_world, tmp_path):
     cfg = designer_config(designer_world, tmp_path / "run")
     with pytest.raises(FlowInputError, match=r"train\.lr.*fast"):
-        train_designer(str(cfg), ["train.lr=fast"])
+        train_designer(str(cfg), overrides=["train.lr=fast"])
     with pytest.raises(FlowInputError, match=r"train\.no_such_key"):
-        train_designer(str(cfg), ["train.no_such_key=1"])
+        train_designer(str(cfg), overrides=["train.no_such_key=1"])
     with pytest.raises(FlowInputError, match=r"model\.path .*nowhere.*atelier designer init"):
-        train_designer(str(cfg), [f"model.path={tmp_path / 'nowhere'}"])
-    with pytest.raises(FlowInputError, match="does not exist"):
+        train_designer(str(cfg), overrides=[f"model.path={tmp_path / 'nowhere'}"])
+    with pytest.raises(FlowInputError, match="missing.toml: no such file .* no shipped config of that name"):
         train_designer(str(tmp_path / "missing.toml"))
     assert not (tmp_path / "run").exists()  # nothing started
 

@@ -1,5 +1,5 @@
-"""The real path: `python -m atelier_studio.flows.serve start` (server + serve), `prefect deployment run ... --watch`,
-stop.
+"""The zero-setup path: `atelier serve` (server + serve process), `prefect deployment run ... --watch`,
+`atelier serve --stop`.
 
 One test, about 2-3 minutes on 2 cores: a fresh SQLite server takes 30-60 s to become healthy. It runs on a free
 port with its own PREFECT_HOME, so a developer's own `make serve` on 4200 is left alone.
@@ -48,8 +48,10 @@ def test_serve_start_deployment_run_watch_and_stop(designer_world, tmp_path):
     home = tmp_path / "prefect-home"
     api = f"http://127.0.0.1:{free_port()}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "DO_NOT_TRACK": "1"}
-    serve = lambda cmd: subprocess.run([sys.executable, "-m", "atelier_studio.flows.serve", cmd], cwd=ROOT, env=env,  # noqa: E731
-                                       capture_output=True, text=True, timeout=400)
+    # `atelier serve` (start), `--status`, `--stop`: the user's spelling of flows/serve.py's commands
+    flag = {"start": [], "status": ["--status"], "stop": ["--stop"]}
+    serve = lambda cmd: subprocess.run([sys.executable, "-m", "atelier_studio.flows.cli", "serve", *flag[cmd]],  # noqa: E731
+                                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     out = tmp_path / "run"
     cfg = designer_config(designer_world, out, max_steps=4, save_every=2)
     try:
