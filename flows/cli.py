@@ -99,11 +99,12 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import os
 
     from atelier_studio.pipeline.atomic import check_dir_path
-    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.config import config_to_dict, flatten, load_config
     from atelier_studio.pipeline.config_diff import check_resume, record_run_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
     from atelier_studio.pipeline.progress import reset_fallbacks
     from atelier_studio.pipeline.run_lock import lock_output_dir
+    from atelier_studio.pipeline.trackers import check_installed
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
     launched = _torchrun(args)
@@ -113,6 +114,7 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     cfg = load_config(config_cls, args.config, args.set)
     out = Path(cfg.output.dir)
     check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
+    check_installed(cfg.output.active_trackers())  # a tracker asked for but not installed: its extra, named now
     dist = init_distributed(cfg.train)
     lock = None
     try:
@@ -130,7 +132,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             # checkpoint, and only then are the run's files written
             resume_check = _on_rank_0(dist, lambda: check_resume(cfg, config_cls.resume_policy, out))
             task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
-            trainer = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist)
+            trainer = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist,
+                              params=flatten(config_to_dict(cfg)))
             trainer.resume()
             if dist.is_main:
                 record_run_config(cfg, out, resume_check, trainer.step)

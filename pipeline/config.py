@@ -129,12 +129,30 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
+    """`[output]`: where a run writes, and which experiment trackers it reports to (pipeline/trackers.py)."""
+
     dir: str = "runs/default"
+    # any subset; W&B and MLflow are extras (`pip install 'atelier-studio[wandb]'`, `[mlflow]`). metrics.jsonl is
+    # always written
+    trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ("tensorboard",)
+    # the switch before output.trackers, kept for existing configs: false drops TensorBoard whatever trackers says
     tensorboard: bool = True
+    run_name: str = ""  # the trackers' run name; empty: output.dir's folder name
+    group: str = ""  # the trackers' group (W&B group, an MLflow tag)
+    project: str = "atelier"  # the W&B project and the MLflow experiment
 
     def validate(self) -> None:
         if not self.dir:
             raise ConfigError("dir: must not be empty")
+        repeated = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if repeated:
+            raise ConfigError(f"trackers: {', '.join(repeated)} listed twice; name each tracker once")
+        if not self.project.strip():
+            raise ConfigError("project: must not be empty (the W&B project and the MLflow experiment)")
+
+    def active_trackers(self) -> tuple[str, ...]:
+        """The trackers this run starts: output.trackers, less TensorBoard when output.tensorboard is false."""
+        return tuple(t for t in self.trackers if self.tensorboard or t != "tensorboard")
 
 
 def check_full_finetuning(lora: Any) -> None:
@@ -362,6 +380,17 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}: a config's dict (config_to_dict) by dotted key."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def config_to_toml(cfg: Any) -> str:
     """Serialise a config tree to TOML (round-trips through load_config)."""
     top = config_to_dict(cfg)
@@ -405,6 +434,6 @@ def save_config(cfg: Any, path: str | Path) -> None:
 __all__ = [
     "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict",
     "check_full_finetuning",
-    "config_to_dict",
+    "config_to_dict", "flatten",
     "config_to_toml", "save_config", "field",
 ]
