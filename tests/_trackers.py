@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 EXPERIMENT = "atelier"  # output.project's default: the trainers log into this experiment
 
@@ -110,3 +111,20 @@ def tensorboard_losses(out: Path) -> list[tuple[int, float]]:
 
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+def assert_same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
+    """The same steps, and each value equal to want's within float32 rounding (TensorBoard stores float32)."""
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=torch.finfo(torch.float32).eps)
+
+
+def assert_same_losses_everywhere(out: Path, store: TrackerStore, steps: list[int]) -> str:
+    """metrics.jsonl's train losses at `steps`, the same in TensorBoard, W&B and MLflow; returns the MLflow run id."""
+    want = jsonl_losses(out)
+    assert [s for s, _ in want] == steps
+    assert_same(tensorboard_losses(out), want)
+    assert_same(wandb_losses(out), want)
+    run_id = checkpoint_trackers(out)["mlflow"]["run_id"]
+    assert_same(mlflow_history(store.uri, run_id, "train/loss"), want)
+    return run_id

@@ -18,10 +18,11 @@ from atelier_studio.pipeline.trainer import Trainer, seed_everything
 
 from tests._trackers import (
     EXPERIMENT,
+    assert_same,
+    assert_same_losses_everywhere,
     checkpoint_trackers,
     jsonl_losses,
     mlflow_history,
-    tensorboard_losses,
     wandb_history,
     wandb_losses,
     wandb_run_ids,
@@ -53,12 +54,6 @@ class SamplingTask(ToyTask):
                            scores={"judge": step / 10})
 
 
-def assert_same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
-    """The same steps, and each value equal to want's within float32 rounding (TensorBoard stores float32)."""
-    assert [s for s, _ in got] == [s for s, _ in want]
-    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=torch.finfo(torch.float32).eps)
-
-
 def fit(tmp_path, name="run", trackers=ALL, **train):
     out = tmp_path / name
     seed_everything(0)
@@ -68,17 +63,18 @@ def fit(tmp_path, name="run", trackers=ALL, **train):
     return Trainer(SamplingTask(out), cfg, output, torch.device("cpu")).fit(), out
 
 
-def test_every_tracker_logs_the_same_losses_params_images_and_tables(tracker_env, tmp_path):
+def test_every_tracker_logs_the_same_losses_params_images_and_tables(tracker_env, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    result, out = fit(tmp_path)
+    from atelier_studio.flows.launch import parse_table_line
+
+    _, out = fit(tmp_path)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("table ")]
+    sample_file = out / "samples" / "captions-step-6.jsonl"
+    assert parse_table_line(lines[-1]) == {"step": 6, "total": 6, "path": str(sample_file), "rows": 2}
+    run_id = assert_same_losses_everywhere(out, tracker_env, [1, 2, 3, 4, 5, 6])
     want = jsonl_losses(out)
-    assert [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
-    assert_same(tensorboard_losses(out), want)
-    assert_same(wandb_losses(out), want)
     ids = checkpoint_trackers(out)
-    run_id = ids["mlflow"]["run_id"]
-    assert_same(mlflow_history(tracker_env.uri, run_id, "train/loss"), want)
     assert [s for s, _ in mlflow_history(tracker_env.uri, run_id, "eval/judge")] == [3, 6]
 
     client = MlflowClient(tracker_env.uri)
@@ -98,7 +94,6 @@ def test_every_tracker_logs_the_same_losses_params_images_and_tables(tracker_env
     assert {r["_step"] for r in rows if "samples/_type" in r} == {3, 6}  # the image, as W&B files it
     assert {r["_step"] for r in rows if r.get("captions/_type") == "table-file"} == {3, 6}
     assert wandb_run_ids(out) == {ids["wandb"]["run_id"]}
-    sample_file = out / "samples" / "captions-step-6.jsonl"
     assert json.loads(sample_file.read_text().splitlines()[0]) == {"brief": "a red circle", "caption": "caption at 6",
                                                                    "step": 6}
 
