@@ -244,7 +244,8 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key in data:
         if key not in known:
             section = f"[{prefix.rstrip('.')}]" if prefix else "the top level"
-            raise ConfigError(f"{prefix}{key}: unknown key; allowed keys in {section}: {', '.join(sorted(known))}")
+            raise ConfigError(f"{prefix}{key}: unknown key{did_you_mean(key, known, prefix)}; allowed keys in "
+                              f"{section}: {', '.join(sorted(known))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, f in known.items():
@@ -265,6 +266,14 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"{prefix}{e}") from None
     return cfg
+
+
+def did_you_mean(key: str, known: Any, prefix: str = "") -> str:
+    """", did you mean train.lr?" for the closest known key (a typo), or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f", did you mean {prefix}{close[0]}?" if close else ""
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -334,7 +343,8 @@ def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
         if part not in hints:
             where = ".".join(parts[:i]) or "the top level"
             allowed = ", ".join(sorted(hints)) if hints else "none (not a section)"
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key (--set {item}); "
+            hint = did_you_mean(part, hints, ".".join(parts[:i]) + "." if i else "")
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key{hint} (--set {item}); "
                               f"allowed keys under {where}: {allowed}")
         tp = hints[part]
         if i < len(parts) - 1:
