@@ -6,12 +6,13 @@
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR
         (registered sizes)
-    atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
+    atelier designer train --config FILE [--set a.b=c ...] [--dry-run]
+        [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier designer export --merge RUN --out DIR [--dtype bfloat16|float16|float32]   (a LoRA / QLoRA run → full model)
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
-    atelier imagegen train --config FILE [--set ...] [--nproc N ...]
+    atelier imagegen train --config FILE [--set ...] [--dry-run] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
     atelier eval --captions FILE [--imagegen DIR] --out DIR
@@ -107,6 +108,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     from atelier_studio.pipeline.trackers import check_installed
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
+    if args.dry_run:
+        return _dry_run(args, config_cls)
     launched = _torchrun(args)
     if launched is not None:
         return launched
@@ -145,6 +148,22 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
         if lock is not None:
             lock.release()
         shutdown(dist)
+
+
+def _dry_run(args: argparse.Namespace, config_cls: type) -> int:
+    """`train --dry-run`: the resolved config with where each value came from, and the trainer's plan (parameters,
+    units and FLOPs per step, dataset size, a peak-memory estimate) from the model's config alone
+    (pipeline/dry_run.py)."""
+    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.dry_run import config_sources, format_report
+
+    cfg = load_config(config_cls, args.config, args.set)
+    if args.group == "designer":
+        from atelier_studio.designer.dry_run import designer_plan as make_plan
+    else:
+        from atelier_studio.imagegen.dry_run import imagegen_plan as make_plan
+    print(format_report(args.group, config_sources(cfg, args.config, args.set), make_plan(cfg)))
+    return 0
 
 
 def _on_rank_0(dist, fn: Callable):
@@ -426,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", required=True, help="TOML config file")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+        if sp.prog.endswith(" train"):
+            sp.add_argument("--dry-run", action="store_true",
+                            help="print the resolved config (each value's source), parameters, tokens or images and "
+                                 "FLOPs per step, the dataset size and a peak-memory estimate; load no weights, train "
+                                 "nothing")
 
     def launch_args(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group("several processes (torchrun; see docs/distributed.md)")
