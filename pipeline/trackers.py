@@ -15,8 +15,8 @@ and `Trackers` fans every call out to all of them. A tracker sees:
 Resume continues the same tracker run: W&B by its stored id (`resume="allow"`), MLflow by its stored run id. Steps
 up to the resumed checkpoint's were logged by the run that saved it, so `Trackers` drops records at or below that
 step (a resumed run that re-evaluates its last step adds no duplicate point); MLflow, whose history keeps every point,
-also skips steps at or below the last one it holds for the run (a run that crashed after logging past its last
-checkpoint replays those steps, with the same values, exactly).
+also skips steps at or below the last one it holds for the run, and TensorBoard purges what an earlier attempt logged
+after the checkpoint (a run that crashed after logging past its last checkpoint replays those steps exactly).
 
 W&B and MLflow are extras (`pip install 'atelier-studio[wandb]'`, `[mlflow]`); `check_installed` names the extra of
 one asked for but not installed before anything loads. Where W&B and MLflow send their data is their own setting, read
@@ -111,7 +111,9 @@ class TensorBoardTracker(Tracker):
     def start(self, info: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(info.out_dir / "tensorboard"))
+        # a resume purges what an earlier attempt logged after its checkpoint (TensorBoard's own purge_step)
+        self.writer = SummaryWriter(log_dir=str(info.out_dir / "tensorboard"),
+                                    purge_step=info.resume_step + 1 if info.resume_step else None)
         if info.resume_step == 0:
             about = {"git_commit": info.git_commit, "system": info.system, "config": info.params}
             self.writer.add_text("run", "```\n" + json.dumps(about, indent=1, default=str) + "\n```", 0)

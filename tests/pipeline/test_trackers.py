@@ -23,6 +23,7 @@ from tests._trackers import (
     checkpoint_trackers,
     jsonl_losses,
     mlflow_history,
+    tensorboard_losses,
     wandb_history,
     wandb_losses,
     wandb_run_ids,
@@ -120,15 +121,17 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_repeating_a_step(
 
 
 def test_a_resume_that_repeats_logged_steps_logs_them_once(tracker_env, tmp_path):
-    """A run that crashed after logging past its last checkpoint replays those steps: MLflow keeps one point each."""
-    fit(tmp_path, "run", max_steps=6, save_every=3, trackers=("mlflow",))
+    """A run that crashed after logging past its last checkpoint replays those steps: MLflow keeps one point each,
+    TensorBoard purges the first attempt's."""
+    fit(tmp_path, "run", max_steps=6, save_every=3, trackers=("mlflow", "tensorboard"))
     out = tmp_path / "run"
     run_id = checkpoint_trackers(out)["mlflow"]["run_id"]
     import shutil
 
     shutil.rmtree(out / "checkpoints" / "step-6")  # as if killed after logging step 6, before its checkpoint
-    fit(tmp_path, "run", max_steps=6, save_every=3, trackers=("mlflow",))
+    fit(tmp_path, "run", max_steps=6, save_every=3, trackers=("mlflow", "tensorboard"))
     assert [s for s, _ in mlflow_history(tracker_env.uri, run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tensorboard_losses(out)] == [1, 2, 3, 4, 5, 6]  # the replayed steps replace the first
 
 
 def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, tmp_path, capsys):
