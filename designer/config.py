@@ -1,4 +1,4 @@
-"""The designer trainer's config: `[model]`, `[data]`, `[lora]`, `[train]`, `[output]`.
+"""The designer trainer's config: `[model]`, `[data]`, `[sample]`, `[lora]`, `[train]`, `[output]`.
 
     atelier designer train --config configs/designer/demo.toml --set lora.rank=16 --set output.dir=runs/d1
 """
@@ -111,6 +111,23 @@ class LoraConfig(engine_config.LoraConfig):
 
 
 @dataclass(frozen=True)
+class SampleConfig:
+    """`[sample]`: captions the designer writes during training, at each evaluation (train.eval_every, and the end):
+    greedy, for the first `briefs` briefs of data.eval, the same each time; a table (brief, caption, step) on every
+    tracker and in samples/captions-step-N.jsonl, with the shapes-world judge's caption score when every brief is a
+    shapes-world brief (designer/samples.py)."""
+
+    briefs: int = 8  # 0: no captions during training
+    max_new_tokens: int = 48
+
+    def validate(self) -> None:
+        if self.briefs < 0:
+            raise ConfigError(f"briefs: must be >= 0 (0 = none), got {self.briefs}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
 class DesignerConfig:
     # what a resume may change (pipeline/config_diff.py; docs/training.md): the model and its dtype, the data stream
     # (the train file, its format and columns, row length, overflow policy) and everything that fixes the adapters'
@@ -120,11 +137,12 @@ class DesignerConfig:
         refuse=("model.path", "model.dtype", "data.train", "data.format", "data.columns", "data.seq_len",
                 "data.overflow", "lora", *TRAIN_REFUSE),
         warn=("model.attention", "model.kernels", "model.delta_rule", "model.router_aux_loss", "data.eval",
-              "data.max_eval_batches", "lora.dropout", *TRAIN_WARN),
+              "data.max_eval_batches", "lora.dropout", "sample", *TRAIN_WARN),
         free=TRAIN_FREE)
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -60,6 +60,7 @@ from atelier_studio.designer.lora import (
     save_peft_adapter,
 )
 from atelier_studio.designer.registry import family_of_args
+from atelier_studio.designer.samples import CaptionSampler, sample_briefs
 from atelier_studio.kernels.cross_entropy import linear_cross_entropy
 from atelier_studio.kernels.nf4 import NF4Weight, quantize_nf4
 from atelier_studio.kernels.nf4_moe import NF4Experts, quantize_experts
@@ -71,8 +72,8 @@ from atelier_studio.pipeline.hub import resolve_model_path
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
-from atelier_studio.pipeline.progress import log
-from atelier_studio.pipeline.task import Skipped, Task
+from atelier_studio.pipeline.progress import announce_fallback, log
+from atelier_studio.pipeline.task import SampleTable, Skipped, Task
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
@@ -106,6 +107,9 @@ class DesignerTask(Task):
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
+        briefs = sample_briefs(load_examples(cfg.data.eval), cfg.sample.briefs) if cfg.data.eval else []
+        self.sampler = CaptionSampler(self.tokenizer, briefs, cfg.sample.max_new_tokens, args.max_seq_len) \
+            if briefs else None
 
         exact = cfg.model.dtype == "float32"
         full = cfg.lora.rank == 0
@@ -347,6 +351,18 @@ class DesignerTask(Task):
             return {}
         loss = float(total) / count
         return {"loss": loss, "ppl": float(torch.tensor(loss).exp())}
+
+    def sample_table(self, step: int) -> SampleTable | None:
+        """Greedy captions of the held-out briefs (designer/samples.py). One process only for now: under torchrun each
+        rank would decode through FSDP's gathers, step by step, and a rank that stopped early would hang the others."""
+        if self.sampler is None:
+            return None
+        if self.dist.enabled:
+            announce_fallback("designer-samples", "designer: no caption samples under torchrun yet (sample.briefs); "
+                                                  "`atelier designer generate` writes them from a checkpoint's export")
+            return None
+        with self._autocast():
+            return self.sampler.table(self.model, step)
 
     def after_optimizer_step(self, step: int) -> None:
         pass

@@ -7,12 +7,13 @@
     atelier data validate DIR
     atelier designer init --size tiny|0.6b|...|qwen3.5-9b|qwen3-moe-tiny|qwen3-30b-a3b --tokenizer DIR --out DIR
         (registered sizes)
-    atelier designer train --config FILE [--set a.b=c ...] [--nproc N [--nnodes M --node-rank I --master-addr H]]
+    atelier designer train --config FILE [--set a.b=c ...] [--dry-run]
+        [--nproc N [--nnodes M --node-rank I --master-addr H]]
     atelier designer generate --model DIR [--adapter DIR] --briefs FILE --out FILE
     atelier designer export --merge RUN --out DIR [--dtype bfloat16|float16|float32]   (a LoRA / QLoRA run → full model)
     atelier imagegen init --size tiny|sd3-medium|... --out DIR
     atelier imagegen cache --config FILE --out DIR [--set ...]
-    atelier imagegen train --config FILE [--set ...] [--nproc N ...]
+    atelier imagegen train --config FILE [--set ...] [--dry-run] [--nproc N ...]
     atelier imagegen sample --model DIR --captions FILE --out DIR [--resolution PX]   (DIR: a run's or an SD3 pipeline)
     atelier imagegen export RUN --out PATH --lora-format diffusers|kohya | --merge | --single-file
     atelier eval --designer DIR --imagegen DIR --briefs FILE --out DIR [--clip DIR]
@@ -106,13 +107,16 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     import os
 
     from atelier_studio.pipeline.atomic import check_dir_path
-    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.config import config_to_dict, flatten, load_config
     from atelier_studio.pipeline.config_diff import check_resume, record_run_config
     from atelier_studio.pipeline.distributed import DistributedError, init_distributed, shutdown
     from atelier_studio.pipeline.progress import reset_fallbacks
     from atelier_studio.pipeline.run_lock import lock_output_dir
+    from atelier_studio.pipeline.trackers import check_installed
     from atelier_studio.pipeline.trainer import Trainer, exit_code, seed_everything
 
+    if args.dry_run:
+        return _dry_run(args, config_cls)
     launched = _torchrun(args)
     if launched is not None:
         return launched
@@ -120,6 +124,7 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
     cfg = load_config(config_cls, args.config, args.set)
     out = Path(cfg.output.dir)
     check_dir_path(out, "output.dir")  # a file in the way is named now, before anything is loaded
+    check_installed(cfg.output.active_trackers())  # a tracker asked for but not installed: its extra, named now
     dist = init_distributed(cfg.train)
     lock = None
     try:
@@ -137,7 +142,8 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
             # checkpoint, and only then are the run's files written
             resume_check = _on_rank_0(dist, lambda: check_resume(cfg, config_cls.resume_policy, out))
             task = task_cls(cfg, dist.device, dist=dist) if dist.enabled else task_cls(cfg, dist.device)
-            trainer = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist)
+            trainer = Trainer(task, cfg.train, cfg.output, dist.device, dist=dist,
+                              params=flatten(config_to_dict(cfg)))
             trainer.resume()
             if dist.is_main:
                 record_run_config(cfg, out, resume_check, trainer.step)
@@ -149,6 +155,22 @@ def _train(args: argparse.Namespace, config_cls: type, task_cls: Callable) -> in
         if lock is not None:
             lock.release()
         shutdown(dist)
+
+
+def _dry_run(args: argparse.Namespace, config_cls: type) -> int:
+    """`train --dry-run`: the resolved config with where each value came from, and the trainer's plan (parameters,
+    units and FLOPs per step, dataset size, a peak-memory estimate) from the model's config alone
+    (pipeline/dry_run.py)."""
+    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.dry_run import config_sources, format_report
+
+    cfg = load_config(config_cls, args.config, args.set)
+    if args.group == "designer":
+        from atelier_studio.designer.dry_run import designer_plan as make_plan
+    else:
+        from atelier_studio.imagegen.dry_run import imagegen_plan as make_plan
+    print(format_report(args.group, config_sources(cfg, args.config, args.set), make_plan(cfg)))
+    return 0
 
 
 def _on_rank_0(dist, fn: Callable):
@@ -519,6 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", required=True, help="TOML config file")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+        if sp.prog.endswith(" train"):
+            sp.add_argument("--dry-run", action="store_true",
+                            help="print the resolved config (each value's source), parameters, tokens or images and "
+                                 "FLOPs per step, the dataset size and a peak-memory estimate; load no weights, train "
+                                 "nothing")
 
     def launch_args(sp: argparse.ArgumentParser) -> None:
         g = sp.add_argument_group("several processes (torchrun; see docs/distributed.md)")

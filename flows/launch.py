@@ -18,10 +18,12 @@ where the failed attempt stopped; nothing here deletes a checkpoint.
 
 Step lines (pipeline/progress.py `format_step_line`) are parsed into a dict and drive a Prefect progress
 artifact, and each samples line (`format_samples_line`: validation images rendered during training) becomes a
-Prefect image artifact (flows/report.py `publish_samples`; one version of one key per evaluation):
+Prefect image artifact (flows/report.py `publish_samples`; one version of one key per evaluation), and each table
+line (`format_table_line`: the designer's captions of held-out briefs) a Prefect table artifact (`publish_table`):
 
     step 12/100 loss 2.3456 lr 1.00e-04 tok/s 1234.5 mfu 12.3% eta 0:01:30
     samples step 20/100: runs/i1/samples/step-20.png (8 prompts, EMA weights)
+    table step 20/100: runs/d1/samples/captions-step-20.jsonl (8 rows)
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ STEP_LINE = re.compile(
 
 SAMPLES_LINE = re.compile(r"^samples step (?P<step>\d+)/(?P<total>\d+): (?P<path>.+) \((?P<prompts>\d+) prompts, "
                           r"(?P<weights>\S+) weights\)\s*$")
+
+TABLE_LINE = re.compile(r"^table step (?P<step>\d+)/(?P<total>\d+): (?P<path>.+) \((?P<rows>\d+) rows\)\s*$")
 
 
 class TrainerFailed(RuntimeError):
@@ -91,6 +95,14 @@ def parse_samples_line(line: str) -> dict[str, Any] | None:
         return None
     return {"step": int(m["step"]), "total": int(m["total"]), "path": m["path"], "prompts": int(m["prompts"]),
             "weights": m["weights"]}
+
+
+def parse_table_line(line: str) -> dict[str, Any] | None:
+    """One table line → {step, total, path, rows}; None for other lines."""
+    m = TABLE_LINE.match(line.strip())
+    if m is None:
+        return None
+    return {"step": int(m["step"]), "total": int(m["total"]), "path": m["path"], "rows": int(m["rows"])}
 
 
 def trainer_command(argv: Sequence[str], nproc: int = 1) -> list[str]:
@@ -254,12 +266,22 @@ def _publish_samples(key: str | None, rec: dict[str, Any]) -> None:
         logging.getLogger("atelier.flows").warning("samples artifact for %s failed: %s", rec["path"], e)
 
 
+def _publish_table(key: str | None, rec: dict[str, Any]) -> None:
+    """A table line's rows as a Prefect table artifact (inside a flow run); a failure is logged, never fatal."""
+    from atelier_studio.flows.report import publish_table
+
+    try:
+        publish_table(Path(rec["path"]), f"{key or 'samples'}-table", f"step {rec['step']}/{rec['total']}")
+    except Exception as e:  # an artifact is a view of the run: never fail training over it
+        logging.getLogger("atelier.flows").warning("table artifact for %s failed: %s", rec["path"], e)
+
+
 def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: Callable[[str], Any] | None = None,
                 progress_key: str | None = None, cwd: str | Path | None = None, check: bool = True,
                 kill_grace_s: float = KILL_GRACE_S, samples_key: str | None = None) -> tuple[int, dict[str, Any]]:
     """Run cmd in a new session, stream each output line to `log`, kill the group on any way out but a normal exit.
     In a Prefect run, step lines update the progress artifact `progress_key` and samples lines add a version of the
-    image artifact `samples_key`.
+    image artifact `samples_key`, table lines a version of the table artifact `<samples_key>-table`.
 
     Returns (returncode, summary); summary = {"last_step": the last parsed step line or None, "lines": count,
     "tail": the last TAIL_LINES lines}. check=True raises TrainerFailed on a non-zero exit.
@@ -299,6 +321,9 @@ def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None, log: C
             samples = parse_samples_line(line) if in_prefect else None
             if samples is not None:
                 _publish_samples(samples_key, samples)
+            table = parse_table_line(line) if in_prefect else None
+            if table is not None:
+                _publish_table(samples_key, table)
         proc.wait()
         finished = True
     finally:

@@ -196,6 +196,21 @@ def publish_samples(image: Path, key: str, description: str) -> str | None:
     return key
 
 
+def publish_table(rows_file: Path, key: str, description: str) -> str | None:
+    """A sample table written during training (JSONL rows: the designer's brief, caption, step) as a Prefect table
+    artifact (a new version of `key` each time); returns the key, None outside a Prefect run."""
+    if not in_prefect_run():
+        return None
+    import json
+
+    from prefect.artifacts import create_table_artifact
+
+    key = artifact_key(key)
+    rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines() if line.strip()]
+    create_table_artifact(rows, key=key, description=f"{description} ({Path(rows_file).resolve()})")
+    return key
+
+
 def publish_training(run_dir: Path, name: str) -> list[str]:
     """Metrics table, summary markdown and (imagegen) the sample grid of output.dir/samples/ as artifacts.
 

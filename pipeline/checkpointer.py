@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -72,6 +72,9 @@ class Checkpointer:
         self.dist = dist
         self.device = device
         self._pending: PendingSave | None = None
+        # the trackers' run ids (pipeline/trackers.py): saved in each checkpoint's state, read back by `load`
+        self.tracker_state: Callable[[], dict[str, Any]] = dict
+        self.loaded_trackers: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ which checkpoint
 
@@ -125,7 +128,8 @@ class Checkpointer:
         extra["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
             extra["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        state = {"optimizer": opt_meta, "rng": host_rng_state(), "task": self.task.state_meta()}
+        state = {"optimizer": opt_meta, "rng": host_rng_state(), "task": self.task.state_meta(),
+                 "trackers": self.tracker_state()}
         ckpt = Checkpoint(step=step, model={n: p.detach() for n, p in self.named_params}, optimizer=opt_tensors,
                           extra=extra, state=state)
         path = save_checkpoint(self.dir, ckpt)
@@ -138,7 +142,8 @@ class Checkpointer:
         rank_state: dict[str, Any] = {**host_rng_state(), "torch": torch.get_rng_state().tolist()}
         if self.device.type == "cuda":
             rank_state["cuda"] = torch.cuda.get_rng_state(self.device).tolist()
-        self._pending = save_sharded_checkpoint(self.dir, step, self._app_state(), {"task": self.task.state_meta()},
+        self._pending = save_sharded_checkpoint(self.dir, step, self._app_state(), {"task": self.task.state_meta(),
+                                                                       "trackers": self.tracker_state()},
                                                 rank_state, self.dist, async_save=async_save)
         if not async_save:
             self._after_save()
@@ -196,6 +201,7 @@ class Checkpointer:
         if self.device.type == "cuda" and "rng.cuda" in ckpt.extra:
             torch.cuda.set_rng_state(ckpt.extra["rng.cuda"], self.device)
         set_host_rng_state(ckpt.state["rng"])
+        self.loaded_trackers = ckpt.state.get("trackers", {})  # absent from checkpoints older than the trackers
         return ckpt.step
 
     def _load_sharded(self, path: Path) -> int:
@@ -216,6 +222,7 @@ class Checkpointer:
             self.task.load_state(app["task"], state["task"])
         except ValueError as e:  # e.g. a data position saved with another global batch
             raise CheckpointError(f"{path}: {e}") from None
+        self.loaded_trackers = state.get("trackers", {})
         if rank_state is not None:
             set_host_rng_state(rank_state)
             torch.set_rng_state(torch.tensor(rank_state["torch"], dtype=torch.uint8))

@@ -129,12 +129,30 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
+    """`[output]`: where a run writes, and which experiment trackers it reports to (pipeline/trackers.py)."""
+
     dir: str = "runs/default"
+    # any subset; W&B and MLflow are extras (`pip install 'atelier-studio[wandb]'`, `[mlflow]`). metrics.jsonl is
+    # always written
+    trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ("tensorboard",)
+    # the switch before output.trackers, kept for existing configs: false drops TensorBoard whatever trackers says
     tensorboard: bool = True
+    run_name: str = ""  # the trackers' run name; empty: output.dir's folder name
+    group: str = ""  # the trackers' group (W&B group, an MLflow tag)
+    project: str = "atelier"  # the W&B project and the MLflow experiment
 
     def validate(self) -> None:
         if not self.dir:
             raise ConfigError("dir: must not be empty")
+        repeated = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if repeated:
+            raise ConfigError(f"trackers: {', '.join(repeated)} listed twice; name each tracker once")
+        if not self.project.strip():
+            raise ConfigError("project: must not be empty (the W&B project and the MLflow experiment)")
+
+    def active_trackers(self) -> tuple[str, ...]:
+        """The trackers this run starts: output.trackers, less TensorBoard when output.tensorboard is false."""
+        return tuple(t for t in self.trackers if self.tensorboard or t != "tensorboard")
 
 
 def check_full_finetuning(lora: Any) -> None:
@@ -226,7 +244,8 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key in data:
         if key not in known:
             section = f"[{prefix.rstrip('.')}]" if prefix else "the top level"
-            raise ConfigError(f"{prefix}{key}: unknown key; allowed keys in {section}: {', '.join(sorted(known))}")
+            raise ConfigError(f"{prefix}{key}: unknown key{did_you_mean(key, known, prefix)}; allowed keys in "
+                              f"{section}: {', '.join(sorted(known))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, f in known.items():
@@ -247,6 +266,14 @@ def config_from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"{prefix}{e}") from None
     return cfg
+
+
+def did_you_mean(key: str, known: Any, prefix: str = "") -> str:
+    """", did you mean train.lr?" for the closest known key (a typo), or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f", did you mean {prefix}{close[0]}?" if close else ""
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -316,7 +343,8 @@ def _apply_override(cls: type, data: dict[str, Any], item: str) -> None:
         if part not in hints:
             where = ".".join(parts[:i]) or "the top level"
             allowed = ", ".join(sorted(hints)) if hints else "none (not a section)"
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key (--set {item}); "
+            hint = did_you_mean(part, hints, ".".join(parts[:i]) + "." if i else "")
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown key{hint} (--set {item}); "
                               f"allowed keys under {where}: {allowed}")
         tp = hints[part]
         if i < len(parts) - 1:
@@ -362,6 +390,17 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}: a config's dict (config_to_dict) by dotted key."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def config_to_toml(cfg: Any) -> str:
     """Serialise a config tree to TOML (round-trips through load_config)."""
     top = config_to_dict(cfg)
@@ -405,6 +444,6 @@ def save_config(cfg: Any, path: str | Path) -> None:
 __all__ = [
     "ConfigError", "DistributedConfig", "TrainConfig", "OutputConfig", "load_config", "config_from_dict",
     "check_full_finetuning",
-    "config_to_dict",
+    "config_to_dict", "flatten",
     "config_to_toml", "save_config", "field",
 ]

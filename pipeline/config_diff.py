@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from atelier_studio.pipeline.atomic import atomic_write_text, ensure_dir
-from atelier_studio.pipeline.config import ConfigError, config_to_toml
+from atelier_studio.pipeline.config import ConfigError, config_to_toml, flatten
 from atelier_studio.pipeline.progress import log
 
 Rule = Literal["refuse", "warn", "free"]
@@ -44,7 +44,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # with its own error. Everything else is a hyper-parameter, a cadence, logging or an execution choice, taken with
 # a warning.
 TRAIN_REFUSE = ("train.seed",)
-TRAIN_WARN = ("train", "output.tensorboard")
+TRAIN_WARN = ("train", "output")
 TRAIN_FREE = ("train.resume", "train.peak_tflops", "train.micro_batch", "output.dir")
 
 
@@ -110,15 +110,6 @@ def trained_under(checkpoint: Path) -> Path:
     return run / CONFIG_NAME
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:

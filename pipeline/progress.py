@@ -1,4 +1,5 @@
-"""What a run shows and records: a rich progress bar, `metrics.jsonl` and TensorBoard scalars.
+"""What a run shows and records: a rich progress bar, `metrics.jsonl` and the experiment trackers (TensorBoard, W&B,
+MLflow: pipeline/trackers.py).
 
 On a terminal the bar shows step, loss, throughput, MFU and ETA. Off a terminal (a Prefect flow reading
 the trainer's stdout, CI logs) it prints one plain line per logged step instead, in a fixed format that
@@ -11,12 +12,18 @@ shards and reasons whenever the counts change, `data step 12: 8 samples skipped 
 truncated tar)`, and they go to metrics.jsonl as `"kind": "skipped"` records.)
 
 Validation images a task renders during training (imagegen's sample grid) get a line of their own, which the
-flows turn into a Prefect image artifact (flows/launch.py), and go to TensorBoard as images:
+flows turn into a Prefect image artifact (flows/launch.py), and go to every tracker as images:
 
     samples step 20/100: runs/i1/samples/step-20.png (8 prompts, EMA weights)
 
+Sample tables (the designer's captions of held-out briefs) go to every tracker as tables, and to
+`<output.dir>/samples/<name>-step-N.jsonl`, named by a line of their own that the flows turn into a Prefect table
+artifact:
+
+    table step 20/100: runs/d1/samples/captions-step-20.jsonl (8 rows)
+
 Every logged record also goes to `metrics.jsonl` (one JSON object per line, `"kind": "train" | "eval" | "skipped"`)
-and, when enabled and installed, to TensorBoard.
+and, as scalars `<kind>/<key>`, to every tracker.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from atelier_studio.pipeline.atomic import atomic_write_text, ensure_dir
 from atelier_studio.pipeline.errors import write_error
+from atelier_studio.pipeline.trackers import Trackers
 
 
 class MetricsLog:
@@ -67,43 +75,6 @@ def _step_of(line: str) -> float:
         return json.loads(line).get("step", float("inf"))
     except json.JSONDecodeError:
         return float("inf")  # a torn last line from a killed run: dropped
-
-
-class TensorBoardLog:
-    def __init__(self, log_dir: Path, enabled: bool):
-        self.writer = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is a dependency, but keep the trainer usable without it
-                return
-            self.writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.writer is None:
-            return
-        kind = record.get("kind", "train")
-        step = record["step"]
-        for k, v in record.items():
-            if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.writer.add_scalar(f"{kind}/{k}", v, step)
-        self.writer.flush()
-
-    def image(self, tag: str, path: Path, step: int) -> None:
-        """An image file (PNG) as a TensorBoard image at `step`."""
-        if self.writer is None:
-            return
-        import numpy as np
-        from PIL import Image
-
-        with Image.open(path) as im:
-            pixels = np.asarray(im.convert("RGB"))  # [H, W, 3] uint8
-        self.writer.add_image(tag, pixels, step, dataformats="HWC")
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 class ProgressBar:
@@ -178,25 +149,32 @@ def format_samples_line(step: int, total: int, samples: Any) -> str:
     return f"samples step {step}/{total}: {samples.path} ({samples.count} prompts, {samples.weights} weights)"
 
 
-class RunLog:
-    """Everything a training run reports, in one place: each record goes to metrics.jsonl, TensorBoard and the
-    progress bar (train records) or a message line (eval records). Only rank 0 of a multi-process run reports
-    (`main`); on the other ranks every call does nothing."""
+def format_table_line(step: int, total: int, path: Path, rows: int) -> str:
+    """The line announcing a sample table's file; flows/launch.py parses it."""
+    return f"table step {step}/{total}: {path} ({rows} rows)"
 
-    def __init__(self, out_dir: Path, tensorboard: bool, total_steps: int, start_step: int, unit: str,
+
+class RunLog:
+    """Everything a training run reports, in one place: each record goes to metrics.jsonl, the trackers and the
+    progress bar (train records) or a message line (eval records). Only rank 0 of a multi-process run reports
+    (`main`); on the other ranks every call does nothing. The trackers are started by the caller (the trainer,
+    pipeline/trackers.py's open_trackers) and finished by `close`."""
+
+    def __init__(self, out_dir: Path, trackers: Trackers, total_steps: int, start_step: int, unit: str,
                  main: bool = True):
         self.main = main
+        self.trackers = trackers
+        self.out_dir = Path(out_dir)
         if not main:
             return
-        self.metrics = MetricsLog(Path(out_dir) / "metrics.jsonl", resume_step=start_step)
-        self.tensorboard = TensorBoardLog(Path(out_dir) / "tensorboard", tensorboard)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_step=start_step)
         self.bar = ProgressBar(total_steps, start_step, unit)
 
     def train(self, record: dict[str, Any]) -> None:
         """A logged training step: its record (step, loss, lr, throughput, ...) everywhere, the bar moved on."""
         if self.main:
             self.metrics.write(record)
-            self.tensorboard.write(record)
+            self.trackers.record(record)
             self.bar.update(record["step"], record)
 
     def eval(self, step: int, result: dict[str, float]) -> None:
@@ -204,36 +182,51 @@ class RunLog:
         if self.main and result:
             record = {"kind": "eval", "step": step, **result}
             self.metrics.write(record)
-            self.tensorboard.write(record)
+            self.trackers.record(record)
             self.bar.message("eval step {}: {}".format(step, " ".join(f"{k} {v:.4f}" for k, v in result.items())))
 
     def samples(self, step: int, total: int, samples: Any) -> None:
-        """Validation images a task rendered at `step` (a pipeline.task.Samples): a TensorBoard image and a line
-        (format_samples_line) that flows/launch.py turns into a Prefect image artifact."""
+        """Validation images a task rendered at `step` (a pipeline.task.Samples): an image on every tracker and a
+        line (format_samples_line) that flows/launch.py turns into a Prefect image artifact."""
         if self.main:
-            self.tensorboard.image("samples", samples.path, step)
+            self.trackers.image("samples", samples.path, step)
             self.bar.message(format_samples_line(step, total, samples))
+
+    def table(self, step: int, total: int, table: Any) -> None:
+        """A sample table a task made at `step` (a pipeline.task.SampleTable): a JSONL file under samples/, a table
+        on every tracker, its scores as eval records, and a line (format_table_line) for the flows."""
+        if not self.main:
+            return
+        path = self.out_dir / "samples" / f"{table.name}-step-{step}.jsonl"
+        ensure_dir(path.parent, "output.dir")
+        rows = [dict(zip(table.columns, row)) for row in table.rows]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows), what="sample table")
+        self.trackers.table(table.name, table.columns, table.rows, step)
+        if table.scores:
+            self.eval(step, dict(table.scores))
+        self.bar.message(format_table_line(step, total, path, len(rows)))
 
     def skipped(self, step: int, skipped: Any) -> None:
         """What the training data skipped so far (a pipeline.task.Skipped), when it changed: a `"kind": "skipped"`
-        record (total, by reason, by source and reason), TensorBoard scalars `skipped/total` and
-        `skipped/<source>`, and a line naming each source."""
+        record (total, by reason, by source and reason), tracker scalars `skipped/total` and `skipped/<source>`, and a
+        line naming each source."""
         if self.main:
             record = {"kind": "skipped", "step": step, **skipped.as_dict()}
             self.metrics.write(record)
-            self.tensorboard.write({"kind": "skipped", "step": step, "total": skipped.total,
-                                    **{source: sum(r.values()) for source, r in skipped.by_source.items()}})
+            self.trackers.record({"kind": "skipped", "step": step, "total": skipped.total,
+                                  **{source: sum(r.values()) for source, r in skipped.by_source.items()}})
             self.bar.message(f"data step {step}: {skipped.describe()}")
 
     def message(self, text: str) -> None:
         if self.main:
             self.bar.message(text)
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None, interrupted: bool = False) -> None:
+        """The bar and metrics.jsonl closed; each tracker given the run's summary and finished."""
         if self.main:
             self.bar.close()
             self.metrics.close()
-            self.tensorboard.close()
+            self.trackers.finish(summary or {}, interrupted)
 
 
 def log(msg: str) -> None:

@@ -14,7 +14,7 @@ over-weights short micro-batches (a known bug class of fused cross-entropy under
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +29,18 @@ class Samples:
     path: Path  # the PNG (written by rank 0)
     count: int  # how many prompts it shows
     weights: str  # which weights rendered it, e.g. "EMA"
+
+
+@dataclass(frozen=True)
+class SampleTable:
+    """Samples a task made at an evaluation, as a table (the designer's greedy captions of fixed held-out briefs):
+    logged to every tracker, written to `<output.dir>/samples/<name>-step-N.jsonl`; `scores` (e.g. the shapes-world
+    judge's caption score) go to the eval record of the same step."""
+
+    name: str  # e.g. "captions"
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+    scores: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,12 @@ class Task(ABC):
 
     def samples(self, step: int) -> Samples | None:
         """Called after every optimizer step: the validation images when they are due (imagegen's sample.every),
-        which the trainer logs to TensorBoard and names on the progress line; None when none are due."""
+        which the trainer logs to every tracker and names on the progress line; None when none are due."""
+        return None
+
+    def sample_table(self, step: int) -> SampleTable | None:
+        """Called at each evaluation (on every rank, in eval mode, without gradients): a table of samples (the
+        designer's captions of held-out briefs), which the trainer logs to every tracker; None when there are none."""
         return None
 
     def skipped(self) -> Skipped | None:

@@ -3,10 +3,12 @@
 Per optimizer step (`train_step`): draw `grad_accum` micro-batches, sum their loss weights on the host,
 backpropagate each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss
 unit of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule, step AdamW.
-Around it (`fit`): logging (`log_step`; pipeline/progress.py's RunLog: progress bar, metrics.jsonl, TensorBoard;
-with what the task's data skipped so far, pipeline/task.py's Skipped), validation samples, evaluation, checkpoints
+Around it (`fit`): logging (`log_step`; pipeline/progress.py's RunLog: progress bar, metrics.jsonl and the trackers
+of output.trackers, pipeline/trackers.py; with what the task's data skipped so far, pipeline/task.py's Skipped),
+validation samples, evaluation (with the task's sample table, pipeline/task.py's SampleTable), checkpoints
 on a cadence and on SIGTERM/SIGINT, and exact resume (model, optimizer, schedule position, RNG, data cursor;
-pipeline/checkpointer.py's Checkpointer does the saving and restoring).
+pipeline/checkpointer.py's Checkpointer does the saving and restoring; each checkpoint also keeps the trackers'
+run ids, so a resumed run continues the same W&B and MLflow runs).
 
 The step itself reads nothing back from the device; the host syncs only where a value is logged (`log_step`).
 
@@ -30,7 +32,7 @@ import torch
 
 from atelier_studio.pipeline.atomic import ensure_dir
 from atelier_studio.pipeline.checkpointer import Checkpointer, seed_everything
-from atelier_studio.pipeline.config import OutputConfig, TrainConfig
+from atelier_studio.pipeline.config import OutputConfig, TrainConfig, config_to_dict, flatten
 from atelier_studio.pipeline.distributed import (
     DistContext,
     all_reduce_sum,
@@ -44,6 +46,7 @@ from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
 from atelier_studio.pipeline.policies import cpu_offload
 from atelier_studio.pipeline.progress import RunLog, announce_fallback, fallbacks, log
 from atelier_studio.pipeline.task import Skipped, Task
+from atelier_studio.pipeline.trackers import RunInfo, Trackers, git_commit, open_trackers, system_info
 
 
 class TrainingError(AtelierError, RuntimeError):
@@ -85,6 +88,14 @@ class _Run:
     reported_skips: dict[str, dict[str, int]] = field(default_factory=dict)  # what report.skipped last wrote
 
 
+@dataclass(frozen=True)
+class _Sections:
+    """The sections a Trainer is given, as the trackers' params when the caller passes none."""
+
+    train: TrainConfig
+    output: OutputConfig
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr for optimizer step `step` (0-based): linear warmup, then the decay."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
@@ -102,7 +113,9 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(self, task: Task, train: TrainConfig, output: OutputConfig, device: torch.device,
-                 dist: DistContext | None = None):
+                 dist: DistContext | None = None, params: dict[str, Any] | None = None):
+        """`params`: the run's resolved config, flat ("train.lr": ...), which the trackers record (the CLI passes the
+        whole config; default: the train and output sections)."""
         self.task = task
         self.dist = dist if dist is not None else DistContext(device=device)
         self.cfg = train
@@ -110,6 +123,7 @@ class Trainer:
         self.output_cfg = output
         self.device = device
         self.ckpt_dir = self.out / "checkpoints"
+        self.params = params if params is not None else flatten(config_to_dict(_Sections(train, output)))
         self.named_params = [(n, p) for n, p in task.model.named_parameters() if p.requires_grad]
         if not self.named_params:
             raise TrainingError("the model has no trainable parameters")
@@ -180,8 +194,8 @@ class Trainer:
                                          f"rule run their plain-PyTorch references (exact, slow: for tests and small "
                                          f"models)")
         resume = self.resume()
-        run = _Run(RunLog(self.out, self.output_cfg.tensorboard, cfg.max_steps, self.step, self.task.unit,
-                          main=self.dist.is_main),
+        trackers = self._open_trackers(resumed=resume is not None)
+        run = _Run(RunLog(self.out, trackers, cfg.max_steps, self.step, self.task.unit, main=self.dist.is_main),
                    ThroughputMeter(device_peak_flops(self.device, cfg.peak_tflops)),
                    saved_step=self.step if resume is not None else -1)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -189,6 +203,7 @@ class Trainer:
         batches = self.task.train_batches()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        interrupted, summary = True, None
         try:
             while self.step < cfg.max_steps and not self._should_stop():
                 result = self.train_step(batches)
@@ -200,12 +215,27 @@ class Trainer:
                 self._save_on_cadence(run)
             interrupted = self._stop_signal is not None
             final_skips, exports = self._finish(run, interrupted)
+            summary = self._summary(run, final_skips)
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            run.report.close()
+            # the trackers' runs end as finished, or (stopped, or an error on the way out) as interrupted
+            run.report.close({"step": self.step, "final_loss": run.last_loss, **(summary or {})}, interrupted)
         return TrainResult(step=self.step, interrupted=interrupted, final_loss=run.last_loss, exports=exports,
-                           summary=self._summary(run, final_skips), signal=self._stop_signal)
+                           summary=summary, signal=self._stop_signal)
+
+    def _open_trackers(self, resumed: bool) -> Trackers:
+        """Rank 0 starts the trackers of output.trackers (a resumed run continues the runs its checkpoint names);
+        every checkpoint from now on keeps their ids. Other ranks report nothing."""
+        if not self.dist.is_main:
+            return Trackers([])
+        out = self.output_cfg
+        info = RunInfo(out_dir=self.out, name=out.run_name or self.out.resolve().name, group=out.group,
+                       project=out.project, params=self.params, git_commit=git_commit(),
+                       system=system_info(self.dist.world_size), resume_step=self.step if resumed else 0)
+        trackers = open_trackers(out.active_trackers(), info, self.checkpoints.loaded_trackers if resumed else {})
+        self.checkpoints.tracker_state = trackers.state
+        return trackers
 
     def train_step(self, batches: Iterator[Any]) -> StepResult:
         """One optimizer step: draw its micro-batches, backpropagate each one's loss sum over the step's total loss
@@ -268,7 +298,7 @@ class Trainer:
     # its time is not training time)
 
     def _samples_on_cadence(self, run: _Run) -> None:
-        """Validation images, when the task renders some at this step: TensorBoard, and a line the flows pick up."""
+        """Validation images, when the task renders some at this step: every tracker, and a line the flows pick up."""
         rendered = self.task.samples(self.step)
         if rendered is not None:
             run.report.samples(self.step, self.cfg.max_steps, rendered)
@@ -350,8 +380,11 @@ class Trainer:
         model.eval()
         with torch.no_grad():
             result = self.task.evaluate()
+            table = self.task.sample_table(self.step)
         model.train()
         run.report.eval(self.step, result)
+        if table is not None:
+            run.report.table(self.step, self.cfg.max_steps, table)
         run.evaluated_step = self.step
 
     def _save(self, run: _Run) -> None:

@@ -60,3 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         drop = set(map(id, out))
         items[:] = [item for item in items if id(item) not in drop]
         config.hook.pytest_deselected(items=out)
+
+
+# the offline tracker store (MLflow SQLite, W&B offline), built once per session for every test that logs to trackers
+from tests._trackers import tracker_env, tracker_store  # noqa: E402,F401

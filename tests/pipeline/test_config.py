@@ -70,8 +70,21 @@ def test_unknown_key_in_file_lists_allowed(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text(BASE + "\n[lora]\nrnak = 8\n")
     with pytest.raises(ConfigError,
-                       match=r"lora.rnak: unknown key; allowed keys in \[lora\]: alpha, base_dtype, dropout"):
+                       match=r"lora.rnak: unknown key, did you mean lora.rank\?; allowed keys in \[lora\]: alpha, "
+                             r"base_dtype, dropout"):
         load_config(DesignerConfig, p)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.max_step=1", "train.max_step: unknown key, did you mean train.max_steps?"),
+    ("train.warmup=1", "train.warmup: unknown key, did you mean train.warmup_steps?"),
+    ("outptu.dir=x", "outptu: unknown key, did you mean output?"),
+    ("train.optimizer=sgd", "train.optimizer: unknown key (--set"),  # nothing close: no guess
+])
+def test_unknown_key_suggests_the_closest_one(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(DesignerConfig, None, [override])
+    assert expected in str(e.value)
 
 
 def test_wrong_type_in_file(tmp_path):

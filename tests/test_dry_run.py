@@ -1,0 +1,70 @@
+"""`train --dry-run` on every shipped config: the model's config.json alone (a config-only directory of the size the
+config is written for: no weights anywhere), the report printed, exit 0, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atelier_studio.flows.cli import main
+
+ROOT = Path(__file__).parents[1]
+# each shipped config and the registered size its model.path holds (the init command in its header comment)
+SIZES = {"designer/demo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b", "designer/qwen3-8b-qlora.toml": "8b",
+         "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b", "imagegen/demo.toml": "demo",
+         "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium"}
+QWEN_VOCAB = 151_936
+
+
+def config_only(trainer: str, size: str, out: Path) -> Path:
+    """A model directory holding config.json alone."""
+    out.mkdir(parents=True, exist_ok=True)
+    if trainer == "designer":
+        from atelier_studio.designer.hf import args_from_size
+
+        config = args_from_size(size, QWEN_VOCAB).to_hf_config(torch.bfloat16)
+    else:
+        from atelier_studio.imagegen.registry import family_of_size
+
+        config = family_of_size(size).args_of_size(size).to_diffusers_config()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_every_shipped_config_is_listed():
+    shipped = {str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").glob("*/*.toml")}
+    assert shipped == set(SIZES)
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_dry_run_reports_every_shipped_config(name, tmp_path, capsys):
+    trainer = name.split("/")[0]
+    model = config_only(trainer, SIZES[name], tmp_path / "model")
+    out = tmp_path / "run"
+    assert main([trainer, "train", "--config", str(ROOT / "configs" / name), "--dry-run", "--set",
+                 f"model.path={model}", "--set", f"output.dir={out}"]) == 0
+    report = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
+    assert rows["model.path"].endswith("--set") and repr(str(model)) in rows["model.path"]
+    assert rows["output.trackers"].endswith("default")
+    assert rows["train.max_steps"].endswith(str(ROOT / "configs" / name))  # every shipped config sets it
+    for line in ("parameters: ", " per optimizer step: ", "model FLOPs per step: ", "dataset: ",
+                 "peak GPU memory (estimate, one process): "):
+        assert line in report, line
+    assert not out.exists()  # nothing written, nothing trained
+
+
+def test_dry_run_of_the_8b_lora_counts_what_the_bench_reports(tmp_path, capsys):
+    """Qwen3-8B with rank-16 LoRA on q k v o gate up down: 8.19e9 parameters, 43.6M trainable (PEFT's count)."""
+    model = config_only("designer", "8b", tmp_path / "model")
+    assert main(["designer", "train", "--config", str(ROOT / "configs" / "designer" / "qwen3-8b-lora.toml"),
+                 "--dry-run", "--set", f"model.path={model}", "--set", "lora.rank=16",
+                 "--set", "lora.targets=q,k,v,o,gate,up,down"]) == 0
+    report = capsys.readouterr().out
+    line = next(l for l in report.splitlines() if l.startswith("parameters: "))
+    total, trainable = (int(x.replace(",", "")) for x in (line.split()[1], line.split()[3]))
+    assert trainable == 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288)) == 43_646_976
+    assert total == 8_190_735_360 + trainable
