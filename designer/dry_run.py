@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from atelier_studio.data.chat import encode_examples, load_examples
+from atelier_studio.data.chat import encode_examples
+from atelier_studio.data.chat_formats import load_data
 from atelier_studio.data.packing import pack_documents
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
@@ -66,11 +67,12 @@ def _packed_data(cfg: DesignerConfig, model_dir: Path, rows: int) -> tuple[str, 
     """The training data packed as the run packs it: a description, and the document lengths and loss tokens of a
     step's rows (the first `rows` rows; full rows of one document each when there is no data to read)."""
     seq_len = cfg.data.seq_len
-    if not Path(cfg.data.train).is_file():
+    if not Path(cfg.data.train).exists():  # a file or a folder of files (data/chat_formats.py)
         return (f"data.train {cfg.data.train} not found: FLOPs for rows of one {seq_len}-token document",
                 [seq_len] * rows, seq_len * rows)
     tokenizer = load_tokenizer(model_dir)
-    packed = pack_documents(encode_examples(tokenizer, load_examples(cfg.data.train)), seq_len, cfg.data.overflow)
+    examples = load_data(cfg.data.train, cfg.data.format, cfg.data.columns.mapping())[0]
+    packed = pack_documents(encode_examples(tokenizer, examples), seq_len, cfg.data.overflow)
     s = packed.stats
     step_rows = [i % max(s.num_rows, 1) for i in range(rows)]
     doc_lens = [n for i in step_rows for n in packed.doc_lens[i]]

@@ -107,7 +107,8 @@ class DesignerTask(Task):
         self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
         self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
         self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
-        briefs = sample_briefs(load_examples(cfg.data.eval), cfg.sample.briefs) if cfg.data.eval else []
+        briefs = sample_briefs(load_data(cfg.data.eval, cfg.data.format, cfg.data.columns.mapping())[0],
+                               cfg.sample.briefs) if cfg.data.eval else []
         self.sampler = CaptionSampler(self.tokenizer, briefs, cfg.sample.max_new_tokens, args.max_seq_len) \
             if briefs else None
 
