@@ -137,6 +137,9 @@ def draw_seed(seed: int, ordinal: int, stream: int) -> int:
 
 class ImagegenTask(Task):
     unit = "images"
+    # the inputs' embeddings (patches, timestep, pooled text, text tokens) and the output projection, in diffusers'
+    # names: AdamW's under Muon (the blocks and the AdaLN linears are the hidden layers)
+    outer_layers = ("pos_embed.", "time_text_embed.", "context_embedder.", "proj_out.")
 
     def __init__(self, cfg: ImagegenConfig, device: torch.device, dist: DistContext | None = None):
         self.cfg, self.device = cfg, device
@@ -550,12 +553,15 @@ class ImagegenTask(Task):
             self.ema.update(step)
         self._step = step
 
+    def samples_due(self, step: int) -> bool:
+        return bool(self.cfg.sample.every and step % self.cfg.sample.every == 0)
+
     def samples(self, step: int) -> Samples | None:
         """The validation grid of optimizer step `step` when it is due (every sample.every steps): the fixed prompts
         rendered with the EMA weights (the trained ones when EMA is off) into output.dir/samples/step-N.png. The
         trainer puts it into TensorBoard and announces it on the progress line (which the flows turn into a
         Prefect image artifact). Every rank calls it; rank 0 writes the file."""
-        if not (self.cfg.sample.every and step % self.cfg.sample.every == 0):
+        if not self.samples_due(step):
             return None
         path = self.write_samples(Path(self.cfg.output.dir) / "samples" / f"step-{step}.png")
         return Samples(path, len(self.prompts), "EMA" if self.ema is not None else "trained")

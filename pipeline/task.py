@@ -69,6 +69,9 @@ class Task(ABC):
     model: nn.Module
     #: the throughput unit: "tokens" or "images"
     unit: str
+    #: parameter-name prefixes of the model's input embeddings and output head: Muon leaves them (2-D, but not
+    #: hidden layers) to AdamW (pipeline/optimizers.py)
+    outer_layers: tuple[str, ...] = ()
 
     @abstractmethod
     def train_batches(self) -> Iterator[Any]:
@@ -126,6 +129,11 @@ class Task(ABC):
         """Called after every optimizer step: the validation images when they are due (imagegen's sample.every),
         which the trainer logs to TensorBoard and names on the progress line; None when none are due."""
         return None
+
+    def samples_due(self, step: int) -> bool:
+        """Whether `samples(step)` renders: the trainer then puts the weights to evaluate in the model first (the
+        averaged ones of schedule-free AdamW)."""
+        return False
 
     def skipped(self) -> Skipped | None:
         """What the training data skipped so far, which the trainer reports (progress line, metrics.jsonl,
