@@ -118,7 +118,8 @@ class LatentDataset:
     Training sets stream instead (data/latent_stream.py). `limit` > 0 keeps the first `limit` samples in
     shard order (reading stops there). `buckets` are the distinct (H, W) of the samples sorted by (W/H, H),
     unless given (then every sample's bucket must be one of them). `batch(indices)` stacks one bucket's
-    samples: {latent [B,C,h,w], text_states [B,L,D], pooled [B,P], captions, keys, bucket (H, W)}.
+    samples: {latent [B,C,h,w], text_states [B,L,D], pooled [B,P], captions, keys, bucket (H, W)}, and mask
+    [B,h,w] when the cache has loss masks.
     """
 
     def __init__(self, source: str | Path | Sequence[str | Path], buckets: Sequence[tuple[int, int]] | None = None,
@@ -152,7 +153,7 @@ class LatentDataset:
             raise ValueError(f"LatentDataset.batch: indices {list(indices)[:8]} span buckets {sorted(ids)}")
         out = {"captions": [s["caption"] for s in picked], "keys": [s["key"] for s in picked],
                "bucket": self.buckets[ids.pop()]}
-        for name in ("latent", "text_states", "pooled"):
+        for name in ("latent", "text_states", "pooled", *(("mask",) if "mask" in picked[0] else ())):
             first = picked[0][name]
             for s in picked[1:]:
                 if s[name].shape != first.shape or s[name].dtype != first.dtype:

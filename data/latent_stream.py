@@ -211,6 +211,11 @@ def _tensor_table(header: bytes, member_size: int, shard: str, key: str) -> dict
     return out
 
 
+def _names(table: dict) -> tuple[str, ...]:
+    """The tensors a batch reads from a sample: the latent, the text, and the loss mask when the cache has one."""
+    return (*LATENT_TENSORS, "mask") if "mask" in table else LATENT_TENSORS
+
+
 def _read_table(f: BinaryIO, offset: int, size: int, shard: str, key: str) -> dict:
     if size < 8:
         raise BadSample("undecodable latent", shard, key, f"safetensors member of {size} bytes")
@@ -253,9 +258,9 @@ def first_sample(shards: ShardSet) -> dict:
                         continue
                     table = _read_table(f, ref.offset, ref.size, path, ref.key)
                     meta = json.loads(read_at(f, *sample.members["json"]))
+                    names = _names(table)
                     return {"key": ref.key, "shard": path, "bucket": ref.bucket, "caption": meta["caption"],
-                            "shapes": {n: table[n][1] for n in LATENT_TENSORS},
-                            "dtypes": {n: table[n][0] for n in LATENT_TENSORS}}
+                            "shapes": {n: table[n][1] for n in names}, "dtypes": {n: table[n][0] for n in names}}
             except TruncatedTar:
                 continue
     raise ShardError(f"{shards.source}: no readable latent sample in {len(shards.paths)} shards")
@@ -436,7 +441,8 @@ class _OpenFiles:
 
 def load_chunk(plan: ChunkPlan, shards: ShardSet, files: _OpenFiles, pin_memory: bool = False) -> dict[str, Any]:
     """Read a chunk's tensors straight into its batch: {ordinal, stream, bucket, keys, latent [c,C,h,w],
-    text_states [c,L,D], pooled [c,P]} (in page-locked memory with `pin_memory`: no copy before the GPU's)."""
+    text_states [c,L,D], pooled [c,P]}, and mask [c,h,w] when the cache has loss masks (in page-locked memory with
+    `pin_memory`: no copy before the GPU's)."""
     out: dict[str, torch.Tensor] = {}
     first: dict | None = None
     views: dict[str, memoryview] = {}
@@ -446,11 +452,15 @@ def load_chunk(plan: ChunkPlan, shards: ShardSet, files: _OpenFiles, pin_memory:
         try:
             table = _read_table(f, ref.offset, ref.size, path, ref.key)
             if first is None:
-                first = {n: table[n][:2] for n in LATENT_TENSORS}
-                for n in LATENT_TENSORS:
+                first = {n: table[n][:2] for n in _names(table)}
+                for n in first:
                     out[n] = torch.empty((len(plan.refs), *first[n][1]), dtype=first[n][0], pin_memory=pin_memory)
                     views[n] = memoryview(out[n].view(torch.uint8).reshape(-1).numpy())
-            for n in LATENT_TENSORS:
+            if set(_names(table)) != set(first):
+                raise ShardError(f"{path}: key {ref.key} {'has' if 'mask' in table else 'lacks'} a loss mask, key "
+                                 f"{plan.refs[0].key} of the same bucket does not: the latents come from different "
+                                 f"`imagegen cache` runs; re-cache them with one config")
+            for n in first:
                 dtype, shape, at = table[n]
                 if (dtype, shape) != first[n]:
                     raise ShardError(

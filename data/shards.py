@@ -9,10 +9,12 @@ a failed write (a bad input line, a full disk) leaves out_dir as it was, never a
 are `%09d` ordinals (image shards) or the caller's key (latent shards); keys never contain "." or
 "/" because webdataset splits a member name at the first dot.
 
-    image shard   <key>.jpg|png|webp  original bytes, never re-encoded
+    image shard   <key>.jpg|png|webp  original bytes, never re-encoded (an alpha channel kept: data/masks.py)
                   <key>.txt           caption, UTF-8
                   <key>.json          {"width", "height", "path"} (path relative to images_dir)
-    latent shard  <key>.safetensors   {"latent": [C, h, w], "text_states": [L, D], "pooled": [P]}
+                  <key>.mask.png      optional: the image's `<stem>.mask.png` sidecar loss mask, when there is one
+    latent shard  <key>.safetensors   {"latent": [C, h, w], "text_states": [L, D], "pooled": [P]}, and with
+                                      `data.mask` the loss weights "mask": [h, w] in [0, 1]
                   <key>.json          {"bucket": [H, W], "caption"}      (never pickle)
 
 Shape legend: C latent channels, h/w latent height/width, H/W pixel height/width of the bucket,
@@ -66,6 +68,8 @@ from atelier_studio.pipeline.errors import AtelierError, DataError
 IMAGE_EXTS = ("jpg", "png", "webp")  # "jpeg" is written as "jpg"
 LATENT_TENSORS = ("latent", "text_states", "pooled")
 LATENT_NDIM = {"latent": 3, "text_states": 2, "pooled": 1}
+MASK_NDIM = 2  # a latent sample's optional "mask" [h, w]: loss weights at latent resolution (data/masks.py)
+MASK_MEMBER = "mask.png"  # an image sample's optional sidecar mask
 SHARD_PATTERN = "shard-{:06d}.tar"
 INDEX_NAME = "index.json"
 
@@ -318,8 +322,15 @@ def write_image_shards(
                 data, width, height = read_image_checked(path, where)
                 key = f"{sum(sink.counts):09d}"
                 meta = {"width": width, "height": height, "path": row["image"]}
-                sink.write({"__key__": key, ext: data, "txt": caption.encode("utf-8"),
-                            "json": json.dumps(meta).encode()})
+                sample = {"__key__": key, ext: data, "txt": caption.encode("utf-8"), "json": json.dumps(meta).encode()}
+                sidecar = path.with_name(path.stem + ".mask.png")
+                if sidecar.is_file():
+                    mask, mw, mh = read_image_checked(sidecar, where)
+                    if (mw, mh) != (width, height):
+                        raise DataError(f"{where}: mask {sidecar} is {mw}x{mh}, its image {width}x{height}; a sidecar "
+                                        f"mask must have its image's size")
+                    sample[MASK_MEMBER] = mask
+                sink.write(sample)
 
     return _shard_set(Path(out_dir), shard_size, "image", write)
 
@@ -343,9 +354,17 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 def decode_image(data: bytes) -> Image.Image:
     """Bytes -> fully decoded 8-bit RGB image (`load()` forces truncation errors to surface here)."""
+    return decode_image_and_alpha(data)[0]
+
+
+def decode_image_and_alpha(data: bytes) -> tuple[Image.Image, Image.Image | None]:
+    """Bytes -> (8-bit RGB image, its alpha channel as an 8-bit grey image or None when it has none)."""
     with Image.open(io.BytesIO(data)) as img:
         img.load()
-        return to_rgb(img).copy()
+        alpha = None
+        if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (img.mode == "P" and "transparency" in img.info):
+            alpha = img.convert("RGBA").getchannel("A")
+        return to_rgb(img).copy(), alpha
 
 
 def _decode_image_sample(sample: dict, min_side: int) -> dict:
@@ -361,16 +380,25 @@ def _decode_image_sample(sample: dict, min_side: int) -> dict:
     if not caption:
         raise BadSample("missing caption", shard, key)
     try:
-        image = decode_image(sample[exts[0]])
+        image, alpha = decode_image_and_alpha(sample[exts[0]])
     except Exception as exn:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError...
         raise BadSample("undecodable image", shard, key, f"{type(exn).__name__}: {exn}") from exn
+    mask = None
+    if MASK_MEMBER in sample:
+        try:
+            with Image.open(io.BytesIO(sample[MASK_MEMBER])) as m:
+                mask = m.convert("L")
+        except Exception as exn:
+            raise BadSample("undecodable mask", shard, key, f"{type(exn).__name__}: {exn}") from exn
+        if mask.size != image.size:
+            raise BadSample("mask size", shard, key, f"mask {mask.size}, image {image.size}")
     if min(image.size) < min_side:
         raise BadSample("image too small", shard, key, f"{image.size[0]}x{image.size[1]} < min_side {min_side}")
     try:
         meta = json.loads(sample["json"]) if "json" in sample else {}
     except ValueError as exn:
         raise BadSample("undecodable metadata", shard, key, str(exn)) from exn
-    return {"key": key, "image": image, "caption": caption, "meta": meta, "shard": shard}
+    return {"key": key, "image": image, "caption": caption, "meta": meta, "shard": shard, "alpha": alpha, "mask": mask}
 
 
 def encode_latent_sample(sample: dict, where: str = "sample") -> dict:
@@ -388,6 +416,12 @@ def encode_latent_sample(sample: dict, where: str = "sample") -> dict:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{where} (key {key}): {name} must be a {LATENT_NDIM[name]}-D tensor, got {shape}")
         tensors[name] = t.detach().cpu().contiguous()
+    if sample.get("mask") is not None:
+        m = sample["mask"]
+        if m.ndim != MASK_NDIM or tuple(m.shape) != tuple(tensors["latent"].shape[1:]):
+            raise ValueError(f"{where} (key {key}): mask must be [h, w] = {list(tensors['latent'].shape[1:])}, got "
+                             f"{list(m.shape)}")
+        tensors["mask"] = m.detach().float().cpu().contiguous()
     bucket = [int(v) for v in sample["bucket"]]
     if len(bucket) != 2:
         raise ValueError(f"{where} (key {key}): bucket must be (H, W), got {sample['bucket']!r}")
@@ -408,7 +442,10 @@ def _decode_latent_sample(sample: dict) -> dict:
     if bad or not isinstance(meta.get("bucket"), list) or not isinstance(meta.get("caption"), str):
         detail = f"tensors {bad} missing or of wrong rank, or json lacks bucket/caption"
         raise BadSample("malformed latent", shard, key, detail)
-    return {"key": key, **{n: tensors[n] for n in LATENT_TENSORS}, "bucket": tuple(meta["bucket"]),
+    if "mask" in tensors and tensors["mask"].ndim != MASK_NDIM:
+        raise BadSample("malformed latent", shard, key, f"mask of rank {tensors['mask'].ndim}, expected {MASK_NDIM}")
+    mask = {"mask": tensors["mask"]} if "mask" in tensors else {}
+    return {"key": key, **{n: tensors[n] for n in LATENT_TENSORS}, **mask, "bucket": tuple(meta["bucket"]),
             "caption": meta["caption"], "shard": shard}
 
 

@@ -90,6 +90,8 @@ class DeviceBatch:
 
 class DesignerTask(Task):
     unit = "tokens"
+    # the token embedding and the LM head (Hugging Face names, every designer family): AdamW's under Muon
+    outer_layers = ("model.embed_tokens.", "lm_head.")
 
     def __init__(self, cfg: DesignerConfig, device: torch.device, dist: DistContext | None = None):
         self.cfg = cfg

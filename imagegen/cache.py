@@ -6,11 +6,13 @@ L text tokens, D text hidden size.
 Each image is resized and centre-cropped to its nearest aspect bucket (`data.buckets`), images are
 grouped by bucket into batches of `data.cache_batch`, and each batch runs through the autoencoder and
 the text encoder together. The latent shards carry per sample {latent [C,h,w], text_states [L,D],
-pooled [P]} plus the bucket, caption and the image shard's key. A `cache.json` beside them records
-what produced them (autoencoder spec and its shift / scaling factors, the text encoder's settings,
-resolution, counts) so the trainer can check them. With `text.kind = "sd3"` the text is SD3's three
-encoders (imagegen/sd3_text.py): L = 77 + text.max_sequence_length, D = 4096, P = 2048 for the released
-models; with `autoencoder.spec = "model"` the latents come from the vae/ of the pipeline at model.path.
+pooled [P]} plus the bucket, caption and the image shard's key; with `data.mask` also the loss weights
+{mask [h,w]} (data/masks.py: the alpha channel or the sidecar mask, fitted as the image is and averaged per latent
+position). A `cache.json` beside them records what produced them (autoencoder spec and its shift / scaling factors,
+the text encoder's settings, resolution, the mask mode, counts) so the trainer can check them. With
+`text.kind = "sd3"` the text is SD3's three encoders (imagegen/sd3_text.py): L = 77 + text.max_sequence_length,
+D = 4096, P = 2048 for the released models; with `autoencoder.spec = "model"` the latents come from the vae/ of the
+pipeline at model.path.
 
 Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its
 own slice of the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
@@ -31,13 +33,15 @@ import torch
 from rich.progress import Progress
 
 from atelier_studio.data.buckets import bucket_pixels, make_buckets, nearest_bucket
-from atelier_studio.data.shards import INDEX_NAME, ShardReader, read_index, write_latent_shards
+from atelier_studio.data.masks import mask_weights
+from atelier_studio.data.shards import INDEX_NAME, MASK_MEMBER, ShardReader, read_index, write_latent_shards
 from atelier_studio.imagegen.autoencoder import load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.hf import read_args
 from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.atomic import atomic_write_text
+from atelier_studio.pipeline.errors import DataError
 from atelier_studio.pipeline.progress import log
 
 CACHE_META = "cache.json"
@@ -54,10 +58,26 @@ def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int =
     return make_buckets(cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
 
 
+def _mask_of(sample: dict, mode: str, bucket: tuple[int, int], factor: int) -> torch.Tensor | None:
+    """The sample's loss weights [h, w] for `data.mask` = mode (data/masks.py), or None for "none"."""
+    if mode == "none":
+        return None
+    source = sample.get("alpha") if mode == "alpha" else sample.get("mask")
+    if source is None:
+        if mode == "sidecar":  # every image of a sidecar-masked set needs its mask: a missing one is a data error
+            raise DataError(f"image {sample['key']} of {sample.get('shard', '?')} has no {MASK_MEMBER} sidecar mask "
+                            f"(data.mask = \"sidecar\"): put <image stem>.mask.png beside the image and run "
+                            f"`atelier data shards` again, or set data.mask")
+        h, w = bucket
+        return torch.ones(h // factor, w // factor)  # no alpha channel: every pixel is opaque
+    return mask_weights(source, bucket, factor)
+
+
 @torch.no_grad()
 def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], autoencoder, text: TextEncoder,
-                   batch_size: int, device: torch.device) -> Iterator[dict]:
-    """Image samples {key, image, caption} -> latent samples, batched per bucket (remainders flushed at the end)."""
+                   batch_size: int, device: torch.device, mask: str = "none") -> Iterator[dict]:
+    """Image samples {key, image, caption, alpha, mask} -> latent samples, batched per bucket (remainders flushed at
+    the end); with `mask` ("alpha" | "sidecar", `data.mask`) each carries its loss weights at latent resolution."""
     pending: dict[int, list[dict]] = {}
 
     def flush(b: int) -> Iterator[dict]:
@@ -66,8 +86,9 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
         latents = autoencoder.encode(images.to(device)).float().cpu()  # [B, C, h, w]
         states, pooled, _ = text.encode([s["caption"] for s in group])  # [B, L, D], [B, D]
         for i, s in enumerate(group):
+            weights = _mask_of(s, mask, buckets[b], autoencoder.downsample_factor)
             yield {"key": s["key"], "latent": latents[i], "text_states": states[i].cpu(), "pooled": pooled[i].cpu(),
-                   "bucket": buckets[b], "caption": s["caption"]}
+                   "bucket": buckets[b], "caption": s["caption"], **({"mask": weights} if weights is not None else {})}
 
     for s in samples:
         w, h = s["image"].size
@@ -83,7 +104,8 @@ def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencod
     meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path),
             "latent_channels": autoencoder.latent_channels,
             "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
-            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution, **counts}
+            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution,
+            "mask": cfg.data.mask, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")
 
 
@@ -128,7 +150,7 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
 
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"caching {Path(source).name} (rank {rank}/{world_size})", total=total)
-            stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device)
+            stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device, cfg.data.mask)
             write_latent_shards(counted(stream, bar, task), target, shard_size)
         text.report_truncation(f"cache {source}")
         c = reader.counter  # this process's count (each DataLoader worker keeps its own)

@@ -129,6 +129,10 @@ class DataConfig:
     streams: int = 0
     shuffle_buffer: int = 1000  # samples each stream shuffles among (references, not tensors: a few MB at most)
     loader_workers: int = 2  # threads per stream that read the tensors ahead; 0 = read when the step asks
+    # the loss mask (data/masks.py, imagegen/flow.py): "alpha" (the images' alpha channel), "sidecar" (a grey
+    # `<stem>.mask.png` beside each image) or "none". Cached as latent-resolution weights: set it for
+    # `atelier imagegen cache` and for training alike
+    mask: Literal["none", "alpha", "sidecar"] = "none"
 
     def validate(self) -> None:
         if not self.shards:
@@ -233,7 +237,7 @@ class ImagegenConfig:
     # settings, the loader threads, the bad-sample tolerance, lora.dropout and the sample grid.
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
         refuse=("model.path", "model.dtype", "autoencoder", "text", "data.shards", "data.resolution",
-                "data.min_ratio", "data.max_ratio", "data.shuffle_buffer", "lora", "ema", *TRAIN_REFUSE),
+                "data.min_ratio", "data.max_ratio", "data.shuffle_buffer", "data.mask", "lora", "ema", *TRAIN_REFUSE),
         warn=("model.kernels", "model.attention", "text.caption_dropout", "text.caption_dropout_fill",
               "text.caption_dropout_encoders", "data.eval_shards", "data.image_shards", "data.eval_image_shards",
               "data.max_bad_fraction", "data.num_workers", "data.cache_batch", "data.max_eval_images",

@@ -15,6 +15,12 @@ Choices, each written down once (SD3 paper, arXiv:2403.03206, sec. 3.1 and 5.3.2
                   or, with dynamic shifting, t = e^mu / (e^mu + 1/u - 1), mu linear in image tokens
     loss          per-sample mean over C,H,W of w(t) * (v_pred - v)^2, w from ``loss_weighting``;
                   ``precondition_outputs`` adds diffusers' default factor t^2 (its x0-space loss)
+    masked loss   with a mask m [B,H,W] in [0, 1] (``data.mask``, cached at latent resolution): per sample
+                  sum(m * err) / (C * sum(m)), the mean over the masked positions, normalised PER SAMPLE: each
+                  image keeps the weight of one loss unit whatever its masked area (the loop averages over images,
+                  pipeline/task.py), so a small subject is not drowned by a large one, accumulation and ranks
+                  stay exact (a per-batch normalisation would need the global sum of m), and an all-ones mask is
+                  the unmasked loss. An all-zero mask gives 0 (the image then adds nothing but still counts).
 
 Shape legend: B batch, C channels, H/W latent height/width, L text tokens, E text width, P pooled width.
 """
@@ -140,13 +146,21 @@ def loss_weight(t: torch.Tensor, args: FlowArgs) -> torch.Tensor:
 
 
 def flow_loss(pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-              args: FlowArgs) -> torch.Tensor:
-    """Per-sample loss [B] (fp32): w(t) * mean over C, H, W of (pred - (noise - x0))^2."""
+              args: FlowArgs, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample loss [B] (fp32): w(t) * mean over C, H, W of (pred - (noise - x0))^2; with `mask` [B, H, W] the
+    mask-weighted mean, sum(m * err) / (C * sum(m)) per sample (the module docstring says why per sample)."""
     if pred.shape != x0.shape:
         raise ValueError(f"flow_loss: pred {tuple(pred.shape)} and x0 {tuple(x0.shape)} differ")
     _expand(t, x0)
-    err = (pred.float() - velocity_target(x0.float(), noise.float())).square()
-    return loss_weight(t, args) * err.reshape(err.shape[0], -1).mean(dim=1)
+    err = (pred.float() - velocity_target(x0.float(), noise.float())).square()  # [B, C, H, W]
+    if mask is None:
+        return loss_weight(t, args) * err.reshape(err.shape[0], -1).mean(dim=1)
+    if mask.shape != (x0.shape[0], *x0.shape[2:]):
+        raise ValueError(f"flow_loss: mask {tuple(mask.shape)} does not match latents {tuple(x0.shape)} ([B, H, W])")
+    m = mask.float()
+    weighted = (err * m[:, None]).reshape(err.shape[0], -1).sum(dim=1)  # [B]
+    area = m.reshape(m.shape[0], -1).sum(dim=1) * err.shape[1]  # [B]: C * sum(m)
+    return loss_weight(t, args) * weighted / area.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def sampler_sigmas(num_steps: int, shift: float = 3.0, image_seq_len: int | None = None,

@@ -119,6 +119,7 @@ class ImageBatch:
     bucket: tuple[int, int]  # pixels (H, W)
     # training batches: (global micro-batch number, data stream) of the chunk it is; keys the random draws
     chunk: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None  # [B, h, w] loss weights in [0, 1] (data.mask), None: every position counts
 
     @property
     def size(self) -> int:
@@ -137,6 +138,9 @@ def draw_seed(seed: int, ordinal: int, stream: int) -> int:
 
 class ImagegenTask(Task):
     unit = "images"
+    # the inputs' embeddings (patches, timestep, pooled text, text tokens) and the output projection, in diffusers'
+    # names: AdamW's under Muon (the blocks and the AdaLN linears are the hidden layers)
+    outer_layers = ("pos_embed.", "time_text_embed.", "context_embedder.", "proj_out.")
 
     def __init__(self, cfg: ImagegenConfig, device: torch.device, dist: DistContext | None = None):
         self.cfg, self.device = cfg, device
@@ -173,6 +177,7 @@ class ImagegenTask(Task):
         first = first_sample(self.stream.shards)
         self._check_latents(first["shapes"], first["key"], first["shard"],
                             list(self.stream.shards.buckets or [first["bucket"]]), d.shards)
+        self._check_masks(first["shapes"], first["key"], d.shards)
         self.eval_set = None
         if d.eval_shards:  # held out and small: kept in memory, at most max_eval_images of it
             self.eval_set = LatentDataset(self._latents(d.eval_shards, out / "cache" / "eval"),
@@ -180,6 +185,7 @@ class ImagegenTask(Task):
             s = self.eval_set[0]
             self._check_latents({n: tuple(s[n].shape) for n in ("latent", "text_states", "pooled")}, s["key"],
                                 s["shard"], self.eval_set.buckets, d.eval_shards)
+            self._check_masks({n: tuple(v.shape) for n, v in s.items() if n == "mask"}, s["key"], d.eval_shards)
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
@@ -323,6 +329,20 @@ class ImagegenTask(Task):
                 raise ConfigError(f"{meta_path}: the latents were cached with {k} {meta[k]!r}, but {key} gives "
                                   f"{now[k]!r}; re-run `atelier imagegen cache` with this config")
 
+    def _check_masks(self, shapes: dict[str, tuple[int, ...]], key: str, source: str) -> None:
+        """data.mask asks for loss masks: the cache must hold them (they are made when it is written)."""
+        mode = self.cfg.data.mask
+        if mode != "none" and "mask" not in shapes:
+            raise ConfigError(f"data.mask: {mode!r}, but the latents of {source} (key {key}) carry no loss mask: they "
+                              f"were cached with data.mask = \"none\"; re-run `atelier imagegen cache` with "
+                              f"--set data.mask={mode} (or train with data.mask = \"none\")")
+        meta_path = Path(source) / CACHE_META
+        if mode != "none" and meta_path.is_file():
+            cached = read_json(meta_path, ConfigError).get("mask", "none")
+            if cached != mode:
+                raise ConfigError(f"{meta_path}: the latents' masks were cached with data.mask {cached!r}, but this "
+                                  f"run asks for {mode!r}; re-run `atelier imagegen cache` with this config")
+
     def _check_latents(self, shapes: dict[str, tuple[int, ...]], key: str, shard: str,
                        buckets: list[tuple[int, int]], source: str) -> None:
         """A sample's tensor shapes (and the set's buckets and cache settings) against the model and the text config."""
@@ -379,9 +399,10 @@ class ImagegenTask(Task):
 
     def _to_device(self, b: dict, chunk: tuple[int, int] | None = None) -> ImageBatch:
         d = self.device
+        mask = b["mask"].to(d, non_blocking=True).float() if self.cfg.data.mask != "none" else None
         return ImageBatch(b["latent"].to(d, non_blocking=True).float(),
                           b["text_states"].to(d, non_blocking=True).float(),
-                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), chunk)
+                          b["pooled"].to(d, non_blocking=True).float(), tuple(b["bucket"]), chunk, mask)
 
     @property
     def pieces_per_micro_batch(self) -> int:
@@ -422,7 +443,7 @@ class ImagegenTask(Task):
         x_t = add_noise(b.latent, noise, t)  # [B, C, h, w]
         with self._autocast():
             pred = self.model(x_t, states, pooled, t * 1000)  # [B, C, h, w]
-        return flow_loss(pred, b.latent, noise, t, self.flow)
+        return flow_loss(pred, b.latent, noise, t, self.flow, b.mask)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(t [B], noise [B, C, h, w], caption-drop mask [B, K] or None) of a training chunk, from a generator
@@ -550,12 +571,15 @@ class ImagegenTask(Task):
             self.ema.update(step)
         self._step = step
 
+    def samples_due(self, step: int) -> bool:
+        return bool(self.cfg.sample.every and step % self.cfg.sample.every == 0)
+
     def samples(self, step: int) -> Samples | None:
         """The validation grid of optimizer step `step` when it is due (every sample.every steps): the fixed prompts
         rendered with the EMA weights (the trained ones when EMA is off) into output.dir/samples/step-N.png. The
         trainer puts it into TensorBoard and announces it on the progress line (which the flows turn into a
         Prefect image artifact). Every rank calls it; rank 0 writes the file."""
-        if not (self.cfg.sample.every and step % self.cfg.sample.every == 0):
+        if not self.samples_due(step):
             return None
         path = self.write_samples(Path(self.cfg.output.dir) / "samples" / f"step-{step}.png")
         return Samples(path, len(self.prompts), "EMA" if self.ema is not None else "trained")

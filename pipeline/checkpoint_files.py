@@ -373,65 +373,6 @@ def _update_tree(tree: dict[str, Any], values: dict[str, Any]) -> None:
             tree[key] = value
 
 
-# ----------------------------------------------------------------------------- optimizer state by name
-
-
-def optimizer_state_to_tensors(
-    optimizer: torch.optim.Optimizer, names: dict[int, str]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Flatten an optimizer's state into named tensors plus JSON (hyper-parameters, non-tensor state).
-
-    Keys use parameter names rather than positions, so a checkpoint survives a change of parameter
-    order (and says which parameter is missing when it does not fit).
-    """
-    sd = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    index_to_name = {}
-    for group, live_group in zip(sd["param_groups"], optimizer.param_groups):
-        for idx, p in zip(group["params"], live_group["params"]):
-            index_to_name[idx] = names[id(p)]
-    for idx, st in sd["state"].items():
-        name = index_to_name[idx]
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"{name}.{k}"] = v
-            else:
-                scalars.setdefault(name, {})[k] = v
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index_to_name[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
-    return tensors, {"param_groups": groups, "scalar_state": scalars}
-
-
-def optimizer_state_from_tensors(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-) -> None:
-    live = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    saved = [n for g in meta["param_groups"] for n in g["params"]]
-    if sorted(live) != sorted(saved):
-        missing = sorted(set(live) - set(saved))[:5]
-        unexpected = sorted(set(saved) - set(live))[:5]
-        raise CheckpointError(
-            f"optimizer state does not match the model's trainable parameters "
-            f"(missing: {missing}, unexpected: {unexpected}) — was the checkpoint made with another lora/model config?"
-        )
-    name_to_index = {n: i for i, n in enumerate(live)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        name, k = key.rsplit(".", 1)
-        state.setdefault(name_to_index[name], {})[k] = value
-    for name, st in meta.get("scalar_state", {}).items():
-        state.setdefault(name_to_index[name], {}).update(st)
-    groups = []
-    offset = 0
-    for saved_group, live_group in zip(meta["param_groups"], optimizer.param_groups):
-        n = len(live_group["params"])
-        kept = {k: v for k, v in saved_group.items() if k != "params"}
-        groups.append(kept | {"params": list(range(offset, offset + n))})
-        offset += n
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 # ----------------------------------------------------------------------------- helpers
 
 

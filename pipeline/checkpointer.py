@@ -25,8 +25,6 @@ from atelier_studio.pipeline.checkpoint_files import (
     list_checkpoints,
     load_checkpoint,
     load_sharded_checkpoint,
-    optimizer_state_from_tensors,
-    optimizer_state_to_tensors,
     prune_checkpoints,
     save_checkpoint,
     save_sharded_checkpoint,
@@ -34,6 +32,8 @@ from atelier_studio.pipeline.checkpoint_files import (
 )
 from atelier_studio.pipeline.config import TrainConfig
 from atelier_studio.pipeline.distributed import DistContext, barrier, broadcast_object
+from atelier_studio.pipeline.optimizer_state import optimizer_state_from_tensors, optimizer_state_to_tensors
+from atelier_studio.pipeline.optimizers import Optimizers
 from atelier_studio.pipeline.task import Task
 
 
@@ -61,7 +61,7 @@ def set_host_rng_state(state: dict[str, list]) -> None:
 class Checkpointer:
     """Saves and restores one run's state under `<output.dir>/checkpoints` (module docstring)."""
 
-    def __init__(self, ckpt_dir: Path, cfg: TrainConfig, task: Task, optimizer: torch.optim.Optimizer,
+    def __init__(self, ckpt_dir: Path, cfg: TrainConfig, task: Task, optimizer: Optimizers,
                  named_params: list[tuple[str, nn.Parameter]], dist: DistContext, device: torch.device):
         self.dir = ckpt_dir
         self.cfg = cfg
@@ -123,7 +123,7 @@ class Checkpointer:
         Under torchrun with async checkpoints the write goes on in the background (`finish_pending`)."""
         if self.dist.enabled:
             return self._save_sharded(step)
-        opt_tensors, opt_meta = optimizer_state_to_tensors(self.optimizer, self.param_names)
+        opt_tensors, opt_meta = optimizer_state_to_tensors(self.optimizer.parts, self.param_names)
         extra = {f"task.{k}": v for k, v in self.task.state_tensors().items()}
         extra["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
@@ -165,8 +165,10 @@ class Checkpointer:
         """Trainable weights and optimizer state by parameter name (DTensors under FSDP), plus task tensors."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.task.model, self.optimizer,
+        model_sd, optim_sd = get_state_dict(self.task.model, self.optimizer.parts,
                                             options=StateDictOptions(ignore_frozen_params=True))
+        for group in optim_sd.get("param_groups", []):  # torchao's lr tensor: a float in the JSON (set back on load)
+            group.update({k: v.item() for k, v in group.items() if torch.is_tensor(v)})
         return {"model": model_sd, "optimizer": optim_sd, "task": dict(self.task.state_tensors())}
 
     # ------------------------------------------------------------------ load
@@ -194,7 +196,7 @@ class Checkpointer:
                     raise CheckpointError(f"{path}/model.safetensors: {n} has shape {tuple(src.shape)}, "
                                           f"the model expects {tuple(p.shape)}")
                 p.copy_(src)
-        optimizer_state_from_tensors(self.optimizer, self.param_names, ckpt.optimizer, ckpt.state["optimizer"])
+        optimizer_state_from_tensors(self.optimizer.parts, self.param_names, ckpt.optimizer, ckpt.state["optimizer"])
         task_tensors = {k[len("task."):]: v for k, v in ckpt.extra.items() if k.startswith("task.")}
         self.task.load_state(task_tensors, ckpt.state["task"])
         torch.set_rng_state(ckpt.extra["rng.torch"])
@@ -211,7 +213,7 @@ class Checkpointer:
         app = self._app_state()
         step, state, rank_state = load_sharded_checkpoint(path, app, self.dist.rank)
         try:
-            set_state_dict(self.task.model, self.optimizer, model_state_dict=app["model"],
+            set_state_dict(self.task.model, self.optimizer.parts, model_state_dict=app["model"],
                            optim_state_dict=app["optimizer"],
                            # not strict: the frozen base is not in the checkpoint (DCP already raised on any
                            # trainable key missing from it)

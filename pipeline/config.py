@@ -25,6 +25,15 @@ from typing import Any, Literal, Sequence, TypeVar
 
 from atelier_studio.pipeline.errors import AtelierError, decode_utf8
 from atelier_studio.pipeline.hub import resolve_model_path
+from atelier_studio.pipeline.optimizer_config import (
+    AdafactorConfig,
+    LowBitConfig,
+    MuonConfig,
+    OptimizerName,
+    ProdigyConfig,
+    ScheduleFreeConfig,
+    check_optimizer_sections,
+)
 
 T = TypeVar("T")
 
@@ -85,6 +94,8 @@ class TrainConfig:
     micro_batch: int = 4
     grad_accum: int = 1
     lr: float = 1e-4
+    # the optimizer (pipeline/optimizers.py; docs/training.md#optimizers): its own keys in its section below
+    optimizer: OptimizerName = "adamw"
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
@@ -108,9 +119,23 @@ class TrainConfig:
     # (E4M3 forward, E5M2 gradients, one scale per tensor); torchtitan's float8 recipes
     fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    lowbit: LowBitConfig = field(default_factory=LowBitConfig)  # optimizer "adamw8bit" / "adamw4bit"
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
+    schedulefree: ScheduleFreeConfig = field(default_factory=ScheduleFreeConfig)  # optimizer "schedulefree_adamw"
+    prodigy: ProdigyConfig = field(default_factory=ProdigyConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
     def validate(self) -> None:
         _positive(self, "max_steps", "micro_batch", "grad_accum", "log_every")
+        check_optimizer_sections(self)
+        if self.optimizer == "schedulefree_adamw" and self.schedule != "constant":
+            # schedule-free replaces the decay: its average of the iterates is the schedule (warmup still applies)
+            raise ConfigError(f"schedule: {self.schedule!r} decays the learning rate, which schedule-free AdamW "
+                              f"replaces with its average of the iterates; set train.schedule = \"constant\" "
+                              f"(train.warmup_steps still warms up)")
+        if self.optimizer == "prodigy" and not 0.1 <= self.lr <= 10.0:
+            raise ConfigError(f"lr: {self.lr} multiplies the step size Prodigy estimates itself; its authors use 1.0 "
+                              f"(set train.lr = 1.0, or prodigy.d_coef to scale it)")
         _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every",
                       "keep_checkpoints", "adam_eps", "peak_tflops")
         if not self.lr > 0:

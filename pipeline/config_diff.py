@@ -38,12 +38,13 @@ CONFIG_NAME = "config.toml"
 _HISTORY = re.compile(r"^config\.step-(\d+)\.toml$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
-# [train] and [output], shared by both trainers: the seed orders the data stream, so its change is refused;
+# [train] and [output], shared by both trainers: the seed orders the data stream, so its change is refused, and so
+# is another optimizer or low-bit block size (the saved optimizer state has another layout, or means another thing);
 # train.micro_batch is per process, and a checkpoint resumes on another number of processes with the same global
 # micro-batch (2 x 4 as 1 x 8, exactly), so it is free here: the saved data position refuses another global batch
 # with its own error. Everything else is a hyper-parameter, a cadence, logging or an execution choice, taken with
 # a warning.
-TRAIN_REFUSE = ("train.seed",)
+TRAIN_REFUSE = ("train.seed", "train.optimizer", "train.lowbit.block_size")
 TRAIN_WARN = ("train", "output")
 TRAIN_FREE = ("train.resume", "train.peak_tflops", "train.micro_batch", "output.dir")
 

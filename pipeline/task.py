@@ -81,6 +81,9 @@ class Task(ABC):
     model: nn.Module
     #: the throughput unit: "tokens" or "images"
     unit: str
+    #: parameter-name prefixes of the model's input embeddings and output head: Muon leaves them (2-D, but not
+    #: hidden layers) to AdamW (pipeline/optimizers.py)
+    outer_layers: tuple[str, ...] = ()
 
     @abstractmethod
     def train_batches(self) -> Iterator[Any]:
@@ -143,6 +146,11 @@ class Task(ABC):
         """Called at each evaluation (on every rank, in eval mode, without gradients): a table of samples (the
         designer's captions of held-out briefs), which the trainer logs to every tracker; None when there are none."""
         return None
+
+    def samples_due(self, step: int) -> bool:
+        """Whether `samples(step)` renders: the trainer then puts the weights to evaluate in the model first (the
+        averaged ones of schedule-free AdamW)."""
+        return False
 
     def skipped(self) -> Skipped | None:
         """What the training data skipped so far, which the trainer reports (progress line, metrics.jsonl,

@@ -2,7 +2,9 @@
 
 Per optimizer step (`train_step`): draw `grad_accum` micro-batches, sum their loss weights on the host,
 backpropagate each micro-batch's loss sum divided by that total (so the step's loss is the mean over every loss
-unit of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule, step AdamW.
+unit of the accumulated batch), clip the global gradient norm, set the learning rate from the schedule, step the
+optimizer (`[train] optimizer`, pipeline/optimizers.py; schedule-free's averaged weights are swapped in around
+evaluation, samples and the export).
 Around it (`fit`): logging (`log_step`; pipeline/progress.py's RunLog: progress bar, metrics.jsonl and the trackers
 of output.trackers, pipeline/trackers.py; with what the task's data skipped so far, pipeline/task.py's Skipped),
 validation samples, evaluation (with the task's sample table, pipeline/task.py's SampleTable), checkpoints
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 import signal
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,6 +46,7 @@ from atelier_studio.pipeline.distributed import (
 )
 from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.mfu import ThroughputMeter, device_peak_flops
+from atelier_studio.pipeline.optimizers import Optimizers, build_optimizers
 from atelier_studio.pipeline.policies import cpu_offload
 from atelier_studio.pipeline.progress import RunLog, announce_fallback, fallbacks, log
 from atelier_studio.pipeline.task import Skipped, Task
@@ -137,21 +141,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        decay = [p for _, p in self.named_params if p.ndim >= 2]
-        no_decay = [p for _, p in self.named_params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        fused = self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.adam_eps, fused=fused)
+    def _build_optimizer(self) -> Optimizers:
+        return build_optimizers(self.named_params, self.cfg, self.device, self.task.outer_layers,
+                                sharded=is_sharded(self.task.model))
 
     def _set_hyperparameters(self) -> None:
-        """This run's weight decay, betas and eps on the optimizer's groups: a checkpoint's load restores the saved
-        ones, and a resume that changed them (with a warning, pipeline/config_diff.py) must train with the new."""
-        for i, group in enumerate(self.optimizer.param_groups):
-            group.update(weight_decay=self.cfg.weight_decay if i == 0 else 0.0, betas=self.cfg.betas,
-                         eps=self.cfg.adam_eps)
+        """This run's hyper-parameters (weight decay, betas, eps, the optimizer's own) on the optimizer's groups: a
+        checkpoint's load restores the saved ones, and a resume that changed them (with a warning,
+        pipeline/config_diff.py) must train with the new."""
+        self.optimizer.reapply_hyperparameters()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -239,11 +237,10 @@ class Trainer:
 
     def train_step(self, batches: Iterator[Any]) -> StepResult:
         """One optimizer step: draw its micro-batches, backpropagate each one's loss sum over the step's total loss
-        weight, clip, step AdamW at the schedule's learning rate. Reads nothing back from the device."""
+        weight, clip, step the optimizer at the schedule's learning rate. Reads nothing back from the device."""
         cfg = self.cfg
         lr = cfg.lr * lr_factor(self.step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         micro = [next(batches) for _ in range(cfg.grad_accum * self.task.pieces_per_micro_batch)]
         weight = sum(self.task.batch_weight(b) for b in micro)
         if self.dist.enabled:  # the mean is over the GLOBAL accumulated batch
@@ -299,7 +296,8 @@ class Trainer:
 
     def _samples_on_cadence(self, run: _Run) -> None:
         """Validation images, when the task renders some at this step: every tracker, and a line the flows pick up."""
-        rendered = self.task.samples(self.step)
+        with self.optimizer.eval_weights() if self.task.samples_due(self.step) else nullcontext():
+            rendered = self.task.samples(self.step)
         if rendered is not None:
             run.report.samples(self.step, self.cfg.max_steps, rendered)
             run.meter.restart_clock()
@@ -369,7 +367,7 @@ class Trainer:
         export reads only its trainable weights (`export_reads_frozen` False: a LoRA adapter) gets only those."""
         exports: dict[str, Path] = {}
         trainable_only = not self.task.export_reads_frozen
-        with consolidated(self.task.model, self.dist, trainable_only=trainable_only):
+        with self.optimizer.eval_weights(), consolidated(self.task.model, self.dist, trainable_only=trainable_only):
             if self.dist.is_main:
                 exports = self.task.export(self.out)
         barrier(self.dist)
@@ -378,7 +376,7 @@ class Trainer:
     def _evaluate(self, run: _Run) -> None:
         model = self.task.model
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.optimizer.eval_weights():
             result = self.task.evaluate()
             table = self.task.sample_table(self.step)
         model.train()

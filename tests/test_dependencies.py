@@ -118,13 +118,13 @@ def test_every_core_dependency_is_used_by_the_code():
 
 
 def test_every_import_is_declared():
-    """The runtime folders import only core dependencies (and the gpu extra's optional fast paths and the tracker
-    extras, wandb and mlflow, which they import only when asked for: pipeline/trackers.py); bench/ may also use the
-    bench extra. A package that only came along with another one
-    (braceexpand with webdataset) must be declared once the code imports it itself."""
+    """The runtime folders import only core dependencies (and the gpu extra's optional fast paths, the tracker
+    extras, wandb and mlflow, which they import only when asked for: pipeline/trackers.py, and the optimizers extra's
+    optimizers, which they import guarded); bench/ may also use the bench extra. A package that only came along with
+    another one (braceexpand with webdataset) must be declared once the code imports it itself."""
     reqs = _requirements()
     names = {extra: {_import_name(d) for d in dists} for extra, dists in reqs.items()}
-    allowed_runtime = names["core"] | names["gpu"] | names["wandb"] | names["mlflow"]
+    allowed_runtime = names["core"] | names["gpu"] | names["wandb"] | names["mlflow"] | names["optimizers"]
     undeclared = [f"{top} ({', '.join(sorted(where))})" for top, where in _third_party_imports(RUNTIME_FOLDERS).items()
                   if top not in allowed_runtime]
     undeclared += [f"{top} (bench)" for top in _third_party_imports(("bench",))

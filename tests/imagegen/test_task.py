@@ -76,13 +76,22 @@ def _spawn(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_sigkill_then_resume_is_exact(world, tmp_path):
+@pytest.mark.parametrize("optimizer", [
+    "adamw",
+    # schedule-free: its averaged weights go in and out around the samples, evaluations and export, and its state
+    # (z, the second moment, the average's weight sum) must come back from the checkpoint
+    pytest.param("schedulefree_adamw", marks=pytest.mark.slow),
+])
+def test_sigkill_then_resume_is_exact(world, tmp_path, optimizer):
     """Kill -9 after a checkpoint; the resumed run's losses, eval metrics and EMA equal the uninterrupted run's.
 
     Samples and evaluation run on the way (their private generators must not move the training RNG), and
     caption dropout is on (it draws from the checkpointed RNG)."""
     common = ["train.max_steps=32", "train.save_every=8", "train.eval_every=16", "sample.every=8", "sample.steps=2",
-              "text.caption_dropout=0.3", "ema.decay=0.9", "ema.update_every=2", "train.micro_batch=4"]
+              "text.caption_dropout=0.3", "ema.decay=0.9", "ema.update_every=2", "train.micro_batch=4",
+              f"train.optimizer={optimizer}"]
+    if optimizer == "schedulefree_adamw":
+        common.append("train.schedule=constant")
     ref = tmp_path / "ref"
     assert main(cli_args(world, ref, *common)) == 0
 

@@ -33,9 +33,16 @@ class ToyLoader:
 
 class ToyTask(Task):
     unit = "tokens"
-
-    def __init__(self, seed: int = 0, dropout: float = 0.1):
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 1))
+    def __init__(self, seed: int = 0, dropout: float = 0.1, hidden: int = 0):
+        """`hidden` > 0 adds a hidden linear of that width (Muon's; 64 x 64 is large enough for torchao's low-bit
+        states, which keep tensors under 4096 values in fp32)."""
+        if hidden:
+            self.model = nn.Sequential(nn.Linear(8, hidden), nn.Dropout(dropout), nn.Tanh(), nn.Linear(hidden, hidden),
+                                       nn.Tanh(), nn.Linear(hidden, 1))
+            self.outer_layers = ("0.", "5.")  # the input and output linears: AdamW's under Muon
+        else:
+            self.model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 1))
+            self.outer_layers = ("0.", "3.")
         self.loader = ToyLoader(seed)
         self.exported = False
 
