@@ -44,9 +44,10 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
         model = build_model(args).to(base_dtype)
         blocks = family.blocks(model)
         tokens = train.micro_batch * (image_tokens + text_tokens)  # both streams run through every joint block
+        rows_of = None if family.linear_rows is None else (  # each linear over its own stream's rows
+            lambda name: family.linear_rows(name, train.micro_batch, image_tokens, text_tokens))
         activations = activation_bytes(blocks[0], len(blocks), args.num_heads * args.head_dim, tokens, act_bytes,
-                                       train.distributed.activation_checkpointing,
-                                       lambda name: stream_rows(name, train.micro_batch, image_tokens, text_tokens))
+                                       train.distributed.activation_checkpointing, rows_of)
         if not full:
             try:
                 targets = family.resolve_lora_targets(cfg.lora.targets)
@@ -71,17 +72,6 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
                 flops_per_step=int(flops), memory=memory, dataset=_latent_count(cfg.data.shards), notes=tuple(notes))
 
 
-def stream_rows(name: str, images: int, image_tokens: int, text_tokens: int) -> int:
-    """The rows a joint block's linear `name` reads: an AdaLN modulation linear (`norm1.linear`,
-    `norm1_context.linear`) one per image, the text stream's (`*_context`, `attn.add_*_proj`, `attn.to_add_out`) the
-    text tokens, every other (the image stream's, SD3.5's image-only `attn2`) the image tokens."""
-    if name.startswith("norm") and name.endswith(".linear"):
-        return images
-    if "_context" in name or name.startswith(("attn.add_", "attn.to_add_out")):
-        return images * text_tokens
-    return images * image_tokens
-
-
 def _latent_count(shards: str) -> str:
     """The training shards' sample count, from each tar's index.json (written by `atelier imagegen cache`)."""
     folder = Path(shards)
@@ -96,4 +86,4 @@ def _latent_count(shards: str) -> str:
     return f"{shards}: {tars} shards" + (f", {counted:,} samples" if indexes else "")
 
 
-__all__ = ["imagegen_plan", "stream_rows"]
+__all__ = ["imagegen_plan"]

@@ -20,9 +20,9 @@ taken), and fills a `Plan`; this module prints it with the resolved config:
                  "selective"  the linears' outputs and the block input (norms, RoPE, SwiGLU recomputed);
                  "full"       the block input per block, plus one block's "none" while it is recomputed.
                  Counted from the model's own linears (the first block's), at the compute dtype's width. A linear
-                 reads the rows its trainer says (`rows_of`): every token of the micro-batch for the designer; an
-                 MMDiT block's image-stream linears read the image tokens, its text-stream linears the text
-                 tokens, its AdaLN modulation linears one row per image.
+                 reads the rows its trainer says (`rows_of`): every token of the micro-batch for the designer; for
+                 imagegen its family's linear_rows (an MMDiT block's image-stream linears read the image tokens,
+                 its text-stream linears the text tokens, its AdaLN modulation linears one row per image).
 
 The memory figure is an estimate (no allocator overhead, workspace or fragmentation, the LM head's chunked logits
 left out); bench/dry_run_memory.py compares it with the bench's measured peaks on the GPU (docs/training.md).
