@@ -17,8 +17,10 @@ from atelier_studio.designer.hf import build_model, read_args
 from atelier_studio.designer.lora import LoraArgs, apply_lora
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.dry_run import Plan, activation_bytes, optimizer_memory, parameter_bytes
+from atelier_studio.pipeline.dry_run import Plan, activation_bytes, fp8_memory, optimizer_memory, parameter_bytes
+from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.hub import resolve_model_path
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 
 NF4_BYTES = 0.5 + 4 / 64  # 4 bits a weight and an fp32 scale per block of 64 (kernels/nf4.py)
 
@@ -46,6 +48,8 @@ def designer_plan(cfg: DesignerConfig) -> Plan:
             except ValueError as e:
                 raise ConfigError(f"lora.targets: {e}") from None
             apply_lora(model, LoraArgs(**asdict(cfg.lora.args(targets))))
+        if train.precision == "fp8":  # as the task applies it (designer/task.py): after LoRA, the LM head kept
+            apply_fp8(model, train.fp8_recipe, conversions=FP8_CONVERSIONS)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     weights = parameter_bytes(model)
@@ -59,7 +63,8 @@ def designer_plan(cfg: DesignerConfig) -> Plan:
     flops = family.train_flops(model, doc_lens, loss_tokens)
     return Plan(params_total=total, params_trainable=trainable, unit="tokens",
                 units_per_step=tokens_per_micro * train.grad_accum, flops_per_step=int(flops),
-                memory={"weights": weights, **optimizer_memory(trainable), "activations": activations},
+                memory={"weights": weights, **optimizer_memory(model), **fp8_memory(model, train.precision),
+                        "activations": activations},
                 dataset=dataset, notes=tuple(notes))
 
 

@@ -18,7 +18,9 @@ from atelier_studio.imagegen.hf import build_model, read_args
 from atelier_studio.imagegen.lora import apply_lora, target_modules
 from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.dry_run import Plan, activation_bytes, optimizer_memory, parameter_bytes
+from atelier_studio.pipeline.dry_run import Plan, activation_bytes, fp8_memory, optimizer_memory, parameter_bytes
+from atelier_studio.pipeline.float8 import apply_fp8
+from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 
 SD3_TEXT_TOKENS = 77 + 256  # CLIP's 77 then T5's 256, concatenated along the sequence (imagegen/sd3_text.py)
 
@@ -42,19 +44,24 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
         model = build_model(args).to(base_dtype)
         blocks = family.blocks(model)
         tokens = train.micro_batch * (image_tokens + text_tokens)  # both streams run through every joint block
+        rows_of = None if family.linear_rows is None else (  # each linear over its own stream's rows
+            lambda name: family.linear_rows(name, train.micro_batch, image_tokens, text_tokens))
         activations = activation_bytes(blocks[0], len(blocks), args.num_heads * args.head_dim, tokens, act_bytes,
-                                       train.distributed.activation_checkpointing)
+                                       train.distributed.activation_checkpointing, rows_of)
         if not full:
             try:
                 targets = family.resolve_lora_targets(cfg.lora.targets)
             except ValueError as e:
                 raise ConfigError(f"lora.targets: {e}") from None
             apply_lora(model, cfg.lora.args(), target_modules(model, targets))
+        if train.precision == "fp8":  # as the task applies it (imagegen/task.py): after LoRA, fp8_skip kept
+            apply_fp8(model, train.fp8_recipe, family.fp8_skip, conversions=FP8_CONVERSIONS)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     images = train.micro_batch * train.grad_accum
     flops = family.train_flops(model, images, image_tokens, text_tokens)
-    memory = {"weights": parameter_bytes(model), **optimizer_memory(trainable), "activations": activations}
+    memory = {"weights": parameter_bytes(model), **optimizer_memory(model), **fp8_memory(model, train.precision),
+              "activations": activations}
     if cfg.ema.decay > 0:
         memory["ema"] = 4 * trainable  # an fp32 copy of the trained weights
     notes = [f"{image_tokens} image tokens ({resolution} px, downsampling {down}, patch {args.patch_size}) and "

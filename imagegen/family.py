@@ -15,6 +15,9 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
                    PEFT's target_modules); `default_lora_targets` the ones `lora.targets = []` takes
   fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
                    bench apply FP8 with them: pipeline/float8.apply_fp8)
+  linear_rows      the rows a block's linear reads, by its path inside the block: linear_rows(name, images,
+                   image_tokens, text_tokens) (the dry run's activation count: imagegen/dry_run.py); None: every
+                   token of both streams
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Family:
     lora_targets: tuple[str, ...] = ()
     default_lora_targets: tuple[str, ...] = ()
     fp8_skip: tuple[str, ...] = ()
+    linear_rows: Callable[[str, int, int, int], int] | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -577,6 +577,18 @@ LORA_ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.
 LORA_FEED_FORWARD = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
 
+
+def block_linear_rows(name: str, images: int, image_tokens: int, text_tokens: int) -> int:
+    """The rows a joint block's linear reads: an AdaLN modulation (`norm1.linear`, `norm1_context.linear`) one per
+    image, the text stream's (`*_context`, `attn.add_*_proj`, `attn.to_add_out`) the text tokens, every other (the
+    image stream's, SD3.5's image-only `attn2`) the image tokens."""
+    if name.startswith("norm") and name.endswith(".linear"):
+        return images
+    if "_context" in name or name.startswith(("attn.add_", "attn.to_add_out")):
+        return images * text_tokens
+    return images * image_tokens
+
+
 FAMILY = Family(
     name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
@@ -587,4 +599,5 @@ FAMILY = Family(
     # projection (N = p²·C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
               "norm_out.linear", "proj_out"),
+    linear_rows=block_linear_rows,
 )

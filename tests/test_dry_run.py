@@ -3,12 +3,11 @@ config is written for: no weights anywhere), the report printed, exit 0, nothing
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from atelier_studio.bench.dry_run_memory import config_only_model
 from atelier_studio.flows.cli import main
 
 ROOT = Path(__file__).parents[1]
@@ -16,22 +15,11 @@ ROOT = Path(__file__).parents[1]
 SIZES = {"designer/demo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b", "designer/qwen3-8b-qlora.toml": "8b",
          "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b", "imagegen/demo.toml": "demo",
          "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium"}
-QWEN_VOCAB = 151_936
 
 
 def config_only(trainer: str, size: str, out: Path) -> Path:
-    """A model directory holding config.json alone."""
-    out.mkdir(parents=True, exist_ok=True)
-    if trainer == "designer":
-        from atelier_studio.designer.hf import args_from_size
-
-        config = args_from_size(size, QWEN_VOCAB).to_hf_config(torch.bfloat16)
-    else:
-        from atelier_studio.imagegen.registry import family_of_size
-
-        config = family_of_size(size).args_of_size(size).to_diffusers_config()
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    """A model directory holding config.json alone (the bench's comparison builds the same)."""
+    return config_only_model(trainer, size, out)
 
 
 def test_every_shipped_config_is_listed():
@@ -68,3 +56,21 @@ def test_dry_run_of_the_8b_lora_counts_what_the_bench_reports(tmp_path, capsys):
     total, trainable = (int(x.replace(",", "")) for x in (line.split()[1], line.split()[3]))
     assert trainable == 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288)) == 43_646_976
     assert total == 8_190_735_360 + trainable
+
+
+def test_dry_run_of_8b_bf16_adapters_in_fp8_counts_their_dtype_and_the_fp8_copies(tmp_path):
+    """bf16 adapters: bf16 gradients and AdamW moments (torch keeps both in the parameter's dtype); FP8: two one-byte
+    copies of each of the 252 frozen LoRA bases and an fp32 scale per row of each (rowwise)."""
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.designer.dry_run import designer_plan
+    from atelier_studio.pipeline.config import load_config
+
+    model = config_only("designer", "8b", tmp_path / "model")
+    cfg = load_config(DesignerConfig, ROOT / "configs" / "designer" / "qwen3-8b-lora.toml",
+                      [f"model.path={model}", f"data.train={tmp_path / 'none'}", "lora.dtype=bfloat16",
+                       "train.precision=fp8", "train.fp8_recipe=rowwise"])
+    memory = designer_plan(cfg).memory
+    trainable = 43_646_976
+    assert memory["gradients"] == 2 * trainable and memory["optimizer"] == 4 * trainable
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096), (12288, 4096), (4096, 12288)]
+    assert memory["fp8 copies"] == 36 * sum(2 * n * k + 4 * (n + k) for n, k in shapes)
