@@ -171,7 +171,8 @@ def test_schedulefree_evaluates_the_averaged_weights(tmp_path):
 
 
 @pytest.mark.parametrize("keys, message", [
-    ({"muon": {"momentun": 0.9}}, r"train\.muon\.momentun: unknown key, did you mean train\.muon\.momentum\?; allowed keys in \[train\.muon\]"),
+    ({"muon": {"momentun": 0.9}},
+     r"train\.muon\.momentun: unknown key, did you mean train\.muon\.momentum\?; allowed keys in \[train\.muon\]"),
     ({"optimizer": "adamw", "muon": {"momentum": 0.9}}, r"muon\.momentum configure optimizer 'muon', but "
                                                         r"train\.optimizer = 'adamw'"),
     ({"optimizer": "adamw8bit", "adafactor": {"d": 2.0}}, r"adafactor\.d configure optimizer 'adafactor'"),
