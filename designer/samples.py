@@ -42,11 +42,16 @@ class CaptionSampler:
         self.judged = all(parse_brief(b) is not None for b in self.briefs)
         self.eos = tokenizer.convert_tokens_to_ids(IM_END)
 
-    def table(self, model: Any, step: int) -> SampleTable | None:
+    def table(self, model: Any, step: int, lockstep: bool = False) -> SampleTable | None:
+        """The captions at `step`. lockstep: every prompt decodes all max_new_tokens and is cut at its end of turn
+        afterwards, so each process of a sharded model runs the same number of forwards (each one gathers weights
+        from all of them: a process that stopped first would leave the others waiting)."""
         if self.max_new_tokens < 1:
             return None
         outputs = generate(model, self.tokenizer, self.prompts, max_new_tokens=self.max_new_tokens,
-                           eos_token_id=self.eos)
+                           eos_token_id=[] if lockstep else self.eos)
+        if lockstep:
+            outputs = [ids[:ids.index(self.eos)] if self.eos in ids else ids for ids in outputs]
         captions = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in outputs]
         scores = {"caption_score": judge_caption_batch(captions, self.briefs).score} if self.judged else {}
         return SampleTable("captions", ("brief", "caption", "step"),

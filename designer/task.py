@@ -72,7 +72,7 @@ from atelier_studio.pipeline.hub import resolve_model_path
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 from atelier_studio.pipeline.lora_nf4 import quantize_lora_bases
 from atelier_studio.pipeline.nf4 import NF4_TENSORS, NF4ExpertStack, NF4Linear
-from atelier_studio.pipeline.progress import announce_fallback, log
+from atelier_studio.pipeline.progress import log
 from atelier_studio.pipeline.task import SampleTable, Skipped, Task
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -356,16 +356,26 @@ class DesignerTask(Task):
         return {"loss": loss, "ppl": float(torch.tensor(loss).exp())}
 
     def sample_table(self, step: int) -> SampleTable | None:
-        """Greedy captions of the held-out briefs (designer/samples.py). One process only for now: under torchrun each
-        rank would decode through FSDP's gathers, step by step, and a rank that stopped early would hang the others."""
+        """Greedy captions of the held-out briefs (designer/samples.py). Under torchrun every rank decodes the same
+        briefs in lockstep (the trainer logs rank 0's table): each block's FSDP unit gathers its weights in its own
+        forward, the root unit's (embedding, final norm, head) are gathered here, since decoding goes through
+        `hidden_states` and `logits`, not the root's forward."""
         if self.sampler is None:
             return None
-        if self.dist.enabled:
-            announce_fallback("designer-samples", "designer: no caption samples under torchrun yet (sample.briefs); "
-                                                  "`atelier designer generate` writes them from a checkpoint's export")
-            return None
-        with self._autocast():
-            return self.sampler.table(self.model, step)
+        with self._autocast(), self._root_unsharded():
+            return self.sampler.table(self.model, step, lockstep=self.dist.enabled)
+
+    @contextlib.contextmanager
+    def _root_unsharded(self) -> Iterator[None]:
+        unshard = getattr(self.model, "unshard", None)  # an FSDPModule under torchrun
+        if not self.dist.enabled or unshard is None:
+            yield
+            return
+        unshard()
+        try:
+            yield
+        finally:
+            self.model.reshard()
 
     def after_optimizer_step(self, step: int) -> None:
         pass

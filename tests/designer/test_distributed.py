@@ -66,13 +66,15 @@ def args(world: Path, out: Path, *extra: str) -> list[str]:
             "--set", "data.seq_len=128", "--set", "data.max_eval_batches=0", "--set", "train.grad_accum=2",
             "--set", "train.max_steps=4", "--set", "train.save_every=2", "--set", "train.eval_every=0",
             "--set", "train.log_every=1", "--set", "train.warmup_steps=1", "--set", "train.lr=1e-3",
-            "--set", "train.device=cpu", "--set", "output.tensorboard=false", "--set", f"output.dir={out}", *extra]
+            "--set", "train.device=cpu", "--set", "output.tensorboard=false", "--set", f"output.dir={out}",
+            "--set", "sample.briefs=0", *extra]
 
 
 LORA = ("--set", "lora.rank=4")
 QLORA = ("--set", "lora.base_dtype=nf4")
 FULL = ("--set", "lora.rank=0")
 FP8 = ("--set", "train.precision=fp8", "--set", "train.fp8_recipe=rowwise")
+CAPTIONS = ("--set", "sample.briefs=3", "--set", "sample.max_new_tokens=6")  # caption samples at the final eval
 
 
 def launch_two(runs: dict[str, list[str]], tmp: Path) -> str:
@@ -94,7 +96,8 @@ def two(world, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("two")
     two1 = ("--set", "train.micro_batch=1")
     out = launch_two({
-        "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=full"),
+        "lora": args(world, d / "lora", *LORA, *two1, "--set", "train.distributed.activation_checkpointing=full",
+                     *CAPTIONS),
         "lora_cut": args(world, d / "lora_cut", *LORA, *two1, "--set", "train.max_steps=2"),
         "lora_cut_resumed": args(world, d / "lora_cut", *LORA, *two1),
         "full": args(world, d / "full", *FULL, *two1, "--set", "train.distributed.async_checkpoint=true"),
@@ -138,7 +141,7 @@ def assert_same_safetensors(a: Path, b: Path) -> None:
 
 def test_lora_two_processes_equal_one(world, two, tmp_path):
     one = tmp_path / "lora1"
-    assert main(args(world, one, *LORA, "--set", "train.micro_batch=2")) == 0
+    assert main(args(world, one, *LORA, "--set", "train.micro_batch=2", *CAPTIONS)) == 0
     assert_same_losses(one, two / "lora", range(1, 5))
     ev1, ev2 = records(one, "eval")[4]["loss"], records(two / "lora", "eval")[4]["loss"]
     assert abs(ev1 - ev2) <= TOL
@@ -147,6 +150,11 @@ def test_lora_two_processes_equal_one(world, two, tmp_path):
         json.loads((two / "lora" / "adapter" / "adapter_config.json").read_text())
     assert_same_safetensors(one / "adapter" / "adapter_model.safetensors",
                             two / "lora" / "adapter" / "adapter_model.safetensors")
+    # caption samples under torchrun: both ranks decode in lockstep, rank 0 writes the table of the same briefs
+    tables = [[json.loads(x) for x in (run / "samples" / "captions-step-4.jsonl").read_text().splitlines()]
+              for run in (one, two / "lora")]
+    assert [r["brief"] for r in tables[0]] == [r["brief"] for r in tables[1]] and len(tables[1]) == 3
+    assert all(isinstance(r["caption"], str) for r in tables[1])
 
 
 def test_qlora_two_processes_equal_one_with_the_nf4_bases_sharded(world, two, tmp_path):
