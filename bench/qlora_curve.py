@@ -78,7 +78,8 @@ def train(work: Path, model: Path, base: str, a: argparse.Namespace, log: Path) 
 def curves(run: dict[str, Any]) -> dict[str, list[list[float]]]:
     """[step, loss] of the training and the eval records of a run's metrics.jsonl."""
     metrics = run.get("metrics", [])
-    return {kind: [[r["step"], r["loss"]] for r in metrics if r["kind"] == kind] for kind in ("train", "eval")}
+    return {kind: [[r["step"], r["loss"]] for r in metrics if r["kind"] == kind and "loss" in r]  # eval rows of samples
+            for kind in ("train", "eval")}
 
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:

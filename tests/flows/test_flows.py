@@ -155,7 +155,7 @@ def imagegen_run(tmp_path_factory):
                                                "train.eval_every=0", "sample.every=2", "sample.steps=2",
                                                "ema.decay=0.5"]
     needed = needs_cache(load_config(ImagegenConfig, DEMO, overrides))
-    result, run_id = run_flow(train_imagegen, str(DEMO), overrides)
+    result, run_id = run_flow(train_imagegen, str(DEMO), overrides=overrides)
     assert Path(result) == out
     return base, out, overrides, needed, run_id
 

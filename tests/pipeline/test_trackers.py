@@ -129,6 +129,11 @@ def test_a_resume_that_repeats_logged_steps_logs_them_once(tracker_env, tmp_path
     import shutil
 
     shutil.rmtree(out / "checkpoints" / "step-6")  # as if killed after logging step 6, before its checkpoint
+    # TensorBoard reads event files in name order, whose first field is the writer's start in whole seconds: a real
+    # resume starts seconds after the crash, this tiny run may not, so the first attempt's file is dated back
+    for f in (out / "tensorboard").glob("events.out.tfevents.*"):
+        head, stamp, tail = f.name.split(".", 3)[:3], f.name.split(".")[3], f.name.split(".", 4)[4]
+        f.rename(f.with_name(".".join([*head, str(int(stamp) - 60), tail])))
     fit(tmp_path, "run", max_steps=6, save_every=3, trackers=("mlflow", "tensorboard"))
     assert [s for s, _ in mlflow_history(tracker_env.uri, run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in tensorboard_losses(out)] == [1, 2, 3, 4, 5, 6]  # the replayed steps replace the first
