@@ -1,5 +1,5 @@
 """bench/dry_run_memory.py on the CPU: `train --dry-run`'s memory estimate is within 15% of every peak the GPU
-benches measured (issue 30), the committed comparison and docs/training.md's table are what the committed
+benches measured, the committed comparison and docs/training.md's table are what the committed
 reports give, and a report whose run used other settings than the row assumes is refused instead of compared."""
 from __future__ import annotations
 
