@@ -669,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--timeout", type=float, bounds=Bounds(1, meaning="seconds to wait for the server"), default=180.0)
     sp = command(groups, "deploy", deploy_cmd, "create the work pool and the `gpu` limit, then `prefect deploy --all`")
     sp.add_argument("--pool", default="atelier-gpu", help="the process work pool (created when missing)")
-    number(sp, "--gpus", type=int, bounds=Bounds(1, meaning="GPUs a worker of the pool drives"), default=1,
+    number(sp, "--gpus", type=int, bounds=Bounds(1, 65536, meaning="GPUs a worker of the pool drives"), default=1,
            help="slots of the global concurrency limit `gpu` (default 1)")
     sp.add_argument("--prefect-file", default=None, help="default: ./prefect.yaml, else the one in the package")
     sp = command(groups, "run", run_cmd, "run a deployment and follow its logs; exit 0 when it completes")
@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     number(sp, "--timeout", type=float, bounds=Bounds(0, meaning="seconds to follow; 0 = until the run ends"),
            default=0.0)
     sp = command(groups, "runs", runs_cmd, "recent flow runs: state, start, MFU, output folder")
-    number(sp, "--limit", type=int, bounds=Bounds(1, meaning="runs listed"), default=20)
+    number(sp, "--limit", type=int, bounds=Bounds(1, 200, meaning="runs listed; the API pages 200"), default=20)
 
     c = groups.add_parser("config", help="the configs shipped in the package").add_subparsers(dest="command",
                                                                                              required=True)
