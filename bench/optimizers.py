@@ -34,7 +34,7 @@ from typing import Any
 
 from atelier_studio.bench.env import clocks, environment
 from atelier_studio.bench.harness import atelier, fmt, read_run
-from atelier_studio.bench.qlora_curve import ROOT, curves, prepare
+from atelier_studio.bench.qlora_curve import ROOT, add_curve_arguments, apply_tiny, curves, prepare
 from atelier_studio.bench.scaling import ScalingRun, imagegen_setup
 from atelier_studio.pipeline.atomic import atomic_write_text
 
@@ -159,27 +159,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default="/tmp/atelier-optimizers", help="world, models and runs (kept)")
     p.add_argument("--parts", default="designer,imagegen")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--tokenizer", default=None, help="a tokenizer directory; default: BPE trained on the world")
-    p.add_argument("--size", default="1.7b", help="a registered designer size")
-    p.add_argument("--steps", type=int, default=300)
+    add_curve_arguments(p, size="1.7b", micro_batch=4, lr=1e-4)
     p.add_argument("--imagegen-steps", type=int, default=20)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--docs", type=int, default=20000, help="shapes-world samples (train + eval)")
-    p.add_argument("--tiny", action="store_true", help="tiny models, fp32, CPU, a few steps: the same path for tests")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    apply_tiny(a)
     if a.tiny:
-        a.size, a.steps, a.micro_batch, a.seq_len, a.docs = "tiny", min(a.steps, 12), 2, 128, 200
-        a.warmup, a.eval_every, a.lr, a.imagegen_steps = 1, 6, 3e-3, min(a.imagegen_steps, 3)
-    a.dtype, a.device = ("float32", "cpu") if a.tiny else ("bfloat16", "auto")
+        a.imagegen_steps = min(a.imagegen_steps, 3)
     parts = [x for x in a.parts.split(",") if x]
     optimizers = [x for x in a.optimizers.split(",") if x]
     bad = [x for x in optimizers if x not in OPTIMIZERS] + [x for x in parts if x not in ("designer", "imagegen")]

@@ -148,32 +148,44 @@ def chart(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def add_curve_arguments(p: argparse.ArgumentParser, size: str, micro_batch: int, lr: float) -> None:
+    """The options every shapes-world training-curve bench takes (this one and bench/optimizers.py)."""
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory; default: BPE trained on the world")
+    p.add_argument("--size", default=size, help="a registered designer size")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--micro-batch", type=int, default=micro_batch)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--docs", type=int, default=20000, help="shapes-world samples (train + eval)")
+    p.add_argument("--tiny", action="store_true", help="tiny models, fp32, CPU, a few steps: the same path for tests")
+
+
+def apply_tiny(a: argparse.Namespace) -> None:
+    """--tiny's sizes for add_curve_arguments' options, and the dtype and device of either kind of run."""
+    if a.tiny:
+        a.size, a.steps, a.micro_batch, a.seq_len, a.docs = "tiny", min(a.steps, 12), 2, 128, 200
+        a.warmup, a.eval_every, a.lr = 1, 6, 3e-3
+    a.dtype, a.device = ("float32", "cpu") if a.tiny else ("bfloat16", "auto")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atelier_studio.bench.qlora_curve", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--work", default="/tmp/atelier-qlora-curve", help="world, tokenizer, model and runs (kept)")
-    p.add_argument("--tokenizer", default=None, help="a tokenizer directory; default: BPE trained on the world")
-    p.add_argument("--size", default="8b", help="a registered designer size")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=2048)
+    add_curve_arguments(p, size="8b", micro_batch=2, lr=2e-4)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--docs", type=int, default=20000, help="shapes-world samples (train + eval)")
-    p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU, 12 steps: the same path for tests")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    apply_tiny(a)
     if a.tiny:
-        a.size, a.steps, a.micro_batch, a.seq_len, a.docs = "tiny", min(a.steps, 12), 2, 128, 200
-        a.warmup, a.eval_every, a.eval_batches, a.rank, a.lr = 1, 6, 2, 4, 3e-3
-    a.dtype, a.device = ("float32", "cpu") if a.tiny else ("bfloat16", "auto")
+        a.eval_batches, a.rank = 2, 4
     if a.steps < 1 or a.micro_batch < 1:
         p.error(f"--steps and --micro-batch must be >= 1 (got {a.steps}, {a.micro_batch})")
     out, work = Path(a.out), Path(a.work)
