@@ -106,11 +106,13 @@ class DesignerTask(Task):
         self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
         check_vocab_size(self.tokenizer, model_dir, args.vocab_size, model_dir)  # a tokenizer without its vocabulary
-        self.train_loader = self._loader(cfg.data.train, rank, world_size, drop_last=True)
+        self.train_loader = self._loader(cfg.data.train, self._examples(cfg.data.train), rank, world_size,
+                                         drop_last=True)
         self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
-        self.eval_loader = self._loader(cfg.data.eval, rank, world_size, drop_last=False) if cfg.data.eval else None
-        briefs = sample_briefs(load_data(cfg.data.eval, cfg.data.format, cfg.data.columns.mapping())[0],
-                               cfg.sample.briefs) if cfg.data.eval else []
+        eval_examples = self._examples(cfg.data.eval) if cfg.data.eval else []
+        self.eval_loader = self._loader(cfg.data.eval, eval_examples, rank, world_size, drop_last=False) \
+            if cfg.data.eval else None
+        briefs = sample_briefs(eval_examples, cfg.sample.briefs)
         self.sampler = CaptionSampler(self.tokenizer, briefs, cfg.sample.max_new_tokens, args.max_seq_len) \
             if briefs else None
 
@@ -259,11 +261,16 @@ class DesignerTask(Task):
 
     # ------------------------------------------------------------------ data
 
-    def _loader(self, path: str, rank: int, world_size: int, drop_last: bool) -> BalancedPackedLoader:
+    def _examples(self, path: str) -> list[Example]:
+        """data.train or data.eval read in its format (data/chat_formats.py), each file's format logged."""
         examples, formats = load_data(path, self.cfg.data.format, self.cfg.data.columns.mapping())
         for f in formats:
             log(f"data {f.path}: {f.examples} examples read as {f.format}"
                 f"{' (detected from its columns; set data.format to choose)' if f.detected else ''}")
+        return examples
+
+    def _loader(self, path: str, examples: list[Example], rank: int, world_size: int,
+                drop_last: bool) -> BalancedPackedLoader:
         docs = encode_examples(self.tokenizer, examples)
         if self.cfg.data.overflow != "drop":  # "drop" leaves such documents out on purpose
             check_prompts_fit(examples, docs, self.cfg.data.seq_len)
