@@ -767,5 +767,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def _exit_worker(code: int) -> None:
+    """How a torchrun worker leaves once `main` returned: its run's files are written and flushed, its process group
+    destroyed (flows/cli.py `_train`), so nothing is left for the interpreter's teardown but C++ static destructors
+    and the collective backend's threads, and on a CPU CI machine that teardown crashed a finished two-process run
+    (SIGSEGV after the summary was written: a finished run reported as failed). The worker ends here instead, with
+    the run's own exit code. One process (no torchrun) keeps Python's normal exit."""
+    import logging
+    import os
+
+    from atelier_studio.pipeline.distributed import DistributedError, launched_by_torchrun
+
+    try:
+        worker = launched_by_torchrun()
+    except DistributedError:  # a broken torchrun environment: main() has said so already
+        worker = False
+    if worker:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # a native crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every thread's Python stack to stderr, so the
+    # log says where it happened instead of only the launcher's "Signal 11"
+    import faulthandler
+
+    faulthandler.enable()
+    _exit_worker(main())

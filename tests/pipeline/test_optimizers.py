@@ -214,7 +214,11 @@ def two(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("optimizers-two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "tests.pipeline.optim_dist_worker", str(out), *SHARDED, "adafactor"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a native crash in a rank prints its Python stack into the assertion's output. One Inductor
+    # compile thread: the 8-bit optimizer's compiled step is then built in each rank's own process, not by a pool of
+    # compile subprocesses per rank (two pools on a 2-core CI machine, where one rank once died with SIGSEGV mid-step).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=600)
