@@ -44,9 +44,10 @@ class ShardedProdigy(Prodigy):
         every = [p for g in self.param_groups for p in g["params"]]
         groups = {shard_groups(p) for p in every}
         if len(groups) > 1:
-            raise DistributedError("prodigy sums its step-size estimate over every parameter, so all of them must be "
-                                   "sharded over the same ranks; this model mixes sharded and unsharded parameters "
-                                   "(e.g. expert-parallel experts): train it with another train.optimizer")
+            raise DistributedError("train.optimizer: 'prodigy' sums its step-size estimate over every parameter, so "
+                                   "all of them must be sharded over the same ranks, and this model's trainable "
+                                   "parameters are split over different process groups (or some not at all): pick "
+                                   "another train.optimizer")
         self._groups = groups.pop() if groups else ()
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from prodigyopt import Prodigy
 
+from atelier_studio.pipeline.distributed import DistributedError
 from atelier_studio.pipeline.sharded_adafactor import ShardedAdafactor
 from atelier_studio.pipeline.sharded_prodigy import ShardedProdigy
 
@@ -79,6 +80,13 @@ def test_prodigy_on_whole_tensors_is_prodigyopts(settings):
     assert opt.param_groups[0]["d"] > 1e-6, "the step-size estimate did not grow: the sums were not exercised"
 
 
-def test_prodigy_refuses_what_it_cannot_sum():
+def test_prodigy_refuses_what_it_cannot_sum(monkeypatch):
+    """Every entry (slice_p 1), and one set of ranks for all parameters: the step-size sums are over all of them."""
     with pytest.raises(ValueError, match="slice_p must be 1"):
         ShardedProdigy([torch.nn.Parameter(torch.ones(3))], slice_p=11)
+    from atelier_studio.pipeline import sharded_prodigy
+
+    monkeypatch.setattr(sharded_prodigy, "shard_groups", lambda p: ("ranks 0-1",) if p.ndim == 2 else ())
+    with pytest.raises(DistributedError, match=r"'prodigy' sums its step-size estimate over every parameter"):
+        ShardedProdigy([torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(3))])
+    ShardedProdigy([torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2, 2))])
