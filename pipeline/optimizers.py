@@ -7,8 +7,9 @@ adds is what the trainer needs around them:
 - parameter groups: weight decay on tensors of 2 or more dimensions only (norms and biases get none);
 - Muon as its authors prescribe: Muon on the hidden 2-D weights, AdamW on the rest (the task names its input
   embeddings and output head, `Task.outer_layers`), two torch optimizers stepped as one (`Optimizers.parts`);
-- under FSDP2, Adafactor and Prodigy as subclasses that step each rank's shard and sum what spans rows over the
-  ranks (pipeline/sharded_adafactor.py, pipeline/sharded_prodigy.py): the libraries' own steps fail on DTensors;
+- Adafactor (under FSDP2) and Prodigy (always) as subclasses that step each rank's shard and sum what spans rows
+  over the ranks (pipeline/sharded_adafactor.py, pipeline/sharded_prodigy.py): the libraries' own steps fail on
+  DTensors;
 - one learning rate written to every group (torchao keeps it as a tensor, which must be filled, not replaced);
 - each group's configured hyper-parameters, re-applied after a checkpoint load restored the saved ones (a resume
   that changed them, with a warning, trains with the new);
@@ -113,9 +114,8 @@ def _drop_empty_state(part: torch.optim.Optimizer) -> None:
 def build_optimizers(named_params: list[tuple[str, nn.Parameter]], cfg: TrainConfig, device: torch.device,
                      outer_layers: tuple[str, ...] = (), sharded: bool = False) -> Optimizers:
     """The optimizer `cfg.optimizer` over `named_params`. `outer_layers`: name prefixes of the input embeddings and
-    output head (Muon leaves them to AdamW); `sharded`: the parameters are FSDP2 DTensors (Adafactor and Prodigy
-    then step their local shards and sum what spans rows over the ranks: pipeline/sharded_adafactor.py,
-    pipeline/sharded_prodigy.py)."""
+    output head (Muon leaves them to AdamW); `sharded`: the parameters are FSDP2 DTensors (Adafactor then steps
+    their local shards and sums what spans rows over the ranks: pipeline/sharded_adafactor.py)."""
     name = cfg.optimizer
     decay = [p for _, p in named_params if p.ndim >= 2]
     no_decay = [p for _, p in named_params if p.ndim < 2]
@@ -138,17 +138,16 @@ def build_optimizers(named_params: list[tuple[str, nn.Parameter]], cfg: TrainCon
         shared |= {"r": cfg.schedulefree.r, "weight_lr_power": cfg.schedulefree.weight_lr_power, "warmup_steps": 0}
         part = schedulefree.AdamWScheduleFree(groups, lr=cfg.lr, **shared)
     elif name == "prodigy":
-        prodigyopt = _library("prodigyopt", name)
+        _library("prodigyopt", name)  # installed, or the one-line error
         p = cfg.prodigy
         shared |= {"beta3": p.beta3 or None, "d0": p.d0, "d_coef": p.d_coef,
                    "growth_rate": p.growth_rate or float("inf"), "use_bias_correction": p.use_bias_correction,
                    "safeguard_warmup": p.safeguard_warmup}
-        if sharded:  # prodigyopt cannot step DTensor shards (pipeline/sharded_prodigy.py says why)
-            from atelier_studio.pipeline.sharded_prodigy import ShardedProdigy
+        # prodigyopt's step on local shards, on one process too: one state layout for both, so a sharded checkpoint
+        # resumes on one process (pipeline/sharded_prodigy.py)
+        from atelier_studio.pipeline.sharded_prodigy import ShardedProdigy
 
-            part = ShardedProdigy(groups, lr=cfg.lr, **shared)
-        else:
-            part = prodigyopt.Prodigy(groups, lr=cfg.lr, **shared)
+        part = ShardedProdigy(groups, lr=cfg.lr, **shared)
     else:  # a name the config's Literal allows and this function does not know: a bug here
         raise ConfigError(f"train.optimizer: {name!r} has no builder")
     hyper = [[_group_hyper(g, shared) for g in groups]]

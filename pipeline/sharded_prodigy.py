@@ -18,7 +18,10 @@ DTensor's dot products had already summed them, which would count them W times. 
 the parameter's shape and placement (so the sharded checkpoint saves and re-shards them like the parameter), `p0`
 is always a copy (prodigyopt keeps a scalar zero for an all-zero parameter, which the ranks would have to agree on
 and a sharded load could not fill), and `slice_p` must be 1. On plain tensors this is prodigyopt's step op for op,
-bit for bit (tests/pipeline/test_sharded_optimizers.py): the sums stay Python floats accumulated in its order.
+bit for bit (tests/pipeline/test_sharded_optimizers.py): the sums stay Python floats accumulated in its order. So
+pipeline/optimizers.py runs it on one process too: one layout of the state, and a checkpoint of several ranks
+resumes on one (prodigyopt's flat `s` would not take the saved matrix); a one-process checkpoint in prodigyopt's
+own layout still loads (`_shape_flat_states`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class ShardedProdigy(Prodigy):
                                    "parameters are split over different process groups (or some not at all): pick "
                                    "another train.optimizer")
         self._groups = groups.pop() if groups else ()
+        self.register_load_state_dict_post_hook(_shape_flat_states)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -134,6 +138,18 @@ class ShardedProdigy(Prodigy):
                     weight.addcdiv_(grad, denom, value=-dlr * d)
             group["k"] += 1
         return loss
+
+
+def _shape_flat_states(optimizer: ShardedProdigy) -> None:
+    """A state loaded from prodigyopt's own layout (a one-process checkpoint written before this class: `s` and `p0`
+    flat) viewed in the parameter's shape; a scalar-zero `p0` stays one (it broadcasts)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in ("s", "p0"):
+                v = state.get(key)
+                if torch.is_tensor(v) and v.ndim == 1 and v.shape != p.shape and v.numel() == p.numel():
+                    state[key] = v.view(p.shape)
 
 
 __all__ = ["ShardedProdigy"]

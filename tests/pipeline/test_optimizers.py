@@ -7,6 +7,8 @@ other optimizer; every optimizer's save/resume equivalence is here, on the toy t
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import os
 import subprocess
 import sys
@@ -251,3 +253,15 @@ def test_two_process_shards_step_as_whole_tensors(two, optimizer):
         assert got.shape == want.shape and err <= tol, f"{key}: max error {err:.3g} > {tol:.3g}"
         if key.endswith(".weight"):  # the comparison is of weights the optimizer moved, by far more than tol
             assert float((want - saved[key.replace("whole/", "init/")]).abs().max()) > 100 * tol, key
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("optimizer", SHARDED)
+def test_a_two_process_checkpoint_resumes_on_one_process(two, tmp_path, optimizer):
+    """The sharded step-8 checkpoint of 2 ranks loads into the one-process optimizer (every state in a shape it
+    takes) and the run goes on to step 12. Not compared with the 2 ranks' losses: each rank read its own data."""
+    shutil.copytree(two / optimizer / "full" / "checkpoints" / "step-8", tmp_path / "run" / "checkpoints" / "step-8")
+    resumed, _ = make(tmp_path, optimizer, eval_every=3)
+    assert resumed.fit().step == 12
+    after = losses(tmp_path, "run")
+    assert [step for step, _ in after] == [9, 9, 10, 11, 12, 12] and all(math.isfinite(loss) for _, loss in after)

@@ -5,6 +5,8 @@ tests/pipeline/test_optimizers.py (test_two_process_shards_step_as_whole_tensors
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from prodigyopt import Prodigy
@@ -78,6 +80,22 @@ def test_prodigy_on_whole_tensors_is_prodigyopts(settings):
     step_both(ref_opt, opt, ref, ours)
     assert_same(ref_opt, opt, ref, ours)
     assert opt.param_groups[0]["d"] > 1e-6, "the step-size estimate did not grow: the sums were not exercised"
+
+
+def test_prodigy_continues_from_prodigyopts_own_state():
+    """A one-process checkpoint in prodigyopt's layout (flat s and p0, p0 a scalar zero for the all-zero matrix)
+    loads, and the run goes on as prodigyopt's would, bit for bit."""
+    ref, ours = twin_params()
+    ref_opt = Prodigy(groups(ref), lr=1.0)
+    step_both(ref_opt, torch.optim.SGD(groups(ours), lr=0.0), ref, ours)
+    with torch.no_grad():
+        for n in SHAPES:
+            ours[n].copy_(ref[n])
+    opt = ShardedProdigy(groups(ours), lr=1.0)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # a copy, as from a file: state_dict() shares tensors
+    assert ref_opt.state[ref["zero"]]["p0"].ndim == 0 and ref_opt.state[ref["matrix"]]["s"].ndim == 1
+    step_both(ref_opt, opt, ref, ours)
+    assert_same(ref_opt, opt, ref, ours)
 
 
 def test_prodigy_refuses_what_it_cannot_sum(monkeypatch):
