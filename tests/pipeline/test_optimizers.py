@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
