@@ -57,7 +57,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
                 row = list(g.shape)
                 row[-1] = 1
                 col = list(g.shape)
-                col[-2] = 1  # a matrix's: every row, whole on each rank
+                col[-2] = 1  # a matrix's column factor spans every row: whole on each rank
                 state["row_var"] = placed_like(p, g.new_zeros(row), reduced_dim=-1)
                 state["col_var"] = placed_like(p, g.new_zeros(col), reduced_dim=-2)
             else:
