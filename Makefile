@@ -50,7 +50,7 @@ test-isolated: $(STAMP)
 # ATEN_CPU_CAPABILITY once, at import, so it is set here, before Python starts; --portable-numerics checks it.
 PORTABLE_TESTS := tests/kernels tests/designer tests/imagegen/test_model.py tests/imagegen/test_autoencoder.py \
 	tests/imagegen/test_lora.py tests/imagegen/test_distributed.py tests/pipeline/test_distributed.py tests/pipeline/test_policies.py \
-	tests/pipeline/test_trainer.py tests/data/test_packing.py
+	tests/pipeline/test_trainer.py tests/pipeline/test_sharded_optimizers.py tests/data/test_packing.py
 # Left out of this pass: the torch.compile tests (Inductor's generated code picks its own vector ISA, whatever
 # ATEN_CPU_CAPABILITY says, and they compare compiled with eager on one path) and the signal tests (kill, SIGTERM:
 # process behaviour, no arithmetic): a third of the pass's time, nothing it could catch.

@@ -7,6 +7,9 @@ adds is what the trainer needs around them:
 - parameter groups: weight decay on tensors of 2 or more dimensions only (norms and biases get none);
 - Muon as its authors prescribe: Muon on the hidden 2-D weights, AdamW on the rest (the task names its input
   embeddings and output head, `Task.outer_layers`), two torch optimizers stepped as one (`Optimizers.parts`);
+- Adafactor (under FSDP2) and Prodigy (always) as subclasses that step each rank's shard and sum what spans rows
+  over the ranks (pipeline/sharded_adafactor.py, pipeline/sharded_prodigy.py): the libraries' own steps fail on
+  DTensors;
 - one learning rate written to every group (torchao keeps it as a tensor, which must be filled, not replaced);
 - each group's configured hyper-parameters, re-applied after a checkpoint load restored the saved ones (a resume
   that changed them, with a warning, trains with the new);
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from atelier_studio.pipeline.config import ConfigError, TrainConfig
+from atelier_studio.pipeline.sharded_adafactor import ShardedAdafactor
 
 
 class Optimizers:
@@ -97,11 +101,6 @@ class Optimizers:
 
 
 _TENSOR_LR = {"AdamW8bit": True, "AdamW4bit": True}
-# what fails on DTensor shards (torch 2.14.1, prodigyopt 1.1.2), measured by tests/pipeline/optim_dist_worker.py
-_NOT_SHARDED = {
-    "adafactor": "torch's Adafactor takes the column mean of a row-sharded gradient in place, which DTensor refuses",
-    "prodigy": "Prodigy flattens each parameter for its dot products, which DTensor refuses for a sharded one",
-}
 
 
 def _drop_empty_state(part: torch.optim.Optimizer) -> None:
@@ -115,13 +114,9 @@ def _drop_empty_state(part: torch.optim.Optimizer) -> None:
 def build_optimizers(named_params: list[tuple[str, nn.Parameter]], cfg: TrainConfig, device: torch.device,
                      outer_layers: tuple[str, ...] = (), sharded: bool = False) -> Optimizers:
     """The optimizer `cfg.optimizer` over `named_params`. `outer_layers`: name prefixes of the input embeddings and
-    output head (Muon leaves them to AdamW); `sharded`: the parameters are FSDP2 DTensors (Prodigy then sums its
-    step-size estimate over the ranks)."""
+    output head (Muon leaves them to AdamW); `sharded`: the parameters are FSDP2 DTensors (Adafactor then steps
+    their local shards and sums what spans rows over the ranks: pipeline/sharded_adafactor.py)."""
     name = cfg.optimizer
-    if sharded and name in _NOT_SHARDED:
-        raise ConfigError(f"train.optimizer: {name!r} cannot step FSDP2's sharded parameters ({_NOT_SHARDED[name]}); "
-                          f"train it on one process, or pick adamw, adamw8bit, adamw4bit, schedulefree_adamw or muon "
-                          f"(docs/training.md#optimizers)")
     decay = [p for _, p in named_params if p.ndim >= 2]
     no_decay = [p for _, p in named_params if p.ndim < 2]
     if name == "muon":
@@ -135,19 +130,24 @@ def build_optimizers(named_params: list[tuple[str, nn.Parameter]], cfg: TrainCon
     elif name == "adafactor":
         a = cfg.adafactor
         shared = {"beta2_decay": a.beta2_decay, "eps": (a.eps1 or None, a.eps2), "d": a.d}
-        part = torch.optim.Adafactor(groups, lr=cfg.lr, **shared)
+        adafactor = ShardedAdafactor if sharded else torch.optim.Adafactor  # torch's cannot step DTensor shards
+        part = adafactor(groups, lr=cfg.lr, **shared)
     elif name == "schedulefree_adamw":
         schedulefree = _library("schedulefree", name)
         # warmup comes from train.warmup_steps through the lr the loop sets: schedulefree's own warmup stays 0
         shared |= {"r": cfg.schedulefree.r, "weight_lr_power": cfg.schedulefree.weight_lr_power, "warmup_steps": 0}
         part = schedulefree.AdamWScheduleFree(groups, lr=cfg.lr, **shared)
     elif name == "prodigy":
-        prodigyopt = _library("prodigyopt", name)
+        _library("prodigyopt", name)  # installed, or the one-line error
         p = cfg.prodigy
         shared |= {"beta3": p.beta3 or None, "d0": p.d0, "d_coef": p.d_coef,
                    "growth_rate": p.growth_rate or float("inf"), "use_bias_correction": p.use_bias_correction,
-                   "safeguard_warmup": p.safeguard_warmup, "fsdp_in_use": sharded}
-        part = prodigyopt.Prodigy(groups, lr=cfg.lr, **shared)
+                   "safeguard_warmup": p.safeguard_warmup}
+        # prodigyopt's step on local shards, on one process too: one state layout for both, so a sharded checkpoint
+        # resumes on one process (pipeline/sharded_prodigy.py)
+        from atelier_studio.pipeline.sharded_prodigy import ShardedProdigy
+
+        part = ShardedProdigy(groups, lr=cfg.lr, **shared)
     else:  # a name the config's Literal allows and this function does not know: a bug here
         raise ConfigError(f"train.optimizer: {name!r} has no builder")
     hyper = [[_group_hyper(g, shared) for g in groups]]
