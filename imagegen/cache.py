@@ -41,6 +41,7 @@ from atelier_studio.imagegen.hf import read_args
 from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.atomic import atomic_write_text
+from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.errors import DataError
 from atelier_studio.pipeline.progress import log
 
@@ -52,10 +53,40 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int = 2) -> list[tuple[int, int]]:
-    """Pixel buckets whose sides are multiples of autoencoder factor x MMDiT patch (latents split into patches)."""
+def check_resolutions(cfg: ImagegenConfig, downsample_factor: int, patch_size: int) -> None:
+    """Every resolution trained at is a multiple of autoencoder factor x MMDiT patch (its buckets tile into whole
+    patches): else a `ConfigError` naming the key and the nearest sizes that fit."""
     multiple = downsample_factor * patch_size
-    return make_buckets(cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
+    key = "data.resolutions" if cfg.data.multires else "data.resolution"
+    for r in cfg.data.all_resolutions:
+        if r % multiple:
+            lower, upper = r // multiple * multiple, (r // multiple + 1) * multiple
+            fits = f"{lower} or {upper}" if lower else str(upper)
+            raise ConfigError(f"{key}: {r} is not a multiple of {multiple} (the autoencoder's factor "
+                              f"{downsample_factor} x the MMDiT's patch {patch_size}); use {fits}")
+
+
+def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int = 2,
+                  resolution: int | None = None) -> list[tuple[int, int]]:
+    """Pixel buckets of `resolution` (default data.resolution) whose sides are multiples of autoencoder factor x MMDiT
+    patch (latents split into patches)."""
+    check_resolutions(cfg, downsample_factor, patch_size)
+    multiple = downsample_factor * patch_size
+    return make_buckets(resolution or cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
+
+
+def resolution_dir(root: str | Path, resolution: int) -> Path:
+    """Where the latents of one resolution of a multi-resolution cache (`data.resolutions`) live: <root>/r<px>."""
+    return Path(root) / f"r{resolution}"
+
+
+def latent_sources(cfg: ImagegenConfig, root: str | Path) -> dict[int, str]:
+    """resolution -> its latent shard set under `root`: root itself for `data.resolution`, root/r<px> for each of
+    `data.resolutions`."""
+    d = cfg.data
+    if not d.multires:
+        return {d.resolution: str(root)}
+    return {r: str(resolution_dir(root, r)) for r in d.resolutions}
 
 
 def _mask_of(sample: dict, mode: str, bucket: tuple[int, int], factor: int) -> torch.Tensor | None:
@@ -100,11 +131,12 @@ def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], auto
         yield from flush(b)
 
 
-def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
+def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict,
+                resolution: int) -> None:
     meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path),
             "latent_channels": autoencoder.latent_channels,
             "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
-            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution,
+            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": resolution,
             "mask": cfg.data.mask, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")
 
@@ -124,14 +156,16 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
 
 def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int, autoencoder, text: TextEncoder,
                 device: torch.device, rank: int = 0, world_size: int = 1, patch_size: int = 2,
-                progress: bool = True) -> Path:
-    """Encode one image shard set into latent shards at out_dir (this rank's slice); returns the directory."""
+                progress: bool = True, resolution: int | None = None) -> Path:
+    """Encode one image shard set into latent shards at out_dir (this rank's slice) at `resolution` (default
+    data.resolution); returns the directory."""
     out_dir = Path(out_dir)
+    resolution = resolution or cfg.data.resolution
     target = out_dir / f"rank-{rank:05d}" if world_size > 1 else out_dir
     if read_index(target) is not None and (target / CACHE_META).is_file():
         log(f"cache: {target} is complete, skipping")
     else:
-        buckets = cache_buckets(cfg, autoencoder.downsample_factor, patch_size)
+        buckets = cache_buckets(cfg, autoencoder.downsample_factor, patch_size, resolution)
         reader = ShardReader(source, kind="image", rank=rank, world_size=world_size, num_workers=cfg.data.num_workers,
                              max_bad_fraction=cfg.data.max_bad_fraction)
         images: Iterable[dict] = reader
@@ -149,14 +183,16 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
                 yield s
 
         with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task(f"caching {Path(source).name} (rank {rank}/{world_size})", total=total)
+            task = bar.add_task(f"caching {Path(source).name} at {resolution} px (rank {rank}/{world_size})",
+                                total=total)
             stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device, cfg.data.mask)
             write_latent_shards(counted(stream, bar, task), target, shard_size)
         text.report_truncation(f"cache {source}")
         c = reader.counter  # this process's count (each DataLoader worker keeps its own)
         counts = {"samples": written, "bad": c.bad, "bad_by_reason": dict(c.by_reason)}
-        _write_meta(target, cfg, text, autoencoder, counts)
-        log(f"cache: {written} samples from {source} -> {target}; bad samples skipped: {c.bad} {dict(c.by_reason)}")
+        _write_meta(target, cfg, text, autoencoder, counts, resolution)
+        log(f"cache: {written} samples from {source} at {resolution} px -> {target}; bad samples skipped: {c.bad} "
+            f"{dict(c.by_reason)}")
     if world_size > 1 and _merge_rank_indexes(out_dir, world_size):
         atomic_write_text(out_dir / CACHE_META, (target / CACHE_META).read_text(), what="cache metadata")
         log(f"cache: all {world_size} ranks done, wrote {out_dir / INDEX_NAME}")
@@ -164,10 +200,9 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
 
 
 def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) -> Path:
-    """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval."""
+    """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval; with
+    data.resolutions each image at every resolution, into out_dir/r<px> and out_dir/eval/r<px>."""
     if not cfg.data.image_shards:
-        from atelier_studio.pipeline.config import ConfigError
-
         raise ConfigError("data.image_shards: required by `atelier imagegen cache` (image shards from `atelier data "
                           "shards`)")
     rank, world_size = dist_env()
@@ -176,12 +211,17 @@ def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) ->
     autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
     text = load_text_encoder(cfg.text, device, cfg.model.path)
     patch = read_args(cfg.model.path).patch_size  # buckets must tile into whole MMDiT patches
+    check_resolutions(cfg, autoencoder.downsample_factor, patch)  # every resolution, before any is encoded
     out_dir = Path(out_dir)
-    cache_split(cfg, cfg.data.image_shards, out_dir, shard_size, autoencoder, text, device, rank, world_size, patch)
-    if cfg.data.eval_image_shards:
-        cache_split(cfg, cfg.data.eval_image_shards, out_dir / "eval", shard_size, autoencoder, text, device, rank,
-                    world_size, patch)
+    # one pass over the image shards per resolution (each pass encodes the captions again)
+    for split, source in (("train", cfg.data.image_shards), ("eval", cfg.data.eval_image_shards)):
+        if not source:
+            continue
+        for resolution, target in latent_sources(cfg, out_dir if split == "train" else out_dir / "eval").items():
+            cache_split(cfg, source, Path(target), shard_size, autoencoder, text, device, rank, world_size, patch,
+                        resolution=resolution)
     return out_dir
 
 
-__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "dist_env", "CACHE_META"]
+__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "check_resolutions", "resolution_dir",
+           "latent_sources", "dist_env", "CACHE_META"]
