@@ -75,20 +75,6 @@ def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int =
     return make_buckets(resolution or cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
 
 
-def resolution_dir(root: str | Path, resolution: int) -> Path:
-    """Where the latents of one resolution of a multi-resolution cache (`data.resolutions`) live: <root>/r<px>."""
-    return Path(root) / f"r{resolution}"
-
-
-def latent_sources(cfg: ImagegenConfig, root: str | Path) -> dict[int, str]:
-    """resolution -> its latent shard set under `root`: root itself for `data.resolution`, root/r<px> for each of
-    `data.resolutions`."""
-    d = cfg.data
-    if not d.multires:
-        return {d.resolution: str(root)}
-    return {r: str(resolution_dir(root, r)) for r in d.resolutions}
-
-
 def _mask_of(sample: dict, mode: str, bucket: tuple[int, int], factor: int) -> torch.Tensor | None:
     """The sample's loss weights [h, w] for `data.mask` = mode (data/masks.py), or None for "none"."""
     if mode == "none":
@@ -217,11 +203,11 @@ def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) ->
     for split, source in (("train", cfg.data.image_shards), ("eval", cfg.data.eval_image_shards)):
         if not source:
             continue
-        for resolution, target in latent_sources(cfg, out_dir if split == "train" else out_dir / "eval").items():
+        for resolution, target in cfg.data.latent_sources(out_dir if split == "train" else out_dir / "eval").items():
             cache_split(cfg, source, Path(target), shard_size, autoencoder, text, device, rank, world_size, patch,
                         resolution=resolution)
     return out_dir
 
 
-__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "check_resolutions", "resolution_dir",
-           "latent_sources", "dist_env", "CACHE_META"]
+__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "check_resolutions", "dist_env",
+           "CACHE_META"]

@@ -17,6 +17,7 @@ SD3 / SD3.5 transformers' dims. With `model.path` a diffusers SD3 pipeline direc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
@@ -150,6 +151,13 @@ class DataConfig:
     def multires(self) -> bool:
         """`resolutions` is set: the latents live in one `r<px>/` folder per resolution."""
         return bool(self.resolutions)
+
+    def latent_sources(self, root: str | Path) -> dict[int, str]:
+        """resolution -> its latent shard set under `root`: root itself for `resolution`, root/r<px> for each of
+        `resolutions` (where `atelier imagegen cache` writes them)."""
+        if not self.multires:
+            return {self.resolution: str(root)}
+        return {r: str(Path(root) / f"r{r}") for r in self.resolutions}
 
     def _validate_resolutions(self) -> None:
         if self.resolution and self.resolutions:
