@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from atelier_studio.data.buckets import bucket_pixels
+from atelier_studio.data.buckets import bucket_pixels, nearest_bucket
 from atelier_studio.data.shards import ShardReader, read_latent_shards, write_image_shards
 from atelier_studio.flows.cli import main
 from atelier_studio.imagegen.autoencoder import PixelCodec
@@ -75,7 +75,8 @@ def test_existing_single_resolution_config_is_unchanged(world):
 
 def test_resolution_off_the_patch_grid_is_one_line_exit_2(world, tmp_path, capsys):
     """pixel:2 x patch 2: sides must be multiples of 4; the run stops before any step, naming key and fix."""
-    code = main(_multi_args(world, tmp_path / "run", "data.resolutions=[16,30]", "train.max_steps=1"))
+    code = main(_multi_args(world, tmp_path / "run", "data.resolutions=[16,30]", "train.max_steps=1",
+                          "train.warmup_steps=0"))
     err = capsys.readouterr().err
     assert code == 2, err
     line = [x for x in err.splitlines() if x.startswith("atelier: error:")]
@@ -118,21 +119,27 @@ def test_cache_buckets_each_aspect_under_each_resolution(world, tmp_path):
     write_image_shards(folder, tmp_path / "captions.jsonl", tmp_path / "shards", 10, progress=False)
     cfg = _cfg(world, *TWO, f"data.image_shards={tmp_path / 'shards'}", "data.eval_image_shards=")
     cache_latents(cfg, tmp_path / "lat", shard_size=10)
+    wide = set()
     for r in (16, 32):
+        buckets = cache_buckets(cfg, 2, 2, r)  # this resolution's aspect buckets (area <= r²)
         got = {s["caption"]: tuple(s["bucket"]) for s in read_latent_shards(tmp_path / "lat" / f"r{r}")}
-        assert got["a square image"] == (r, r)
-        h, w = got["a wide image"]
-        assert w / h == 2 and h * w <= r * r and got["a tall image"] == (w, h), got
+        for name, (w, h) in sizes.items():
+            assert got[f"a {name} image"] == buckets[nearest_bucket(h, w, buckets)], (r, name, got)
+        (h, w), (th, tw) = got["a wide image"], got["a tall image"]
+        assert w > h and th > tw and got["a square image"] == (r, r), got
+        wide.add((h, w))
+    assert len(wide) == 2  # each resolution its own wide bucket
 
 
 # ----------------------------------------------------------------------------- training through the CLI
 
 
-def test_two_resolutions_train_evaluate_sample_and_resume_exactly_after_kill(world, tmp_path):
+def test_two_resolutions_train_evaluate_sample_and_resume_exactly_after_kill(world, tmp_path, capsys):
     common = ["train.max_steps=24", "train.save_every=8", "train.eval_every=12", "sample.every=12", "sample.steps=2",
               "text.caption_dropout=0.3", "ema.decay=0.9", "train.micro_batch=4"]
     ref = tmp_path / "ref"
     assert main(_multi_args(world, ref, *common)) == 0
+    assert "at 16 px (50% of batches), 32 px (50% of batches)" in capsys.readouterr().out  # as many images at each
     last = records(ref, "eval")[-1]
     assert {"loss", "loss_16px", "loss_32px", "ema_loss_16px", "ema_loss_32px"} <= set(last), last
     assert min(last["loss_16px"], last["loss_32px"]) <= last["loss"] <= max(last["loss_16px"], last["loss_32px"])
