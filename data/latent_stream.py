@@ -31,10 +31,17 @@ copied between processes (DataLoader worker processes hand each batch over in a 
 segment: 3x slower end to end than these reads, measured on a 2-core CPU). The stream's own plan advances by the
 chunks handed out: its position is the state, whatever the loaders ran ahead to.
 
+Several resolutions (`data.resolutions`). The source is then one shard set per resolution, and each stream a
+`ResolutionPlan`: one stream plan as above per resolution (its own epochs, shuffle and bucket buffers), and chunk k
+from the resolution `resolution_schedule` picks for (seed, k): the same on every stream, in shares proportional to
+each set's samples or to the given weights. A resolution's buckets all have its own area, so a chunk is one
+(resolution, aspect) bucket.
+
 State (per stream, JSON): epoch, slot offset, the shuffle RNG, the buffered references, chunks emitted, the
 bad-sample counts. Resume rebuilds the buffers from the references (no data re-read) and continues with
 exactly the batches an uninterrupted run would have seen. A state names the shard set's fingerprint (names,
-index counts, file sizes); other shards, another seed, another V or c are refused with the reason.
+index counts, file sizes); other shards, another seed, another V or c are refused with the reason. Several
+resolutions: per stream the chunk count and each resolution's position; other resolutions or shares are refused.
 
 Corrupt samples follow data/shards.py's policy, counted per stream while planning: a missing member, an
 undecodable or malformed latent, a duplicate member, a truncated tar (once per stream pass; a tar with fewer

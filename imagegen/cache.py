@@ -14,6 +14,10 @@ the text encoder's settings, resolution, the mask mode, counts) so the trainer c
 D = 4096, P = 2048 for the released models; with `autoencoder.spec = "model"` the latents come from the vae/ of the
 pipeline at model.path.
 
+Several resolutions (`data.resolutions`): every image is cached at each, into out_dir/r<px>/ (eval:
+out_dir/eval/r<px>/), each a latent shard set with its own cache.json (its resolution recorded); one pass over the
+image shards per resolution (the captions are encoded in each).
+
 Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its
 own slice of the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
 index) writes the combined `out_dir/index.json`, listing `rank-RRRRR/shard-NNNNNN.tar`. A single

@@ -13,7 +13,10 @@ them, by the empty caption's (or zeros) with probability text.caption_dropout.
 Data (data/latent_stream.py): the training latents stream from the shards with bounded memory, as
 data.streams logical streams (default: one per process); global micro-batch k is one chunk of one bucket
 from every stream, and a rank runs the chunks of the streams it holds (one, unless it holds several, as
-one process replaying a multi-process run does: then each chunk is a micro-batch of the step). A chunk's
+one process replaying a multi-process run does: then each chunk is a micro-batch of the step). With
+data.resolutions the latents of each resolution are their own shard set (<shards>/r<px>) and global micro-batch k
+is from one resolution, the same on every stream (data/latent_stream.py ResolutionPlan); evaluation reports each
+resolution's loss too, and the sample grid renders at each. A chunk's
 draws (timesteps, noise, caption dropout) come from a generator seeded by (train.seed, k, stream), so any
 number of processes with the same data.streams and global batch draws the same, and resume is exact without
 any RNG state. The eval set is small and held in memory (at most data.max_eval_images).

@@ -4,8 +4,6 @@ two-resolution run through the CLI that evaluates and samples at each and resume
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.pipeline.config import ConfigError, load_config
 
 from tests.imagegen._world import DEMO, build_world, cli_args, config_overrides
-from tests.imagegen.test_task import _spawn, records, train_losses
+from tests.imagegen.test_task import kill_after_checkpoint, records, train_losses
 
 TWO = ["data.resolution=0", "data.resolutions=[16,32]"]  # the demo config sets data.resolution = 32
 
@@ -147,15 +145,7 @@ def test_two_resolutions_train_evaluate_sample_and_resume_exactly_after_kill(wor
     assert grid.size[1] > 16 + 32 and json.loads((ref / "imagegen.json").read_text())["resolution"] == 32
 
     out = tmp_path / "killed"
-    proc = _spawn(_multi_args(world, out, *common))
-    deadline = time.time() + 120
-    while not (out / "checkpoints" / "step-8").is_dir():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert max(s for s, _ in train_losses(out)) < 24, "the run finished before it could be killed"
+    kill_after_checkpoint(_multi_args(world, out, *common), out, step=8, max_steps=24)
     assert main(_multi_args(world, out, *common)) == 0
     assert train_losses(out) == train_losses(ref)
     assert records(out, "eval")[-1] == last
