@@ -391,9 +391,8 @@ class ImagegenTask(Task):
             raise ConfigError(f"data.shards {source} holds images: with several ranks, cache them first "
                               f"(`atelier imagegen cache`)")
         log(f"{source} holds images: encoding them once into {cache_dir}")
-        return {r: str(cache_split(self.cfg, source, Path(target), 1000, self.autoencoder, self.text, self.device,
-                                   patch_size=self.model.args.patch_size, resolution=r))
-                for r, target in self.cfg.data.latent_sources(cache_dir).items()}
+        return cache_split(self.cfg, source, cache_dir, 1000, self.autoencoder, self.text, self.device,
+                           patch_size=self.model.args.patch_size)
 
     def _prompts(self) -> list[str]:
         s = self.cfg.sample

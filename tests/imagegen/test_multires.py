@@ -17,6 +17,7 @@ from atelier_studio.flows.cli import main
 from atelier_studio.imagegen.autoencoder import PixelCodec
 from atelier_studio.imagegen.cache import CACHE_META, cache_buckets, cache_latents
 from atelier_studio.imagegen.config import ImagegenConfig
+from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.config import ConfigError, load_config
 
 from tests.imagegen._world import DEMO, build_world, cli_args, config_overrides
@@ -104,8 +105,9 @@ def test_cache_writes_every_image_at_every_resolution(world):
         assert json.loads((world / "latents-multi" / "eval" / f"r{r}" / CACHE_META).read_text())["resolution"] == r
 
 
-def test_cache_buckets_each_aspect_under_each_resolution(world, tmp_path):
-    """Wide, tall and square images land in their own aspect bucket of each resolution."""
+def test_cache_buckets_each_aspect_under_each_resolution(world, tmp_path, monkeypatch):
+    """Wide, tall and square images land in their own aspect bucket of each resolution, in one pass that encodes
+    each caption once (not once per resolution)."""
     folder = tmp_path / "imgs"
     folder.mkdir()
     sizes = {"wide": (64, 32), "tall": (32, 64), "square": (40, 40)}  # (width, height)
@@ -115,8 +117,18 @@ def test_cache_buckets_each_aspect_under_each_resolution(world, tmp_path):
         lines.append(json.dumps({"image": f"{name}.png", "caption": f"a {name} image"}))
     (tmp_path / "captions.jsonl").write_text("\n".join(lines) + "\n")
     write_image_shards(folder, tmp_path / "captions.jsonl", tmp_path / "shards", 10, progress=False)
-    cfg = _cfg(world, *TWO, f"data.image_shards={tmp_path / 'shards'}", "data.eval_image_shards=")
+    cfg = _cfg(world, *TWO, f"data.image_shards={tmp_path / 'shards'}", "data.eval_image_shards=",
+               "data.cache_batch=2")
+    encoded: list[str] = []
+    encode = TextEncoder.encode
+
+    def counting(self, captions):
+        encoded.extend(captions)
+        return encode(self, captions)
+
+    monkeypatch.setattr(TextEncoder, "encode", counting)
     cache_latents(cfg, tmp_path / "lat", shard_size=10)
+    assert sorted(encoded) == sorted(f"a {name} image" for name in sizes)  # each caption once
     wide = set()
     for r in (16, 32):
         buckets = cache_buckets(cfg, 2, 2, r)  # this resolution's aspect buckets (area <= r²)
