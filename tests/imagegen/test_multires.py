@@ -165,3 +165,15 @@ def test_two_resolutions_train_evaluate_sample_and_resume_exactly_after_kill(wor
         a = load_file(ref / name / "diffusion_pytorch_model.safetensors")
         b = load_file(out / name / "diffusion_pytorch_model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_image_shards_as_training_data_are_cached_at_each_resolution_first(world, tmp_path):
+    """data.shards holding images (a small run): the task encodes them once per resolution into
+    <output.dir>/cache/train/r<px> and trains on those."""
+    out = tmp_path / "run"
+    assert main(cli_args(world, out, *TWO, f"data.shards={world / 'shards'}", "data.eval_shards=",
+                         "train.max_steps=2", "train.warmup_steps=0")) == 0
+    for r in (16, 32):
+        meta = json.loads((out / "cache" / "train" / f"r{r}" / CACHE_META).read_text())
+        assert meta["resolution"] == r and meta["samples"] > 100
+    assert len(train_losses(out)) == 2
