@@ -31,10 +31,17 @@ copied between processes (DataLoader worker processes hand each batch over in a 
 segment: 3x slower end to end than these reads, measured on a 2-core CPU). The stream's own plan advances by the
 chunks handed out: its position is the state, whatever the loaders ran ahead to.
 
+Several resolutions (`data.resolutions`). The source is then one shard set per resolution, and each stream a
+`ResolutionPlan`: one stream plan as above per resolution (its own epochs, shuffle and bucket buffers), and chunk k
+from the resolution `resolution_schedule` picks for (seed, k): the same on every stream, in shares proportional to
+each set's samples or to the given weights. A resolution's buckets all have its own area, so a chunk is one
+(resolution, aspect) bucket.
+
 State (per stream, JSON): epoch, slot offset, the shuffle RNG, the buffered references, chunks emitted, the
 bad-sample counts. Resume rebuilds the buffers from the references (no data re-read) and continues with
 exactly the batches an uninterrupted run would have seen. A state names the shard set's fingerprint (names,
-index counts, file sizes); other shards, another seed, another V or c are refused with the reason.
+index counts, file sizes); other shards, another seed, another V or c are refused with the reason. Several
+resolutions: per stream the chunk count and each resolution's position; other resolutions or shares are refused.
 
 Corrupt samples follow data/shards.py's policy, counted per stream while planning: a missing member, an
 undecodable or malformed latent, a duplicate member, a truncated tar (once per stream pass; a tar with fewer
@@ -55,7 +62,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -78,7 +85,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _MAX_HEADER = 1 << 20  # a latent sample's safetensors header is ~250 bytes; more is corruption
-_TAG_SHARD_ORDER, _TAG_SHUFFLE = 0x5348, 0x5342  # separate seed domains for the two random draws
+_TAG_SHARD_ORDER, _TAG_SHUFFLE, _TAG_RESOLUTION = 0x5348, 0x5342, 0x5352  # separate seed domains of the draws
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio (odd): the Weyl step of the resolution schedule
 _OPEN_FILES = 8  # shard files a loader keeps open (a chunk's samples come from the last few shards)
 
 
@@ -271,12 +279,14 @@ def first_sample(shards: ShardSet) -> dict:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Chunk `ordinal` of stream `stream`: one bucket's samples, in row order."""
+    """Chunk `ordinal` of stream `stream`: one bucket's samples, in row order, from shard set `source` (the index of
+    its resolution in a multi-resolution stream; 0 otherwise)."""
 
     ordinal: int
     stream: int
     bucket: tuple[int, int]
     refs: tuple[LatentRef, ...]
+    source: int = 0
 
 
 class StreamPlan:
@@ -412,6 +422,64 @@ class StreamPlan:
             raise StreamStateError(f"stream {self.stream}'s saved position names shards this set does not have")
 
 
+# ----------------------------------------------------------------------------- several resolutions
+
+
+def resolution_schedule(seed: int, ordinal: int, shares: Sequence[float]) -> int:
+    """The resolution (an index into `shares`) of global micro-batch `ordinal`: u = frac(s + ordinal / golden ratio)
+    in 64-bit integers (s from the seed), the first resolution whose cumulative share exceeds u.
+
+    A Weyl sequence, not random draws: stateless (a resume needs no state for it), the same on every stream (every
+    rank runs the same resolution at a step, so none waits on a larger one), and low-discrepancy: over any n
+    micro-batches each resolution's count is within a few of n x its share, where random draws stray by ~sqrt(n).
+    """
+    start = int(np.random.SeedSequence([_TAG_RESOLUTION, seed]).generate_state(1, dtype=np.uint64)[0])
+    u = ((start + ordinal * _GOLDEN) % (1 << 64)) / float(1 << 64)
+    total, cum = float(sum(shares)), 0.0
+    for i, share in enumerate(shares[:-1]):
+        cum += share
+        if u * total < cum:
+            return i
+    return len(shares) - 1
+
+
+class ResolutionPlan:
+    """One stream over several resolutions' shard sets (`data.resolutions`): a `StreamPlan` per resolution, each with
+    its own epochs, shuffle and bucket buffers, and chunk k (the global micro-batch) taken from the resolution
+    `resolution_schedule` picks for k. A chunk is one (resolution, aspect) bucket: a resolution's buckets all have
+    its own area, so no two resolutions share one. Its state: the chunk count and each resolution's position."""
+
+    def __init__(self, sets: Sequence[ShardSet], resolutions: Sequence[int], shares: Sequence[float], stream: int,
+                 streams: int, chunk: int, shuffle_buffer: int, seed: int, max_bad_fraction: float = 0.01,
+                 min_samples_for_check: int = 100, state: dict | None = None):
+        self.resolutions, self.shares, self.stream, self.seed = tuple(resolutions), tuple(shares), stream, seed
+        positions: dict = {}
+        self.chunks = 0
+        if state is not None:
+            try:
+                self.chunks, positions = int(state["chunks"]), state["resolutions"]
+                missing = [r for r in self.resolutions if str(r) not in positions]
+            except (KeyError, TypeError, ValueError, AttributeError) as exn:
+                raise StreamStateError(f"stream {stream}'s saved position is malformed ({type(exn).__name__}: "
+                                       f"{exn})") from None
+            if missing:
+                raise StreamStateError(f"stream {stream}'s saved position lacks resolutions {missing}")
+        self.plans = [StreamPlan(s, stream, streams, chunk, shuffle_buffer, seed, max_bad_fraction,
+                                 min_samples_for_check, positions.get(str(r))) for s, r in zip(sets, self.resolutions)]
+        self.shuffle_size = self.plans[0].shuffle_size
+
+    def next_chunk(self) -> ChunkPlan:
+        i = resolution_schedule(self.seed, self.chunks, self.shares)
+        c = self.plans[i].next_chunk()
+        plan = ChunkPlan(self.chunks, self.stream, c.bucket, c.refs, source=i)
+        self.chunks += 1
+        return plan
+
+    def state_dict(self) -> dict:
+        return {"chunks": self.chunks, "resolutions": {str(r): p.state_dict() for r, p in zip(self.resolutions,
+                                                                                             self.plans)}}
+
+
 # ----------------------------------------------------------------------------- loading a chunk
 
 
@@ -440,7 +508,7 @@ class _OpenFiles:
 
 
 def load_chunk(plan: ChunkPlan, shards: ShardSet, files: _OpenFiles, pin_memory: bool = False) -> dict[str, Any]:
-    """Read a chunk's tensors straight into its batch: {ordinal, stream, bucket, keys, latent [c,C,h,w],
+    """Read a chunk's tensors straight into its batch: {ordinal, stream, bucket, source, keys, latent [c,C,h,w],
     text_states [c,L,D], pooled [c,P]}, and mask [c,h,w] when the cache has loss masks (in page-locked memory with
     `pin_memory`: no copy before the GPU's)."""
     out: dict[str, torch.Tensor] = {}
@@ -472,7 +540,7 @@ def load_chunk(plan: ChunkPlan, shards: ShardSet, files: _OpenFiles, pin_memory:
         except (BadSample, TruncatedTar) as exn:  # it was whole when planned: the file changed under the run
             raise ShardError(f"{path}: key {ref.key} can no longer be read ({exn}); was data.shards rewritten during "
                              f"the run?") from None
-    return {"ordinal": plan.ordinal, "stream": plan.stream, "bucket": plan.bucket,
+    return {"ordinal": plan.ordinal, "stream": plan.stream, "bucket": plan.bucket, "source": plan.source,
             "keys": [r.key for r in plan.refs], **out}
 
 
@@ -485,8 +553,8 @@ class _Prefetcher:
     chunk when it is asked for.
     """
 
-    def __init__(self, shards: ShardSet, plan: StreamPlan, workers: int, pin_memory: bool):
-        self.shards, self.plan, self.pin_memory = shards, plan, pin_memory
+    def __init__(self, sets: Sequence[ShardSet], plan: StreamPlan | ResolutionPlan, workers: int, pin_memory: bool):
+        self.sets, self.plan, self.pin_memory = sets, plan, pin_memory
         self.depth = 2 * workers
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="latent-loader") if workers else None
         self.local = threading.local()
@@ -494,9 +562,9 @@ class _Prefetcher:
 
     def _load(self, chunk: ChunkPlan) -> dict[str, Any]:
         files = getattr(self.local, "files", None)
-        if files is None:  # each thread seeks its own file objects
-            files = self.local.files = _OpenFiles(self.shards.paths)
-        return load_chunk(chunk, self.shards, files, self.pin_memory)
+        if files is None:  # each thread seeks its own file objects, per shard set
+            files = self.local.files = [_OpenFiles(s.paths) for s in self.sets]
+        return load_chunk(chunk, self.sets[chunk.source], files[chunk.source], self.pin_memory)
 
     def next(self) -> dict[str, Any]:
         if self.pool is None:
@@ -530,6 +598,9 @@ class StreamConfig:
     max_bad_fraction: float = 0.01
     min_samples_for_check: int = 100
     pin_memory: bool = False  # page-locked batches for a fast, asynchronous copy to the GPU
+    # several resolutions: the share of global micro-batches each gets (one per resolution); () = proportional to
+    # the samples of each resolution's shard set
+    resolution_weights: tuple[float, ...] = ()
 
     @property
     def global_batch(self) -> int:
@@ -537,14 +608,33 @@ class StreamConfig:
 
 
 class LatentStream:
-    """This rank's batches: `chunks()` yields, per global micro-batch, one loaded chunk per owned stream."""
+    """This rank's batches: `chunks()` yields, per global micro-batch, one loaded chunk per owned stream.
 
-    def __init__(self, source: str | Path | Sequence[str | Path], cfg: StreamConfig):
+    `source` is one shard set (a directory, a pattern or a list of tars), or for several resolutions a mapping
+    resolution -> its shard set (`data.resolutions`): then every stream is a `ResolutionPlan` and each chunk names its
+    `source` (the resolution's index) and `resolution`."""
+
+    def __init__(self, source: str | Path | Sequence[str | Path] | Mapping[int, str | Path], cfg: StreamConfig):
         if cfg.micro_batch < 1 or not 0 <= cfg.rank < cfg.world_size or cfg.streams < 0 or cfg.workers < 0:
             raise ValueError(f"need micro_batch >= 1, 0 <= rank < world_size, streams >= 0, workers >= 0; got {cfg}")
         self.cfg = cfg
-        self.shards = ShardSet.open(source)
-        self.fingerprint = self.shards.fingerprint
+        if isinstance(source, Mapping):
+            if not source:
+                raise ValueError("LatentStream: no resolutions given")
+            self.resolutions: tuple[int, ...] | None = tuple(int(r) for r in source)
+            self.sets = [ShardSet.open(src) for src in source.values()]
+            self.shares = cfg.resolution_weights or tuple(float(s.total) for s in self.sets)
+            if len(self.shares) != len(self.sets) or not all(w > 0 for w in self.shares):
+                raise ValueError(f"need one positive weight per resolution {list(self.resolutions)}, got "
+                                 f"{list(cfg.resolution_weights)}")
+            self.fingerprint: str | dict[str, str] = {str(r): s.fingerprint for r, s in zip(self.resolutions,
+                                                                                            self.sets)}
+        else:
+            if cfg.resolution_weights:
+                raise ValueError("LatentStream: resolution_weights need a shard set per resolution")
+            self.resolutions, self.sets, self.shares = None, [ShardSet.open(source)], (1.0,)
+            self.fingerprint = self.sets[0].fingerprint
+        self.shards = self.sets[0]  # the only one, or the first resolution's
         self._configure(cfg.streams or cfg.world_size,
                         what="data.streams" if cfg.streams else "the number of processes")
         self.plans = {v: self._plan(v, None) for v in self.owned}
@@ -559,32 +649,39 @@ class LatentStream:
             raise error(f"the global micro-batch of {cfg.world_size} processes x micro_batch "
                                    f"{cfg.micro_batch} = {G} does not split into {streams} streams ({what}); set "
                                    f"train.micro_batch so that it does")
-        if self.shards.total < streams:
-            raise ShardError(f"{self.shards.source}: {self.shards.total} samples cannot feed {streams} streams")
+        for shards in self.sets:
+            if shards.total < streams:
+                raise ShardError(f"{shards.source}: {shards.total} samples cannot feed {streams} streams")
         self.streams, self.chunk = streams, G // streams
         per_rank = streams // cfg.world_size
         self.owned = range(cfg.rank * per_rank, (cfg.rank + 1) * per_rank)
 
-    def _plan(self, v: int, state: dict | None) -> StreamPlan:
-        return StreamPlan(self.shards, state=state, **self._plan_args(v), max_bad_fraction=self.cfg.max_bad_fraction,
-                          min_samples_for_check=self.cfg.min_samples_for_check)
+    def _plan(self, v: int, state: dict | None, max_bad_fraction: float | None = None) -> StreamPlan | ResolutionPlan:
+        """Stream v's plan (from a saved position when `state` is given)."""
+        args = {"stream": v, "streams": self.streams, "chunk": self.chunk, "shuffle_buffer": self.cfg.shuffle_buffer,
+                "seed": self.cfg.seed, "min_samples_for_check": self.cfg.min_samples_for_check, "state": state,
+                "max_bad_fraction": self.cfg.max_bad_fraction if max_bad_fraction is None else max_bad_fraction}
+        if self.resolutions is None:
+            return StreamPlan(self.shards, **args)
+        return ResolutionPlan(self.sets, self.resolutions, self.shares, **args)
 
-    def _plan_args(self, v: int) -> dict:
-        return {"stream": v, "streams": self.streams, "chunk": self.chunk, "shuffle_buffer": self.cfg.shuffle_buffer,
-                "seed": self.cfg.seed}
+    def _leaf_plans(self) -> Iterator[StreamPlan]:
+        for plan in self.plans.values():
+            yield from plan.plans if isinstance(plan, ResolutionPlan) else (plan,)
 
     def _rare_bucket_note(self) -> None:
-        hist = self.shards.buckets or {}
-        rare = {f"{h}x{w}": n for (h, w), n in sorted(hist.items()) if n < self.chunk * self.streams}
-        if rare:
-            log(f"{self.shards.source}: {len(rare)} buckets hold fewer samples than a global micro-batch of "
-                f"{self.chunk * self.streams}: they fill across epochs and a batch of them can repeat a sample "
-                f"({rare})")
+        for shards in self.sets:
+            hist = shards.buckets or {}
+            rare = {f"{h}x{w}": n for (h, w), n in sorted(hist.items()) if n < self.chunk * self.streams}
+            if rare:
+                log(f"{shards.source}: {len(rare)} buckets hold fewer samples than a global micro-batch of "
+                    f"{self.chunk * self.streams}: they fill across epochs and a batch of them can repeat a sample "
+                    f"({rare})")
 
     def skipped(self) -> dict[str, dict[str, int]]:
         """This rank's streams' skipped samples up to what the trainer consumed: shard path -> reason -> samples."""
         out: dict[str, dict[str, int]] = {}
-        for plan in self.plans.values():
+        for plan in self._leaf_plans():
             for shard, reasons in plan.counter.by_shard_reason.items():
                 mine = out.setdefault(shard, {})
                 for reason, n in reasons.items():
@@ -597,23 +694,28 @@ class LatentStream:
         return len(self.owned)
 
     def describe(self) -> str:
-        s = self.shards
-        buckets = f" in {len(s.buckets)} buckets" if s.buckets else ""
+        total = sum(s.total for s in self.sets)
+        n_buckets = sum(len(s.buckets) for s in self.sets if s.buckets)
+        buckets = f" in {n_buckets} buckets" if n_buckets else ""
+        if self.resolutions is not None:
+            share = sum(self.shares)
+            buckets += " at " + ", ".join(f"{r} px ({100 * w / share:.0f}% of batches)"
+                                          for r, w in zip(self.resolutions, self.shares))
         plan = next(iter(self.plans.values()))
         mine = (f"stream {self.owned.start}" if len(self.owned) == 1 else
                 f"streams {self.owned.start}-{self.owned.stop - 1}")
-        return (f"{s.total} samples{buckets} from {len(s.paths)} shards as {self.streams} stream"
+        return (f"{total} samples{buckets} from {sum(len(s.paths) for s in self.sets)} shards as {self.streams} stream"
                 f"{'s' if self.streams > 1 else ''} of {self.chunk} images per global micro-batch of "
                 f"{self.cfg.global_batch} ({mine} here), shuffle buffer {plan.shuffle_size}, {self.cfg.workers} loader "
-                f"workers; an epoch is ~{s.total // self.cfg.global_batch} global micro-batches")
+                f"workers; an epoch is ~{total // self.cfg.global_batch} global micro-batches")
 
     def chunks(self) -> Iterator[list[dict]]:
-        """Per global micro-batch, this rank's chunks (one per owned stream, in stream order), forever.
+        """Per global micro-batch, this rank's chunks (one per owned stream, in stream order), forever; with several
+        resolutions each chunk also names its `resolution`.
 
         `self.plans` advance by exactly the chunks handed out (their state is what the trainer consumed); the
         loaders run copies of them ahead."""
-        loaders = [_Prefetcher(self.shards, StreamPlan(self.shards, **self._plan_args(v), max_bad_fraction=1.0,
-                                                       state=self.plans[v].state_dict()),
+        loaders = [_Prefetcher(self.sets, self._plan(v, self.plans[v].state_dict(), max_bad_fraction=1.0),
                                self.cfg.workers, self.cfg.pin_memory) for v in self.owned]
         try:
             while True:
@@ -621,9 +723,12 @@ class LatentStream:
                 for v, loader in zip(self.owned, loaders):
                     want = self.plans[v].next_chunk()  # counts the bad samples, raises past max_bad_fraction
                     got = loader.next()
-                    if got["ordinal"] != want.ordinal or got["keys"] != [r.key for r in want.refs]:
+                    if (got["ordinal"] != want.ordinal or got["source"] != want.source
+                            or got["keys"] != [r.key for r in want.refs]):
                         raise RuntimeError(f"stream {v}: the loader is out of step with its plan (chunk "
                                            f"{got['ordinal']} vs {want.ordinal})")
+                    if self.resolutions is not None:
+                        got["resolution"] = self.resolutions[got["source"]]
                     out.append(got)
                 yield out
         finally:
@@ -635,8 +740,10 @@ class LatentStream:
     def state_dict(self) -> dict:
         """This rank's streams' positions (merge the ranks' with `merge_states` before saving)."""
         cfg = self.cfg
+        several = {} if self.resolutions is None else {"resolutions": list(self.resolutions),
+                                                       "shares": list(self.shares)}
         return {"streams": self.streams, "chunk": self.chunk, "world_size": cfg.world_size,
-                "batch_size": cfg.micro_batch, "seed": cfg.seed, "shards": self.fingerprint,
+                "batch_size": cfg.micro_batch, "seed": cfg.seed, "shards": self.fingerprint, **several,
                 "positions": {str(v): self.plans[v].state_dict() for v in self.owned}}
 
     @staticmethod
@@ -652,9 +759,23 @@ class LatentStream:
         try:
             V, c, W, B = (int(state[k]) for k in ("streams", "chunk", "world_size", "batch_size"))
             seed, shards, positions = int(state["seed"]), state["shards"], state["positions"]
+            saved_res = state.get("resolutions")
+            saved_res = [int(r) for r in saved_res] if saved_res is not None else None
+            saved_shares = [float(w) for w in state["shares"]] if saved_res is not None else None
         except (KeyError, TypeError, ValueError) as exn:
             raise StreamStateError(f"the saved data position is not a stream position ({type(exn).__name__}: {exn}); "
                                    f"it was written by another version of the trainer") from None
+        now_res = list(self.resolutions) if self.resolutions is not None else None
+        if saved_res != now_res:
+            def name(res: list[int] | None) -> str:
+                return f"data.resolutions {res}" if res is not None else "one data.resolution"
+
+            raise StreamStateError(f"the checkpoint trained at {name(saved_res)}, this run at {name(now_res)}; resume "
+                                   f"with the same resolutions, or start a new run in another output.dir")
+        if saved_shares is not None and saved_shares != list(self.shares):
+            raise StreamStateError(f"the checkpoint gave the resolutions shares {saved_shares} of the batches, this "
+                                   f"run {list(self.shares)} (data.resolution_weights, or the cached sample counts, "
+                                   f"differ); resume with the same ones")
         if shards != self.fingerprint:
             raise StreamStateError(f"data.shards {self.shards.source} are not the shards the run was saved with "
                                    f"(names, counts or sizes differ); resume with the same shards, or start a new run "
@@ -676,5 +797,6 @@ class LatentStream:
         self.plans = {v: self._plan(v, positions[str(v)]) for v in self.owned}
 
 
-__all__ = ["LatentStream", "StreamConfig", "StreamPlan", "ShardSet", "LatentRef", "ChunkPlan", "StreamStateError",
+__all__ = ["LatentStream", "StreamConfig", "StreamPlan", "ResolutionPlan", "resolution_schedule", "ShardSet",
+           "LatentRef", "ChunkPlan", "StreamStateError",
            "first_sample", "load_chunk", "stream_ranges"]

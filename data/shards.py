@@ -43,6 +43,7 @@ latents through data/latent_stream.py instead: bounded memory, equal batches per
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import random
@@ -451,13 +452,26 @@ def _decode_latent_sample(sample: dict) -> dict:
 
 def write_latent_shards(samples: Iterable[dict], out_dir: Path, shard_size: int) -> ShardStats:
     """Write cached latents (see `encode_latent_sample`) into latent shards plus index.json, all or nothing."""
+    return write_latent_shard_sets(((0, s) for s in samples), [out_dir], shard_size)[0]
 
-    def write(sink: _ShardSink) -> None:
-        for i, sample in enumerate(samples):
-            encoded = encode_latent_sample(sample, where=f"sample {i}")
-            sink.write(encoded, bucket=tuple(int(v) for v in sample["bucket"]))
 
-    return _shard_set(Path(out_dir), shard_size, "latent", write)
+def write_latent_shard_sets(samples: Iterable[tuple[int, dict]], out_dirs: Sequence[Path],
+                            shard_size: int) -> list[ShardStats]:
+    """`write_latent_shards` into several sets from one stream: each (i, sample) goes to out_dirs[i] (one pass over
+    the images feeding every resolution of a multi-resolution cache). All or nothing: each set is installed only
+    when the stream ends, and an error leaves every out_dir as it was."""
+    out_dirs = [Path(d) for d in out_dirs]
+    _check_shard_size(shard_size)
+    for d in out_dirs:
+        _check_replaceable(d)
+    with contextlib.ExitStack() as stack:
+        tmps = [stack.enter_context(atomic_dir(d, what="shard set")) for d in out_dirs]
+        sinks = [stack.enter_context(_ShardSink(t, shard_size, "latent")) for t in tmps]
+        for n, (i, sample) in enumerate(samples):
+            sinks[i].write(encode_latent_sample(sample, where=f"sample {n}"),
+                           bucket=tuple(int(v) for v in sample["bucket"]))
+        done = [sink.finish() for sink in sinks]
+    return [ShardStats(d, names, counts, sum(counts)) for d, (names, counts) in zip(out_dirs, done)]
 
 
 def read_index(directory: Path) -> dict | None:

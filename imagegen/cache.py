@@ -14,6 +14,11 @@ the text encoder's settings, resolution, the mask mode, counts) so the trainer c
 D = 4096, P = 2048 for the released models; with `autoencoder.spec = "model"` the latents come from the vae/ of the
 pipeline at model.path.
 
+Several resolutions (`data.resolutions`): every image is cached at each, into out_dir/r<px>/ (eval:
+out_dir/eval/r<px>/), each a latent shard set with its own cache.json (its resolution recorded), in one pass over the
+image shards: each image is decoded once and its caption encoded once (`encode_at_resolutions`). A resolution whose
+folder is complete is skipped (adding one later encodes only it).
+
 Ranks (every rank encoding the whole set would write it world-size times): under torchrun each rank reads only its
 own slice of the image shards and writes `out_dir/rank-RRRRR/`; the rank that finishes last (it sees every rank's
 index) writes the combined `out_dir/index.json`, listing `rank-RRRRR/shard-NNNNNN.tar`. A single
@@ -27,20 +32,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from rich.progress import Progress
 
 from atelier_studio.data.buckets import bucket_pixels, make_buckets, nearest_bucket
 from atelier_studio.data.masks import mask_weights
-from atelier_studio.data.shards import INDEX_NAME, MASK_MEMBER, ShardReader, read_index, write_latent_shards
+from atelier_studio.data.shards import INDEX_NAME, MASK_MEMBER, ShardReader, read_index, write_latent_shard_sets
 from atelier_studio.imagegen.autoencoder import load_autoencoder, resolve_autoencoder_spec
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.hf import read_args
 from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.imagegen.text import TextEncoder
 from atelier_studio.pipeline.atomic import atomic_write_text
+from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.errors import DataError
 from atelier_studio.pipeline.progress import log
 
@@ -52,10 +58,26 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int = 2) -> list[tuple[int, int]]:
-    """Pixel buckets whose sides are multiples of autoencoder factor x MMDiT patch (latents split into patches)."""
+def check_resolutions(cfg: ImagegenConfig, downsample_factor: int, patch_size: int) -> None:
+    """Every resolution trained at is a multiple of autoencoder factor x MMDiT patch (its buckets tile into whole
+    patches): else a `ConfigError` naming the key and the nearest sizes that fit."""
     multiple = downsample_factor * patch_size
-    return make_buckets(cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
+    key = "data.resolutions" if cfg.data.multires else "data.resolution"
+    for r in cfg.data.all_resolutions:
+        if r % multiple:
+            lower, upper = r // multiple * multiple, (r // multiple + 1) * multiple
+            fits = f"{lower} or {upper}" if lower else str(upper)
+            raise ConfigError(f"{key}: {r} is not a multiple of {multiple} (the autoencoder's factor "
+                              f"{downsample_factor} x the MMDiT's patch {patch_size}); use {fits}")
+
+
+def cache_buckets(cfg: ImagegenConfig, downsample_factor: int, patch_size: int = 2,
+                  resolution: int | None = None) -> list[tuple[int, int]]:
+    """Pixel buckets of `resolution` (default data.resolution) whose sides are multiples of autoencoder factor x MMDiT
+    patch (latents split into patches)."""
+    check_resolutions(cfg, downsample_factor, patch_size)
+    multiple = downsample_factor * patch_size
+    return make_buckets(resolution or cfg.data.resolution, multiple, cfg.data.min_ratio, cfg.data.max_ratio)
 
 
 def _mask_of(sample: dict, mode: str, bucket: tuple[int, int], factor: int) -> torch.Tensor | None:
@@ -73,38 +95,62 @@ def _mask_of(sample: dict, mode: str, bucket: tuple[int, int], factor: int) -> t
     return mask_weights(source, bucket, factor)
 
 
-@torch.no_grad()
 def encode_samples(samples: Iterable[dict], buckets: list[tuple[int, int]], autoencoder, text: TextEncoder,
                    batch_size: int, device: torch.device, mask: str = "none") -> Iterator[dict]:
     """Image samples {key, image, caption, alpha, mask} -> latent samples, batched per bucket (remainders flushed at
     the end); with `mask` ("alpha" | "sidecar", `data.mask`) each carries its loss weights at latent resolution."""
-    pending: dict[int, list[dict]] = {}
+    for _, sample in encode_at_resolutions(samples, [buckets], autoencoder, text, batch_size, device, mask):
+        yield sample
 
-    def flush(b: int) -> Iterator[dict]:
-        group = pending.pop(b)
-        images = torch.stack([bucket_pixels(s["image"], buckets[b]) for s in group])  # [B,3,H,W]
+
+@torch.no_grad()
+def encode_at_resolutions(samples: Iterable[dict], bucket_sets: Sequence[list[tuple[int, int]]], autoencoder,
+                          text: TextEncoder, batch_size: int, device: torch.device,
+                          mask: str = "none") -> Iterator[tuple[int, dict]]:
+    """`encode_samples` at several resolutions in one pass: each image in its bucket of every set (one per
+    resolution), yielded as (set index, latent sample). Batches are per (set, bucket); a caption is encoded once,
+    with the first batch that holds its image, and kept until its image was encoded at every resolution."""
+    pending: dict[tuple[int, int], list[int]] = {}  # (set, bucket) -> ingestion numbers
+    held: dict[int, dict] = {}  # ingestion number -> the image sample, until every set has encoded it
+    text_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ingestion number -> (states [L, D], pooled [P])
+    left: dict[int, int] = {}  # ingestion number -> sets still to encode it
+
+    def flush(key: tuple[int, int]) -> Iterator[tuple[int, dict]]:
+        r, b = key
+        bucket, group = bucket_sets[r][b], pending.pop(key)
+        images = torch.stack([bucket_pixels(held[n]["image"], bucket) for n in group])  # [B,3,H,W]
         latents = autoencoder.encode(images.to(device)).float().cpu()  # [B, C, h, w]
-        states, pooled, _ = text.encode([s["caption"] for s in group])  # [B, L, D], [B, D]
-        for i, s in enumerate(group):
-            weights = _mask_of(s, mask, buckets[b], autoencoder.downsample_factor)
-            yield {"key": s["key"], "latent": latents[i], "text_states": states[i].cpu(), "pooled": pooled[i].cpu(),
-                   "bucket": buckets[b], "caption": s["caption"], **({"mask": weights} if weights is not None else {})}
+        new = [n for n in group if n not in text_of]
+        if new:
+            states, pooled, _ = text.encode([held[n]["caption"] for n in new])  # [B', L, D], [B', P]
+            text_of.update({n: (states[i].cpu(), pooled[i].cpu()) for i, n in enumerate(new)})
+        for i, n in enumerate(group):
+            s, (states_n, pooled_n) = held[n], text_of[n]
+            weights = _mask_of(s, mask, bucket, autoencoder.downsample_factor)
+            yield r, {"key": s["key"], "latent": latents[i], "text_states": states_n, "pooled": pooled_n,
+                      "bucket": bucket, "caption": s["caption"], **({"mask": weights} if weights is not None else {})}
+            left[n] -= 1
+            if not left[n]:
+                del held[n], text_of[n], left[n]
 
-    for s in samples:
+    for n, s in enumerate(samples):
         w, h = s["image"].size
-        b = nearest_bucket(h, w, buckets)
-        pending.setdefault(b, []).append(s)
-        if len(pending[b]) == batch_size:
-            yield from flush(b)
-    for b in sorted(pending):
-        yield from flush(b)
+        held[n], left[n] = s, len(bucket_sets)
+        for r, buckets in enumerate(bucket_sets):
+            key = (r, nearest_bucket(h, w, buckets))
+            pending.setdefault(key, []).append(n)
+            if len(pending[key]) == batch_size:
+                yield from flush(key)
+    for key in sorted(pending):
+        yield from flush(key)
 
 
-def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict) -> None:
+def _write_meta(out_dir: Path, cfg: ImagegenConfig, text: TextEncoder, autoencoder, counts: dict,
+                resolution: int) -> None:
     meta = {"autoencoder": resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path),
             "latent_channels": autoencoder.latent_channels,
             "downsample_factor": autoencoder.downsample_factor, "scaling_factor": autoencoder.scaling_factor,
-            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": cfg.data.resolution,
+            "shift_factor": autoencoder.shift_factor, **text.settings(), "resolution": resolution,
             "mask": cfg.data.mask, **counts}
     atomic_write_text(out_dir / CACHE_META, json.dumps(meta, indent=1) + "\n", what="cache metadata")
 
@@ -124,14 +170,18 @@ def _merge_rank_indexes(out_dir: Path, world_size: int) -> bool:
 
 def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int, autoencoder, text: TextEncoder,
                 device: torch.device, rank: int = 0, world_size: int = 1, patch_size: int = 2,
-                progress: bool = True) -> Path:
-    """Encode one image shard set into latent shards at out_dir (this rank's slice); returns the directory."""
-    out_dir = Path(out_dir)
-    target = out_dir / f"rank-{rank:05d}" if world_size > 1 else out_dir
-    if read_index(target) is not None and (target / CACHE_META).is_file():
-        log(f"cache: {target} is complete, skipping")
-    else:
-        buckets = cache_buckets(cfg, autoencoder.downsample_factor, patch_size)
+                progress: bool = True) -> dict[int, str]:
+    """Encode one image shard set into latent shards (this rank's slice), in one pass over the images: at
+    data.resolution into out_dir, or at each of data.resolutions into out_dir/r<px>. Returns resolution -> its
+    directory (`DataConfig.latent_sources`)."""
+    dirs = {r: Path(d) for r, d in cfg.data.latent_sources(out_dir).items()}
+    targets = {r: d / f"rank-{rank:05d}" if world_size > 1 else d for r, d in dirs.items()}
+    done = {r for r, t in targets.items() if read_index(t) is not None and (t / CACHE_META).is_file()}
+    for r in sorted(done):
+        log(f"cache: {targets[r]} is complete, skipping")
+    todo = [r for r in targets if r not in done]
+    if todo:
+        bucket_sets = [cache_buckets(cfg, autoencoder.downsample_factor, patch_size, r) for r in todo]
         reader = ShardReader(source, kind="image", rank=rank, world_size=world_size, num_workers=cfg.data.num_workers,
                              max_bad_fraction=cfg.data.max_bad_fraction)
         images: Iterable[dict] = reader
@@ -139,35 +189,39 @@ def cache_split(cfg: ImagegenConfig, source: str, out_dir: Path, shard_size: int
             images = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=cfg.data.num_workers)
         index = read_index(Path(source)) if Path(source).is_dir() else None
         total = index["total"] // world_size if index else None
-        written = 0
+        written = [0] * len(todo)
 
-        def counted(samples: Iterator[dict], bar: Progress, task) -> Iterator[dict]:
-            nonlocal written
-            for s in samples:
-                written += 1
-                bar.advance(task)
-                yield s
+        def counted(samples: Iterator[tuple[int, dict]], bar: Progress, task) -> Iterator[tuple[int, dict]]:
+            for i, s in samples:
+                written[i] += 1
+                if i == 0:  # the bar counts images, each written once per resolution
+                    bar.advance(task)
+                yield i, s
 
+        px = ", ".join(str(r) for r in todo)
         with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task(f"caching {Path(source).name} (rank {rank}/{world_size})", total=total)
-            stream = encode_samples(images, buckets, autoencoder, text, cfg.data.cache_batch, device, cfg.data.mask)
-            write_latent_shards(counted(stream, bar, task), target, shard_size)
+            task = bar.add_task(f"caching {Path(source).name} at {px} px (rank {rank}/{world_size})", total=total)
+            stream = encode_at_resolutions(images, bucket_sets, autoencoder, text, cfg.data.cache_batch, device,
+                                           cfg.data.mask)
+            write_latent_shard_sets(counted(stream, bar, task), [targets[r] for r in todo], shard_size)
         text.report_truncation(f"cache {source}")
         c = reader.counter  # this process's count (each DataLoader worker keeps its own)
-        counts = {"samples": written, "bad": c.bad, "bad_by_reason": dict(c.by_reason)}
-        _write_meta(target, cfg, text, autoencoder, counts)
-        log(f"cache: {written} samples from {source} -> {target}; bad samples skipped: {c.bad} {dict(c.by_reason)}")
-    if world_size > 1 and _merge_rank_indexes(out_dir, world_size):
-        atomic_write_text(out_dir / CACHE_META, (target / CACHE_META).read_text(), what="cache metadata")
-        log(f"cache: all {world_size} ranks done, wrote {out_dir / INDEX_NAME}")
-    return out_dir
+        for r, n in zip(todo, written):
+            _write_meta(targets[r], cfg, text, autoencoder, {"samples": n, "bad": c.bad,
+                                                             "bad_by_reason": dict(c.by_reason)}, r)
+            log(f"cache: {n} samples from {source} at {r} px -> {targets[r]}; bad samples skipped: {c.bad} "
+                f"{dict(c.by_reason)}")
+    for r, d in dirs.items():
+        if world_size > 1 and _merge_rank_indexes(d, world_size):
+            atomic_write_text(d / CACHE_META, (targets[r] / CACHE_META).read_text(), what="cache metadata")
+            log(f"cache: all {world_size} ranks done, wrote {d / INDEX_NAME}")
+    return {r: str(d) for r, d in dirs.items()}
 
 
 def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) -> Path:
-    """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval."""
+    """`atelier imagegen cache`: data.image_shards -> out_dir, data.eval_image_shards -> out_dir/eval; with
+    data.resolutions each image at every resolution, into out_dir/r<px> and out_dir/eval/r<px>."""
     if not cfg.data.image_shards:
-        from atelier_studio.pipeline.config import ConfigError
-
         raise ConfigError("data.image_shards: required by `atelier imagegen cache` (image shards from `atelier data "
                           "shards`)")
     rank, world_size = dist_env()
@@ -176,6 +230,7 @@ def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) ->
     autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
     text = load_text_encoder(cfg.text, device, cfg.model.path)
     patch = read_args(cfg.model.path).patch_size  # buckets must tile into whole MMDiT patches
+    check_resolutions(cfg, autoencoder.downsample_factor, patch)  # every resolution, before any is encoded
     out_dir = Path(out_dir)
     cache_split(cfg, cfg.data.image_shards, out_dir, shard_size, autoencoder, text, device, rank, world_size, patch)
     if cfg.data.eval_image_shards:
@@ -184,4 +239,5 @@ def cache_latents(cfg: ImagegenConfig, out_dir: Path, shard_size: int = 1000) ->
     return out_dir
 
 
-__all__ = ["cache_latents", "cache_split", "encode_samples", "cache_buckets", "dist_env", "CACHE_META"]
+__all__ = ["cache_latents", "cache_split", "encode_samples", "encode_at_resolutions", "cache_buckets",
+           "check_resolutions", "dist_env", "CACHE_META"]

@@ -17,6 +17,7 @@ SD3 / SD3.5 transformers' dims. With `model.path` a diffusers SD3 pipeline direc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS
@@ -116,6 +117,13 @@ class DataConfig:
     image_shards: str = ""  # `atelier imagegen cache` input: image shards (from `atelier data shards`)
     eval_image_shards: str = ""  # optional; cached into <cache out>/eval
     resolution: int = 0  # pixel side of the square bucket; buckets keep area <= resolution²
+    # multi-resolution training, instead of `resolution`: each image is cached at every one of these (aspect
+    # buckets under each, `<shards>/r<px>/`), and each micro-batch is one (resolution, aspect) bucket. Sides must be
+    # multiples of the autoencoder's factor x the MMDiT's patch (16 for SD3), checked where both are known
+    resolutions: tuple[int, ...] = ()
+    # the share of micro-batches each resolution gets, one weight per entry of `resolutions` (normalised); empty =
+    # proportional to the samples cached at each resolution
+    resolution_weights: tuple[float, ...] = ()
     min_ratio: float = 0.25  # bucket aspect ratios W/H in [min_ratio, max_ratio]
     max_ratio: float = 4.0
     max_bad_fraction: float = 0.01  # corrupt samples tolerated before the run stops
@@ -134,11 +142,49 @@ class DataConfig:
     # `atelier imagegen cache` and for training alike
     mask: Literal["none", "alpha", "sidecar"] = "none"
 
+    @property
+    def all_resolutions(self) -> tuple[int, ...]:
+        """The pixel sides trained at: `resolutions`, or (`resolution`,)."""
+        return self.resolutions or (self.resolution,)
+
+    @property
+    def multires(self) -> bool:
+        """`resolutions` is set: the latents live in one `r<px>/` folder per resolution."""
+        return bool(self.resolutions)
+
+    def latent_sources(self, root: str | Path) -> dict[int, str]:
+        """resolution -> its latent shard set under `root`: root itself for `resolution`, root/r<px> for each of
+        `resolutions` (where `atelier imagegen cache` writes them)."""
+        if not self.multires:
+            return {self.resolution: str(root)}
+        return {r: str(Path(root) / f"r{r}") for r in self.resolutions}
+
+    def _validate_resolutions(self) -> None:
+        if self.resolution and self.resolutions:
+            raise ConfigError(f"resolution ({self.resolution}) and resolutions ({list(self.resolutions)}): set one "
+                              f"of them (resolutions = [{self.resolution}] is the multi-resolution form)")
+        if not self.resolutions and self.resolution <= 0:
+            raise ConfigError(f"resolution: required, a positive pixel size (or resolutions = [512, 768, ...]), "
+                              f"got {self.resolution}")
+        bad = [r for r in self.resolutions if r <= 0]
+        if bad:
+            raise ConfigError(f"resolutions: every entry must be a positive pixel size, got {bad[0]}")
+        twice = sorted({r for r in self.resolutions if self.resolutions.count(r) > 1})
+        if twice:
+            raise ConfigError(f"resolutions: {twice[0]} is listed twice; list each resolution once")
+        if self.resolution_weights and not self.resolutions:
+            raise ConfigError("resolution_weights: needs resolutions (one weight per resolution)")
+        if self.resolution_weights and len(self.resolution_weights) != len(self.resolutions):
+            raise ConfigError(f"resolution_weights: {len(self.resolution_weights)} weights for "
+                              f"{len(self.resolutions)} resolutions {list(self.resolutions)}; give one per resolution")
+        if any(not w > 0 or w == float("inf") for w in self.resolution_weights):
+            raise ConfigError(f"resolution_weights: every weight must be a finite number > 0, got "
+                              f"{list(self.resolution_weights)}")
+
     def validate(self) -> None:
         if not self.shards:
             raise ConfigError("shards: required — a latent shard directory (`atelier imagegen cache`) or image shards")
-        if self.resolution <= 0:
-            raise ConfigError(f"resolution: required, a positive pixel size, got {self.resolution}")
+        self._validate_resolutions()
         if not 0 < self.min_ratio <= 1 <= self.max_ratio:
             raise ConfigError(f"min_ratio/max_ratio: need 0 < min_ratio <= 1 <= max_ratio, got "
                               f"{self.min_ratio}, {self.max_ratio}")
@@ -237,7 +283,8 @@ class ImagegenConfig:
     # settings, the loader threads, the bad-sample tolerance, lora.dropout and the sample grid.
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
         refuse=("model.path", "model.dtype", "autoencoder", "text", "data.shards", "data.resolution",
-                "data.min_ratio", "data.max_ratio", "data.shuffle_buffer", "data.mask", "lora", "ema", *TRAIN_REFUSE),
+                "data.resolutions", "data.resolution_weights", "data.min_ratio", "data.max_ratio",
+                "data.shuffle_buffer", "data.mask", "lora", "ema", *TRAIN_REFUSE),
         warn=("model.kernels", "model.attention", "text.caption_dropout", "text.caption_dropout_fill",
               "text.caption_dropout_encoders", "data.eval_shards", "data.image_shards", "data.eval_image_shards",
               "data.max_bad_fraction", "data.num_workers", "data.cache_batch", "data.max_eval_images",

@@ -1,9 +1,9 @@
 """Imagegen's `--dry-run` plan (pipeline/dry_run.py): the MMDiT from its config.json on the meta device, LoRA
 applied as the run would, the latent shards counted from their index files; no weights read, nothing encoded.
 
-An image at data.resolution becomes (resolution / f / patch)² image tokens, f the autoencoder's downsampling (8 for
-an SD3 VAE, p for the pixel codec "pixel:p"); the text stream has text.max_length tokens (an SD3 pipeline's encoders:
-77 CLIP + 256 T5 tokens). Both streams run through every joint block.
+An image at data.resolution (the largest of data.resolutions) becomes (resolution / f / patch)² image tokens, f the
+autoencoder's downsampling (8 for an SD3 VAE, p for the pixel codec "pixel:p"); the text stream has text.max_length
+tokens (an SD3 pipeline's encoders: 77 CLIP + 256 T5 tokens). Both streams run through every joint block.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
     act_bytes = 4 if cfg.model.dtype == "float32" else 2
     spec = cfg.autoencoder.spec
     down = int(spec.split(":")[1]) if spec.startswith("pixel:") else (2 if spec == "pixel" else 8)
-    resolution = cfg.data.resolution or args.sample_size * down
+    resolution = max(cfg.data.all_resolutions) or args.sample_size * down  # the largest bucket sets the peak
     image_tokens = (resolution // down // args.patch_size) ** 2
     text_tokens = SD3_TEXT_TOKENS if cfg.text.kind == "sd3" else cfg.text.max_length
     train = cfg.train
@@ -69,7 +69,9 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
              "per process; under torchrun FSDP2 divides weights, gradients and optimizer state by the processes",
              "the frozen text encoders and VAE are not counted: training reads cached latents"]
     return Plan(params_total=total, params_trainable=trainable, unit="images", units_per_step=images,
-                flops_per_step=int(flops), memory=memory, dataset=_latent_count(cfg.data.shards), notes=tuple(notes))
+                flops_per_step=int(flops), memory=memory,
+                dataset="; ".join(_latent_count(src) for src in cfg.data.latent_sources(cfg.data.shards).values()),
+                notes=tuple(notes))
 
 
 def _latent_count(shards: str) -> str:

@@ -58,6 +58,19 @@ def make_grid(images: Sequence[Image.Image], columns: int, pad: int = 2) -> Imag
     return grid
 
 
+def make_grid_column(images: Sequence[Image.Image], pad: int = 2) -> Image.Image:
+    """Images of any sizes (one grid per resolution) stacked top to bottom, left-aligned, on a white canvas."""
+    if not images:
+        raise ValueError("make_grid_column: no images")
+    width, height = max(im.size[0] for im in images), sum(im.size[1] for im in images) + pad * (len(images) - 1)
+    column = Image.new("RGB", (width, height), (255, 255, 255))
+    top = 0
+    for im in images:
+        column.paste(im, (0, top))
+        top += im.size[1] + pad
+    return column
+
+
 @torch.no_grad()
 def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tuple[int, int], steps: int,
                    guidance: float, seed: int, flow: FlowArgs, batch_size: int,
@@ -149,7 +162,8 @@ def run_meta(cfg) -> dict:
         base = resolve_dir(cfg.model.path)
     except FileNotFoundError:  # a config read for its settings only: sampling a LoRA names the path if it matters
         base = Path(cfg.model.path)
-    return {"autoencoder": spec, "text": text, "resolution": cfg.data.resolution,
+    # several resolutions (data.resolutions): `atelier imagegen sample` renders at the largest by default
+    return {"autoencoder": spec, "text": text, "resolution": max(cfg.data.all_resolutions),
             "flow": dataclasses.asdict(cfg.flow), "model_dtype": cfg.model.dtype, "base_model": str(base.resolve())}
 
 
@@ -291,5 +305,5 @@ def sample_to_dir(model_dir: Path, captions_file: Path, out_dir: Path, steps: in
     return paths
 
 
-__all__ = ["sample_images", "sample_latents", "sample_to_dir", "load_for_sampling", "make_grid", "to_pil",
-           "write_run_meta", "run_meta", "text_encoder_from_meta", "RUN_META"]
+__all__ = ["sample_images", "sample_latents", "sample_to_dir", "load_for_sampling", "make_grid", "make_grid_column",
+           "to_pil", "write_run_meta", "run_meta", "text_encoder_from_meta", "RUN_META"]

@@ -13,7 +13,10 @@ them, by the empty caption's (or zeros) with probability text.caption_dropout.
 Data (data/latent_stream.py): the training latents stream from the shards with bounded memory, as
 data.streams logical streams (default: one per process); global micro-batch k is one chunk of one bucket
 from every stream, and a rank runs the chunks of the streams it holds (one, unless it holds several, as
-one process replaying a multi-process run does: then each chunk is a micro-batch of the step). A chunk's
+one process replaying a multi-process run does: then each chunk is a micro-batch of the step). With
+data.resolutions the latents of each resolution are their own shard set (<shards>/r<px>) and global micro-batch k
+is from one resolution, the same on every stream (data/latent_stream.py ResolutionPlan); evaluation reports each
+resolution's loss too, and the sample grid renders at each. A chunk's
 draws (timesteps, noise, caption dropout) come from a generator seeded by (train.seed, k, stream), so any
 number of processes with the same data.streams and global batch draws the same, and resume is exact without
 any RNG state. The eval set is small and held in memory (at most data.max_eval_images).
@@ -68,7 +71,7 @@ from atelier_studio.data.latent_stream import LatentStream, StreamConfig, first_
 from atelier_studio.data.shards import read_index, read_latent_shards
 from atelier_studio.data.textfile import read_json, read_lines
 from atelier_studio.imagegen.autoencoder import SD3VAE, load_autoencoder, resolve_autoencoder_spec
-from atelier_studio.imagegen.cache import CACHE_META, cache_split
+from atelier_studio.imagegen.cache import CACHE_META, cache_split, check_resolutions
 from atelier_studio.imagegen.caption_dropout import drop_captions, drop_mask
 from atelier_studio.imagegen.config import ImagegenConfig
 from atelier_studio.imagegen.ema import EMA
@@ -85,7 +88,7 @@ from atelier_studio.imagegen.lora import (
 )
 from atelier_studio.imagegen.model import MMDiT
 from atelier_studio.imagegen.registry import family_of_args
-from atelier_studio.imagegen.sample import make_grid, sample_images, write_run_meta
+from atelier_studio.imagegen.sample import make_grid, make_grid_column, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
 from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.imagegen.text import EncodedPrompts, text_encoder_dir
@@ -169,23 +172,30 @@ class ImagegenTask(Task):
 
         out = Path(cfg.output.dir)
         d = cfg.data
-        self.train_source = self._latents(d.shards, out / "cache" / "train")
-        self.stream = LatentStream(self.train_source, StreamConfig(
+        check_resolutions(cfg, self.autoencoder.downsample_factor, self.model.args.patch_size)
+        # resolution -> its latent shard set (one for data.resolution; <shards>/r<px> for each of data.resolutions)
+        self.train_sources = self._latents(d.shards, out / "cache" / "train")
+        self.stream = LatentStream(self.train_sources if d.multires else self.train_sources[d.resolution],
+                                   StreamConfig(
             cfg.train.micro_batch, rank, world_size, streams=d.streams, shuffle_buffer=d.shuffle_buffer,
             seed=cfg.train.seed, workers=d.loader_workers, max_bad_fraction=d.max_bad_fraction,
-            pin_memory=device.type == "cuda"))
-        first = first_sample(self.stream.shards)
-        self._check_latents(first["shapes"], first["key"], first["shard"],
-                            list(self.stream.shards.buckets or [first["bucket"]]), d.shards)
-        self._check_masks(first["shapes"], first["key"], d.shards)
-        self.eval_set = None
-        if d.eval_shards:  # held out and small: kept in memory, at most max_eval_images of it
-            self.eval_set = LatentDataset(self._latents(d.eval_shards, out / "cache" / "eval"),
-                                          max_bad_fraction=d.max_bad_fraction, limit=d.max_eval_images)
-            s = self.eval_set[0]
+            pin_memory=device.type == "cuda", resolution_weights=d.resolution_weights))
+        for (resolution, source), shards in zip(self.train_sources.items(), self.stream.sets):
+            first = first_sample(shards)
+            self._check_latents(first["shapes"], first["key"], first["shard"],
+                                list(shards.buckets or [first["bucket"]]), source, resolution)
+            self._check_masks(first["shapes"], first["key"], source)
+        # held out and small: kept in memory, at most max_eval_images of it per resolution
+        self.eval_sets: dict[int, LatentDataset] = {}
+        for resolution, source in (self._latents(d.eval_shards, out / "cache" / "eval") if d.eval_shards else
+                                   {}).items():
+            ds = self.eval_sets[resolution] = LatentDataset(source, max_bad_fraction=d.max_bad_fraction,
+                                                            limit=d.max_eval_images)
+            s = ds[0]
             self._check_latents({n: tuple(s[n].shape) for n in ("latent", "text_states", "pooled")}, s["key"],
-                                s["shard"], self.eval_set.buckets, d.eval_shards)
-            self._check_masks({n: tuple(v.shape) for n, v in s.items() if n == "mask"}, s["key"], d.eval_shards)
+                                s["shard"], ds.buckets, source, resolution)
+            self._check_masks({n: tuple(v.shape) for n, v in s.items() if n == "mask"}, s["key"], source)
+        self.eval_set = next(iter(self.eval_sets.values()), None)  # the (first) resolution's: default prompts
         # after wrapping: the shadow is sharded like the weights
         self.ema = EMA(self.model, cfg.ema.decay, cfg.ema.update_every) if cfg.ema.decay > 0 else None
         self.prompts = self._prompts()
@@ -310,13 +320,18 @@ class ImagegenTask(Task):
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
                               f" latent channels, but the MMDiT at model.path has in_channels {a.in_channels}")
 
-    def _check_cache_meta(self, source: str) -> None:
+    def _check_cache_meta(self, source: str, resolution: int) -> None:
         """Latents cached with other text or VAE settings than this config's (same shapes, other numbers: a
-        clip_skip, a T5-less cache, another VAE scaling) are named, with the key, instead of trained on."""
+        clip_skip, a T5-less cache, another VAE scaling), or at another resolution than the folder of
+        data.resolutions they are read as, are named, with the key, instead of trained on."""
         meta_path = Path(source) / CACHE_META
         if not meta_path.is_file():  # image shards (encoded here, with this config), or a cache from elsewhere
             return
         meta = read_json(meta_path, ConfigError)
+        if self.cfg.data.multires and meta.get("resolution", resolution) != resolution:
+            raise ConfigError(f"{meta_path}: the latents were cached at resolution {meta['resolution']}, but "
+                              f"data.resolutions reads them as its {resolution} px ones; re-run `atelier imagegen "
+                              f"cache` with this config")
         now = {**self.text.settings(), "scaling_factor": self.autoencoder.scaling_factor,
                "shift_factor": self.autoencoder.shift_factor}
         keys = {"text_kind": "text.kind", "max_sequence_length": "text.max_sequence_length",
@@ -344,9 +359,9 @@ class ImagegenTask(Task):
                                   f"run asks for {mode!r}; re-run `atelier imagegen cache` with this config")
 
     def _check_latents(self, shapes: dict[str, tuple[int, ...]], key: str, shard: str,
-                       buckets: list[tuple[int, int]], source: str) -> None:
+                       buckets: list[tuple[int, int]], source: str, resolution: int) -> None:
         """A sample's tensor shapes (and the set's buckets and cache settings) against the model and the text config."""
-        self._check_cache_meta(source)
+        self._check_cache_meta(source, resolution)
         a = self.model.args
         checks = [("latent channels", shapes["latent"][0], a.in_channels, "MMDiT in_channels"),
                   ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
@@ -365,17 +380,19 @@ class ImagegenTask(Task):
         f, p = self.autoencoder.downsample_factor, self.model.args.patch_size
         return (bucket[0] // f) % p == 0 and (bucket[1] // f) % p == 0
 
-    def _latents(self, source: str, cache_dir: Path) -> str:
-        """Latent shards as given; image shards are encoded once into cache_dir (small runs) and read from there."""
+    def _latents(self, source: str, cache_dir: Path) -> dict[int, str]:
+        """resolution -> latent shards: as given (`DataConfig.latent_sources`: source, or source/r<px> for each of
+        data.resolutions); image shards are encoded once into cache_dir (cache_dir/r<px>: small runs) and read
+        from there."""
         index = read_index(Path(source)) if Path(source).is_dir() else None
         if index is None or index.get("kind") != "image":
-            return source
+            return self.cfg.data.latent_sources(source)
         if self.dist.world_size > 1:
             raise ConfigError(f"data.shards {source} holds images: with several ranks, cache them first "
                               f"(`atelier imagegen cache`)")
         log(f"{source} holds images: encoding them once into {cache_dir}")
-        return str(cache_split(self.cfg, source, cache_dir, 1000, self.autoencoder, self.text, self.device,
-                               patch_size=self.model.args.patch_size))
+        return cache_split(self.cfg, source, cache_dir, 1000, self.autoencoder, self.text, self.device,
+                           patch_size=self.model.args.patch_size)
 
     def _prompts(self) -> list[str]:
         s = self.cfg.sample
@@ -393,7 +410,8 @@ class ImagegenTask(Task):
             return lines
         if self.eval_set is not None:  # default: the first captions of the held-out set (else the training set)
             return [self.eval_set[i]["caption"] for i in range(min(2 * s.columns, len(self.eval_set)))]
-        return [x["caption"] for x in itertools.islice(read_latent_shards(self.train_source), 2 * s.columns)]
+        first = next(iter(self.train_sources.values()))
+        return [x["caption"] for x in itertools.islice(read_latent_shards(first), 2 * s.columns)]
 
     # ------------------------------------------------------------------ data
 
@@ -478,8 +496,9 @@ class ImagegenTask(Task):
 
     # ------------------------------------------------------------------ evaluation and samples
 
-    def _eval_sums(self) -> list[float]:
-        """[Σ loss, n, then Σ loss and n per timestep bin] over the eval images, summed over ranks.
+    def _eval_sums(self, ds: LatentDataset) -> list[float]:
+        """[Σ loss, n, then Σ loss and n per timestep bin] over the eval images `ds` (one resolution's), summed over
+        ranks.
 
         Fixed noise (a private CPU generator) and timesteps t = (k + 0.5) / 8 for the k-th image. The images
         go in global batches of world_size x micro_batch (one bucket each), each split over the ranks as the
@@ -487,7 +506,6 @@ class ImagegenTask(Task):
         whose share of a short last batch is empty runs the forward on one image anyway and drops it: FSDP's
         forward is a collective, every rank must run as many.
         """
-        ds = self.eval_set
         limit = self.cfg.data.max_eval_images or len(ds)
         order = sorted(range(len(ds)), key=lambda i: (ds.bucket_ids[i], i))[:limit]  # bucket-grouped, fixed
         gen = torch.Generator().manual_seed(self.cfg.train.seed + 1)
@@ -528,6 +546,18 @@ class ImagegenTask(Task):
                 out[prefix + name] = s / n
         return out
 
+    def _eval_losses(self, prefix: str) -> dict[str, float]:
+        """The held-out loss and its timestep bins over every resolution's eval images; with data.resolutions also
+        each resolution's loss, `loss_<px>px`."""
+        per = {r: self._eval_sums(ds) for r, ds in self.eval_sets.items()}
+        out = self._summarise([sum(col) for col in zip(*per.values())], prefix)
+        if self.cfg.data.multires:
+            for r, sums in per.items():
+                loss = self._summarise(sums, prefix).get(f"{prefix}loss")
+                if loss is not None:
+                    out[f"{prefix}loss_{r}px"] = loss
+        return out
+
     def evaluate(self) -> dict[str, float]:
         """Held-out loss (and the EMA's), by timestep bin, and the training loss by bin since the last call.
 
@@ -535,11 +565,11 @@ class ImagegenTask(Task):
         export, which the trainer runs on rank 0 only right after.
         """
         result: dict[str, float] = {}
-        if self.eval_set is not None:
-            result.update(self._summarise(self._eval_sums(), prefix=""))
+        if self.eval_sets:
+            result.update(self._eval_losses(prefix=""))
             if self.ema is not None:
                 with self.ema.swapped_in():
-                    result.update(self._summarise(self._eval_sums(), prefix="ema_"))
+                    result.update(self._eval_losses(prefix="ema_"))
         counts_sums = all_reduce_sum(self.dist, [*self._bin_count.tolist(), *self._bin_sum.tolist()])
         for k, name in enumerate(_bin_names()):
             if counts_sums[k] > 0:
@@ -551,19 +581,23 @@ class ImagegenTask(Task):
         return result
 
     def write_samples(self, path: Path) -> Path:
-        """The fixed sample grid (fixed prompts and noise seed; EMA weights when on) as one PNG.
+        """The fixed sample grid (fixed prompts and noise seed; EMA weights when on) as one PNG: one grid per
+        resolution of data.resolutions, stacked top to bottom in their order (the same noise seed each).
 
         Every rank calls it (the sampler's forwards are collectives under FSDP); rank 0 writes the file.
         """
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         s = self.cfg.sample
+        grids = []
         with ctx:
-            images = sample_images(self.model, self.text, self.autoencoder, self.prompts, self.cfg.data.resolution,
-                                   s.steps, s.guidance, s.seed, self.flow,
-                                   autocast_dtype=torch.bfloat16 if self.autocast else None)
+            for resolution in self.cfg.data.all_resolutions:
+                images = sample_images(self.model, self.text, self.autoencoder, self.prompts, resolution,
+                                       s.steps, s.guidance, s.seed, self.flow,
+                                       autocast_dtype=torch.bfloat16 if self.autocast else None)
+                grids.append(make_grid(images, s.columns))
         if self.dist.is_main:
             with atomic_file(path, "wb", what="sample grid") as f:
-                make_grid(images, s.columns).save(f, format="PNG")
+                (grids[0] if len(grids) == 1 else make_grid_column(grids)).save(f, format="PNG")
         return path
 
     def after_optimizer_step(self, step: int) -> None:

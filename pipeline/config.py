@@ -301,6 +301,15 @@ def did_you_mean(key: str, known: Any, prefix: str = "") -> str:
     return f", did you mean {prefix}{close[0]}?" if close else ""
 
 
+def _comma_item(raw: str) -> Any:
+    """One item of a comma list given to --set, as TOML reads it (512 -> int, 0.5 -> float, true -> bool); a word
+    TOML cannot read stays a string (a Literal's value, or what _coerce reports with the key)."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -322,8 +331,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: must be one of {', '.join(repr(a) for a in args)}; got {_show(value)}")
         return value
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # a --set comma list: items of a non-string type are read as TOML values
+            items = [v.strip() for v in value.split(",") if v.strip()]
+            kinds = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
+            value = [_comma_item(v) if kind is not str else v for v, kind in zip(items, kinds)] + items[len(kinds):]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {_show(value)}")
         if len(args) == 2 and args[1] is Ellipsis:

@@ -74,3 +74,16 @@ def test_dry_run_of_8b_bf16_adapters_in_fp8_counts_their_dtype_and_the_fp8_copie
     assert memory["gradients"] == 2 * trainable and memory["optimizer"] == 4 * trainable
     shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096), (12288, 4096), (4096, 12288)]
     assert memory["fp8 copies"] == 36 * sum(2 * n * k + 4 * (n + k) for n, k in shapes)
+
+
+def test_dry_run_of_several_resolutions_sizes_the_largest_and_counts_each(tmp_path, capsys):
+    """data.resolutions: the memory and FLOPs are the largest resolution's (its images are the longest sequences), the
+    dataset line names each resolution's latent folder (<shards>/r<px>)."""
+    model = config_only("imagegen", "sd3-medium", tmp_path / "model")
+    assert main(["imagegen", "train", "--config", str(ROOT / "configs" / "imagegen" / "sd3-medium.toml"), "--dry-run",
+                 "--set", f"model.path={model}", "--set", "data.resolution=0", "--set", "data.resolutions=512,1024",
+                 "--set", f"data.shards={tmp_path / 'lat'}", "--set", f"output.dir={tmp_path / 'run'}"]) == 0
+    report = capsys.readouterr().out
+    assert "4096 image tokens (1024 px" in report
+    dataset = next(line for line in report.splitlines() if line.startswith("dataset: "))
+    assert str(tmp_path / "lat" / "r512") in dataset and str(tmp_path / "lat" / "r1024") in dataset, dataset

@@ -36,6 +36,19 @@ def test_make_buckets_geometry(resolution, multiple, step):
     assert min(ratios) < 0.3 and max(ratios) > 3.3
 
 
+@pytest.mark.parametrize("multiple", [4, 16])
+def test_buckets_of_different_resolutions_never_coincide(multiple):
+    """What a multi-resolution stream relies on (data/latent_stream.py ResolutionPlan): a bucket (H, W) names its
+    resolution. Each bucket's area is within multiple x short side of resolution², and resolutions differ by at
+    least one multiple, so the areas of two resolutions' buckets cannot meet."""
+    resolutions = [multiple * k for k in range(1, 40)] + [512, 768, 1024]
+    owner: dict[tuple[int, int], int] = {}
+    for r in sorted(set(resolutions)):
+        for b in make_buckets(r, multiple):
+            assert owner.setdefault(b, r) == r, (b, owner[b], r)
+    assert len(owner) > 100
+
+
 def test_each_sample_goes_to_nearest_bucket_by_log_ratio():
     buckets = make_buckets(128, 16)
     rng = np.random.default_rng(0)

@@ -18,6 +18,7 @@ from atelier_studio.data.latent_stream import (
     ShardSet,
     StreamConfig,
     StreamStateError,
+    resolution_schedule,
     stream_ranges,
 )
 from atelier_studio.data.shards import ShardError, encode_latent_sample, write_latent_shards
@@ -197,6 +198,130 @@ def test_mismatched_positions_are_refused(shards, tmp_path):
         stream(d, micro_batch=3, streams=2)
     with pytest.raises(ConfigError, match="3 streams cannot be split over 2 processes"):
         stream(d, micro_batch=3, world_size=2, streams=3)
+
+
+# ----------------------------------------------------------------------------- several resolutions
+
+# two resolutions' shard sets as `atelier imagegen cache` writes them for data.resolutions = [16, 32]: each its own
+# aspect buckets (area <= resolution²), unequal sample counts (60 and 45) so the data-proportional shares differ
+RES_BUCKETS = {16: ((16, 16), (16, 32), (32, 16)), 32: ((32, 32), (32, 64), (64, 32))}
+RES_COUNTS = {16: 60, 32: 45}
+
+
+@pytest.fixture(scope="module")
+def multires(tmp_path_factory) -> tuple[dict[int, Path], dict[int, dict[str, dict]]]:
+    root = tmp_path_factory.mktemp("multires")
+    dirs, originals = {}, {}
+    for r, n in RES_COUNTS.items():
+        samples = make_samples(n, seed=r, buckets=RES_BUCKETS[r])
+        dirs[r] = root / f"r{r}"
+        write_latent_shards(samples, dirs[r], shard_size=13)
+        originals[r] = {s["key"]: s for s in samples}
+    return dirs, originals
+
+
+def test_several_resolutions_give_one_resolution_and_bucket_per_chunk_the_same_on_every_rank(multires):
+    dirs, originals = multires
+    ranks = [stream(dirs, micro_batch=2, rank=r, world_size=2) for r in range(2)]
+    its = [r.chunks() for r in ranks]
+    seen = {16: set(), 32: set()}
+    for _ in range(120):  # several epochs of each resolution
+        pair = [next(it)[0] for it in its]
+        assert pair[0]["resolution"] == pair[1]["resolution"]  # every rank runs the same resolution at a step
+        for c in pair:
+            r = c["resolution"]
+            assert c["bucket"] in RES_BUCKETS[r]
+            assert {originals[r][k]["bucket"] for k in c["keys"]} == {c["bucket"]}  # one (resolution, aspect)
+            for name in ("latent", "text_states", "pooled"):
+                assert torch.equal(c[name], torch.stack([originals[r][k][name] for k in c["keys"]])), name
+            seen[r] |= set(c["keys"])
+    for it in its:
+        it.close()
+    assert len(seen[16]) > 55 and len(seen[32]) > 40  # every resolution's samples are reached
+
+
+def test_resolution_shares_follow_the_data_or_the_weights(multires):
+    dirs, _ = multires
+
+    def counts(s: LatentStream, n: int) -> tuple[dict[int, int], dict[tuple, int]]:
+        by_res: dict[int, int] = {}
+        by_bucket: dict[tuple, int] = {}
+        for (c,) in take(s, n):
+            by_res[c["resolution"]] = by_res.get(c["resolution"], 0) + 1
+            by_bucket[c["bucket"]] = by_bucket.get(c["bucket"], 0) + 1
+        return by_res, by_bucket
+
+    n = 420  # 16 epochs of each resolution at 4 images a chunk
+    by_res, by_bucket = counts(stream(dirs), n)  # default: proportional to the samples, 60 : 45
+    assert abs(by_res[16] - n * 60 / 105) <= 3 and abs(by_res[32] - n * 45 / 105) <= 3, by_res
+    # within a resolution, each aspect bucket's share of its chunks follows its share of the samples
+    for r, buckets in RES_BUCKETS.items():
+        data = {b: sum(1 for x in multires[1][r].values() if x["bucket"] == b) for b in buckets}
+        for b in buckets:
+            assert abs(by_bucket.get(b, 0) / by_res[r] - data[b] / RES_COUNTS[r]) < 0.06, (r, b, by_bucket, data)
+    by_res, _ = counts(stream(dirs, resolution_weights=(1.0, 3.0)), 200)
+    assert abs(by_res[16] - 50) <= 3 and abs(by_res[32] - 150) <= 3, by_res
+    # the schedule alone, over any window: within 3 of each share (random draws would stray by ~sqrt(n))
+    for shares in ((1.0, 1.0, 1.0), (1.0, 1.0, 2.0), (60.0, 45.0)):
+        for start in (0, 1000):
+            picks = [resolution_schedule(5, k, shares) for k in range(start, start + 300)]
+            for i, w in enumerate(shares):
+                assert abs(picks.count(i) - 300 * w / sum(shares)) <= 3, (shares, start, i, picks.count(i))
+
+
+def test_several_resolutions_depend_on_seed_not_on_workers(multires):
+    dirs, _ = multires
+    ref = take(stream(dirs), 60)
+    assert_same(ref, take(stream(dirs, workers=3), 60))
+    other = take(stream(dirs, seed=1), 60)
+    assert [c["resolution"] for (c,) in other] != [c["resolution"] for (c,) in ref]
+    assert keys(other) != keys(ref)
+
+
+@pytest.mark.parametrize("cut", [7, 31])  # mid-epoch of both resolutions; past the first epoch boundary of each
+def test_several_resolutions_resume_exactly(multires, cut):
+    dirs, _ = multires
+    total = 80
+    ref = take(stream(dirs), total)
+    first = stream(dirs)
+    head = take(first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    epochs = [p["epoch"] for p in state["positions"]["0"]["resolutions"].values()]
+    assert (min(epochs) >= 1) == (cut > 20) and max(epochs) < 3
+    resumed = stream(dirs, workers=2)
+    resumed.load_state_dict(state)
+    rest = take(resumed, total - cut)
+    assert_same(ref, head + rest)
+    assert [c["resolution"] for (c,) in ref] == [c["resolution"] for (c,) in head + rest]
+    assert {c["resolution"] for (c,) in rest} == {16, 32}
+    # two processes' position, resumed on one (data.streams = 0 takes the checkpoint's 2)
+    ranks = [stream(dirs, micro_batch=2, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        take(r, cut)
+    one = stream(dirs)
+    one.load_state_dict(json.loads(json.dumps(LatentStream.merge_states([r.state_dict() for r in ranks]))))
+    want = [take(stream(dirs, micro_batch=2, rank=r, world_size=2), cut + 10)[cut:] for r in range(2)]
+    assert_same(take(one, 10), [[a, b] for (a,), (b,) in zip(*want)])
+
+
+def test_several_resolutions_refuse_another_setting(multires, shards):
+    dirs, _ = multires
+    s = stream(dirs)
+    take(s, 5)
+    state = json.loads(json.dumps(s.state_dict()))
+    with pytest.raises(StreamStateError, match=r"trained at data.resolutions \[16, 32\], this run at one "
+                                               r"data.resolution"):
+        stream(dirs[16]).load_state_dict(state)
+    with pytest.raises(StreamStateError, match=r"trained at data.resolutions \[16, 32\], this run at "
+                                               r"data.resolutions \[32, 16\]"):
+        stream({32: dirs[32], 16: dirs[16]}).load_state_dict(state)
+    with pytest.raises(StreamStateError, match=r"shares \[60.0, 45.0\] of the batches, this run \[1.0, 1.0\]"):
+        stream(dirs, resolution_weights=(1.0, 1.0)).load_state_dict(state)
+    single = stream(shards[0])
+    with pytest.raises(StreamStateError, match=r"trained at one data.resolution, this run at data.resolutions"):
+        stream(dirs).load_state_dict(json.loads(json.dumps(single.state_dict())))
+    with pytest.raises(ValueError, match="one positive weight per resolution"):
+        stream(dirs, resolution_weights=(1.0,))
 
 
 # ----------------------------------------------------------------------------- corrupt samples

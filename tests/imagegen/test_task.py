@@ -76,6 +76,19 @@ def _spawn(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def kill_after_checkpoint(args: list[str], out: Path, step: int, max_steps: int) -> None:
+    """Run the CLI with `args` in a subprocess and kill -9 it once checkpoints/step-`step` exists (before the end)."""
+    proc = _spawn(args)
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / f"step-{step}").is_dir():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(s for s, _ in train_losses(out)) < max_steps, "the run finished before it could be killed"
+
+
 @pytest.mark.parametrize("optimizer", [
     "adamw",
     # schedule-free: its averaged weights go in and out around the samples, evaluations and export, and its state
@@ -96,17 +109,7 @@ def test_sigkill_then_resume_is_exact(world, tmp_path, optimizer):
     assert main(cli_args(world, ref, *common)) == 0
 
     out = tmp_path / "killed"
-    proc = _spawn(cli_args(world, out, *common))
-    deadline = time.time() + 120
-    while not (out / "checkpoints" / "step-8").is_dir():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(s for s, _ in train_losses(out))
-    assert killed_at < 32, "the run finished before it could be killed"
-
+    kill_after_checkpoint(cli_args(world, out, *common), out, step=8, max_steps=32)
     assert main(cli_args(world, out, *common)) == 0
     assert train_losses(out) == train_losses(ref)
     assert records(out, "eval")[-1] == records(ref, "eval")[-1]

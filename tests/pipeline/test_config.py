@@ -46,6 +46,10 @@ def test_overrides_are_typed(toml_file):
     assert cfg.train.betas == (0.9, 0.99)
     assert cfg.model.dtype == "float32"
     assert cfg.output.tensorboard is False
+    # a comma list of numbers, as the comma lists of words (lora.targets) are written
+    assert load_config(DesignerConfig, toml_file, ["train.betas=0.9,0.98"]).train.betas == (0.9, 0.98)
+    with pytest.raises(ConfigError, match=r"train\.betas\[1\]: expected a number, got str 'fast'"):
+        load_config(DesignerConfig, toml_file, ["train.betas=0.9,fast"])
 
 
 @pytest.mark.parametrize("override, expected", [
