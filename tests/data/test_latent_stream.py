@@ -436,9 +436,10 @@ def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path):
     read_4n, peak_4n = _peak_rss(tmp_path / "4n", "stream")
     assert read_4n > 3.5 * read_n  # the big pass really read ~4x the samples
     # The stream holds, whatever N: 64 references in the shuffle buffer, < 3 buckets x 8 in the bucket buffers
-    # (a few hundred bytes each) and one chunk of 8 samples (1.1 MB). A tenth of `extra` (4 MB) leaves room for
-    # allocator noise between two processes; a loader that kept the samples would grow by all of `extra`.
-    assert peak_4n - peak_n < extra / 10, (peak_n, peak_4n, extra)
+    # (a few hundred bytes each) and one chunk of 8 samples (1.1 MB). A quarter of `extra` (10 MB) leaves room for
+    # allocator noise between two processes (5 MB seen on a loaded 2-core machine); a loader that kept the samples
+    # would grow by all of `extra`.
+    assert peak_4n - peak_n < extra / 4, (peak_n, peak_4n, extra)
     # the same measurement sees the in-memory dataset grow by (nearly) every extra sample: it can fail
     _, held_n = _peak_rss(tmp_path / "n", "memory")
     _, held_4n = _peak_rss(tmp_path / "4n", "memory")
