@@ -130,8 +130,8 @@ class PreferenceTask(DesignerTask):
         s = packed.stats
         log(f"data {path}: {len(encoded)} pairs → {s.num_rows} rows of {cfg.data.seq_len} tokens, "
             f"{s.padding_fraction:.1%} padding, dropped {dropped} pairs longer than a row")
-        if drop_last:
-            self._dropped_pairs = dropped
+        if drop_last:  # the train set
+            self._dropped_pairs, self._train_pairs = dropped, kept
         else:
             self._eval_pairs = kept
         return BalancedPackedLoader(packed, cfg.train.micro_batch, cfg.train.seed, rank, world_size,

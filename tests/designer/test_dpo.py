@@ -1,0 +1,257 @@
+"""train.objective = "dpo": loss and gradients equal TRL's DPOTrainer (LoRA, full FT; sigmoid, ipo) on the same tiny
+Qwen3 and pairs; packed pairs equal each document alone; adapters off is the base; the reference pass counts in
+MFU; kill -9 + resume is exact (LoRA beside the step, full FT precomputed); bad pair data is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from atelier_studio.data.packing import make_batch
+from atelier_studio.designer.config import DesignerConfig
+from atelier_studio.designer.dpo import doc_sums, token_logps
+from atelier_studio.designer.lora import adapters_disabled, save_peft_adapter
+from atelier_studio.designer.preference import PreferenceTask
+from atelier_studio.flows.cli import main
+from atelier_studio.pipeline.config import load_config
+
+from .test_train import _spawn, train_args, train_losses
+
+ROOT = Path(__file__).parents[2]
+PAIRS = ROOT / "tests" / "fixtures" / "designer" / "pairs.jsonl"
+EPS = torch.finfo(torch.float32).eps
+
+
+def dpo_config(world: Path, out: Path, data: Path, *extra: str) -> DesignerConfig:
+    return load_config(DesignerConfig, ROOT / "configs" / "designer" / "demo.toml",
+                       [f"model.path={world / 'model'}", f"data.train={data}", "data.eval=", "data.seq_len=512",
+                        "train.micro_batch=1", "train.objective=dpo", f"output.dir={out}", "sample.briefs=0", *extra])
+
+
+def _first_pairs(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
+def _trl_trainer(policy, ref_model, tokenizer, beta: float, loss_type: str, out: Path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(out), beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=8, dataset_num_proc=None, logging_steps=1)
+    dummy = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])  # the inputs are given below
+    return DPOTrainer(model=policy, ref_model=ref_model, args=args, train_dataset=dummy, processing_class=tokenizer)
+
+
+def _trl_inputs(task: PreferenceTask) -> dict:
+    """TRL's collated batch of the task's pairs, from the task's own token ids: prompt, then the caption tokens."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    rows = []
+    for chosen, rejected in (task._encode_pair(p) for p in task._train_pairs):
+        first = chosen.loss_mask.index(True)
+        answer = lambda d: [t for t, m in zip(d.input_ids, d.loss_mask) if m]  # noqa: E731
+        rows.append({"prompt_ids": chosen.input_ids[:first], "chosen_ids": answer(chosen),
+                     "rejected_ids": answer(rejected)})
+    return DataCollatorForPreference(pad_token_id=task.tokenizer.pad_token_id or 0)(rows)
+
+
+@pytest.mark.parametrize("mode,loss_type", [("lora", "sigmoid"), ("lora", "ipo"), ("full", "sigmoid")])
+def test_loss_and_gradients_equal_trl(world, tmp_path, mode, loss_type):
+    """The same 4 pairs in one micro-batch: Atelier's packed rows vs TRL's padded batch, policy moved off the
+    reference first (LoRA B random; full FT: every weight nudged after the reference pass), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    beta = 0.3
+    cfg = dpo_config(world, tmp_path / "run", _first_pairs(tmp_path, 4), f"lora.rank={4 if mode == 'lora' else 0}",
+                     f"train.dpo.beta={beta}", f"train.dpo.loss_type={loss_type}")
+    task = PreferenceTask(cfg, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    if mode == "lora":
+        with torch.no_grad():
+            for n, p in task.model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        from peft import PeftModel
+
+        save_peft_adapter(task.model, task.lora_args, tmp_path / "adapter", base_model_path=str(world / "model"))
+        policy, ref_model = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True), None
+    else:
+        iter(task.train_batches())  # the reference pass, from the starting weights
+        ref_model = AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+        with torch.no_grad():
+            noise = {n: torch.randn(p.shape, generator=gen) * 0.01 for n, p in task.model.named_parameters()}
+            for n, p in task.model.named_parameters():
+                p.add_(noise[n])
+            for n, p in hf.named_parameters():
+                p.add_(noise[n])
+        policy = hf
+    loader = task.train_loader
+    batch = task._to_device(make_batch(loader.packed, list(range(len(loader.packed)))))
+    assert batch.num_pairs == 4
+    ours = task.loss_sum(batch) / batch.num_pairs
+    ours.backward()
+
+    trainer = _trl_trainer(policy, ref_model, task.tokenizer, beta, loss_type, tmp_path / "trl")
+    if mode == "lora" and "ref" in policy.peft_config:
+        # TRL keeps a loaded adapter's copy as its reference (Atelier's choice too, for lora.init_adapter); this run's
+        # adapters are fresh ones moved off zero to make the test non-trivial, whose reference is the base: TRL's
+        # reference without the copy (its adapters disabled)
+        policy.delete_adapter("ref")
+        policy.set_adapter("default")
+    theirs = trainer.compute_loss(trainer.model, _trl_inputs(task))
+    theirs.backward()
+
+    # fp32 throughout; the two sum the same products in other orders (packed rows vs padded rows, chunked head)
+    tol = 64 * EPS
+    assert math.isclose(ours.item(), theirs.item(), rel_tol=tol * 10, abs_tol=tol), (ours.item(), theirs.item())
+    strip = (lambda n: n.replace("base_model.model.", "").replace(".default", "")) if mode == "lora" else (lambda n: n)
+    theirs_grads = {strip(n): p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    ours_grads = {n: p.grad for n, p in task.model.named_parameters() if p.requires_grad}
+    assert set(ours_grads) == set(theirs_grads)
+    for n, g in ours_grads.items():
+        scale = theirs_grads[n].abs().max().item() + EPS
+        err = (g - theirs_grads[n]).abs().max().item()
+        assert err <= 1e-4 * scale, f"{n}: max |Δgrad| {err:.3g} vs max |grad| {scale:.3g}"
+    assert any(g.abs().max() > 0 for g in ours_grads.values())
+
+
+def test_packed_pairs_equal_each_document_alone_and_adapters_off_is_the_base(world, tmp_path):
+    """Per-document log-probabilities of a packed batch equal each document run alone (exact attention); with the
+    adapters off, the LoRA model's equal the base model's."""
+    cfg = dpo_config(world, tmp_path / "run", _first_pairs(tmp_path, 6), "lora.rank=4")
+    task = PreferenceTask(cfg, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in task.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    task.model.eval()
+    loader = task.train_loader
+    batch = make_batch(loader.packed, list(range(len(loader.packed))))
+    assert max(len(ids) for ids in loader.packed.doc_ids) >= 4  # several pairs share a row
+    pb = task._to_device(batch)
+    with torch.no_grad():
+        packed = task._doc_logps(pb)
+        with adapters_disabled(task.model):
+            packed_off = task._doc_logps(pb)
+        docs = [d for pair in task._train_pairs for d in task._encode_pair(pair)]
+        for k, d in enumerate(batch.doc_ids):
+            ids = torch.tensor([docs[d].input_ids])
+            mask = torch.tensor(docs[d].loss_mask[1:])
+            n = ids.shape[1]
+            hidden = task.model(ids, torch.arange(n)[None], torch.tensor([0, n], dtype=torch.int32), n)[0, :-1]
+            alone = token_logps(hidden[mask], task.model.lm_head_weight, ids[0, 1:][mask]).sum()
+            torch.testing.assert_close(packed[k], alone, rtol=64 * EPS, atol=64 * EPS * abs(float(alone)))
+    assert not torch.allclose(packed, packed_off)  # the adapters do something
+    base = PreferenceTask(dpo_config(world, tmp_path / "base", _first_pairs(tmp_path, 6), "lora.rank=0"),
+                          torch.device("cpu"))
+    base.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(packed_off, base._doc_logps(base._to_device(batch)), rtol=0, atol=0)
+
+
+def test_doc_sums_and_token_logps_match_the_logits():
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(7, 5, generator=g, requires_grad=True), torch.randn(11, 5, generator=g)
+    y = torch.randint(0, 11, (7,), generator=g)
+    got = token_logps(h, w, y, chunk=3)
+    want = torch.log_softmax(h @ w.t(), dim=1).gather(1, y[:, None]).squeeze(1)
+    torch.testing.assert_close(got, want)
+    sums = doc_sums(got, torch.tensor([0, 0, 1, 2, 2, 2, 1]), 3)
+    torch.testing.assert_close(sums, torch.stack([want[:2].sum(), want[[2, 6]].sum(), want[3:6].sum()]))
+    sums.sum().backward()
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+
+def test_mfu_counts_the_reference_pass(world, tmp_path):
+    """LoRA: a step's FLOPs are the policy's forward + backward plus one reference forward; full FT: only the
+    policy's (its reference ran once, before training)."""
+    data = _first_pairs(tmp_path, 4)
+    lora = PreferenceTask(dpo_config(world, tmp_path / "a", data, "lora.rank=4"), torch.device("cpu"))
+    batch = lora._to_device(make_batch(lora.train_loader.packed, [0]))
+    b = batch.batch
+    train = lora.family.train_flops(lora.model, b.doc_lens, b.num_loss_tokens)
+    forward = lora.model.forward_flops(b.doc_lens, b.num_loss_tokens)
+    assert 0 < forward < train
+    assert lora.batch_flops(batch) == train + forward
+    full = PreferenceTask(dpo_config(world, tmp_path / "b", data, "lora.rank=0"), torch.device("cpu"))
+    fb = full._to_device(make_batch(full.train_loader.packed, [0]))
+    # full FT: every weight trains, so a forward is a third of a training step's matmul and attention FLOPs
+    assert full.batch_flops(fb) == full.family.train_flops(full.model, fb.batch.doc_lens, fb.batch.num_loss_tokens)
+    assert full.model.forward_flops(fb.batch.doc_lens, fb.batch.num_loss_tokens) * 3 == full.batch_flops(fb)
+
+
+def dpo_args(world: Path, out: Path, *extra: str) -> list[str]:
+    return train_args(world, out, "--set", f"data.train={PAIRS}", "--set", f"data.eval={PAIRS}",
+                      "--set", "data.seq_len=256", "--set", "train.objective=dpo", "--set", "sample.briefs=0", *extra)
+
+
+@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
+def test_sigkill_then_resume_is_exact(world, tmp_path, rank):
+    """Kill -9 after a checkpoint; the resumed run's losses and metrics equal the uninterrupted run's (full FT: the
+    reference table comes back from the checkpoint, not from the trained weights)."""
+    common = ["--set", f"lora.rank={rank}", "--set", "train.max_steps=12", "--set", "train.save_every=4",
+              "--set", "train.eval_every=0", "--set", "train.lr=1e-3", "--set", "train.dpo.beta=0.5"]
+    ref = tmp_path / "ref"
+    assert main(dpo_args(world, ref, *common)) == 0
+    out = tmp_path / "killed"
+    proc = _spawn(dpo_args(world, out, *common))
+    import time
+
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step-8").is_dir():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(s for s, _ in train_losses(out)) < 12, "the run finished before it could be killed"
+    assert main(dpo_args(world, out, *common)) == 0
+
+    def records(run: Path) -> dict[int, dict]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected")
+        return {r["step"]: {k: r[k] for k in keys} for r in rows if r["kind"] == "train"}
+
+    assert records(out) == records(ref)
+    assert 0 < records(ref)[12]["rewards/accuracies"] <= 1
+
+
+BAD = [
+    ({"brief": "a calm circle", "chosen": "a small blue circle"}, "missing field 'rejected'"),
+    ({"brief": "a calm circle", "chosen": "", "rejected": "a red square"}, "chosen is empty"),
+    ({"brief": "a calm circle", "chosen": "a blue circle", "rejected": "a blue circle"}, "chosen and rejected are the "
+                                                                                          "same text"),
+    ({"prompt": "a calm circle", "chosen": "a blue circle", "rejected": 3}, "rejected must be a string"),
+]
+
+
+@pytest.mark.parametrize("record,message", BAD, ids=["missing", "empty", "identical", "not-text"])
+def test_bad_pairs_are_one_line_naming_file_and_line(world, tmp_path, capsys, record, message):
+    good = json.loads(PAIRS.read_text().splitlines()[0])
+    if "prompt" in record:
+        good = {"prompt": good["brief"], "chosen": good["chosen"], "rejected": good["rejected"]}
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    code = main(train_args(world, tmp_path / "out", "--set", f"data.train={data}", "--set", "data.eval=",
+                           "--set", "data.seq_len=256", "--set", "train.objective=dpo"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"atelier: error: {data}:2: ") and message in err[0], err
+
+
+def test_sft_data_under_dpo_and_pairs_under_sft_are_refused(world, tmp_path, capsys):
+    briefs = ROOT / "tests" / "fixtures" / "designer" / "briefs.jsonl"
+    assert main(train_args(world, tmp_path / "a", "--set", f"data.train={briefs}", "--set", "data.eval=",
+                           "--set", "train.objective=dpo")) == 2
+    assert "learns from preference pairs" in capsys.readouterr().err
+    assert main(train_args(world, tmp_path / "b", "--set", f"data.train={PAIRS}", "--set", "data.eval=")) == 2
+    assert 'set train.objective = "dpo"' in capsys.readouterr().err
