@@ -260,6 +260,17 @@ def encode_examples(tokenizer: Any, examples: Sequence[Example], max_len: int | 
     return [encode_example(tokenizer, ex, max_len) for ex in examples]
 
 
+def encode_pair(tokenizer: Any, pair: PreferencePair) -> tuple[EncodedDoc, EncodedDoc]:
+    """The (chosen, rejected) documents of a pair: each its conversation encoded as `encode_example` does, so both
+    begin with the same prompt tokens (checked: a template that renders the answer into the prompt is refused)."""
+    chosen, rejected = (encode_example(tokenizer, ex) for ex in pair.examples())
+    first = chosen.loss_mask.index(True)
+    if chosen.input_ids[:first] != rejected.input_ids[:first]:
+        raise DataError(f"{pair.source}: the chosen and rejected conversations do not share their prompt tokens "
+                        f"under this tokenizer's chat template")
+    return chosen, rejected
+
+
 def prompt_ids(tokenizer: Any, brief: str, system: str = DEFAULT_SYSTEM_PROMPT) -> list[int]:
     """Ids of [system, user=brief] + the assistant header: what generation continues from.
 

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from atelier_studio.data.balance import BalancedPackedLoader
-from atelier_studio.data.chat import DataError, EncodedDoc, Example, PreferencePair, encode_example
+from atelier_studio.data.chat import DataError, EncodedDoc, Example, PreferencePair, encode_pair
 from atelier_studio.data.chat_formats import load_data
 from atelier_studio.data.packing import Batch, PackedLoader, compile_shape, pack_pairs
 from atelier_studio.designer.config import DesignerConfig
@@ -108,23 +108,7 @@ class PreferenceTask(DesignerTask):
         for f in formats:
             log(f"data {f.path}: {f.examples} preference pairs read as {f.format}"
                 f"{' (detected from its columns; set data.format to choose)' if f.detected else ''}")
-        encoded, kept, dropped = [], [], 0
-        for pair in pairs:
-            docs = self._encode_pair(pair)
-            if len(docs[0]) + len(docs[1]) > cfg.data.seq_len:
-                if cfg.data.overflow != "drop":
-                    raise DataError(f"data.seq_len = {cfg.data.seq_len} is too short for {pair.source}: its chosen "
-                                    f"and rejected documents, packed side by side in one row, are "
-                                    f"{len(docs[0]) + len(docs[1])} tokens; set data.seq_len >= "
-                                    f"{len(docs[0]) + len(docs[1])}, or data.overflow = \"drop\" to leave such "
-                                    f"pairs out")
-                dropped += 1
-                continue
-            encoded.append(docs)
-            kept.append(pair)
-        if not encoded:
-            raise DataError(f"{path}: every preference pair is longer than data.seq_len = {cfg.data.seq_len} tokens "
-                            f"and data.overflow = \"drop\" left each one out: raise data.seq_len")
+        encoded, kept, dropped = encode_pairs(self.tokenizer, pairs, cfg.data.seq_len, cfg.data.overflow, path)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = pack_pairs(encoded, cfg.data.seq_len, pad_id=pad_id)
         s = packed.stats
@@ -136,14 +120,6 @@ class PreferenceTask(DesignerTask):
             self._eval_pairs = kept
         return BalancedPackedLoader(packed, cfg.train.micro_batch, cfg.train.seed, rank, world_size,
                                     drop_last=drop_last, balance=cfg.train.distributed.balance)
-
-    def _encode_pair(self, pair: PreferencePair) -> tuple[EncodedDoc, EncodedDoc]:
-        chosen, rejected = (encode_example(self.tokenizer, ex) for ex in pair.examples())
-        first = next(i for i, m in enumerate(chosen.loss_mask) if m)
-        if chosen.input_ids[:first] != rejected.input_ids[:first]:  # the template renders the answer into the prompt
-            raise DataError(f"{pair.source}: the chosen and rejected conversations do not share their prompt tokens "
-                            f"under this tokenizer's chat template")
-        return chosen, rejected
 
     def _to_device(self, batch: Batch) -> PairBatch:
         if batch.doc_ids is None:
@@ -286,6 +262,30 @@ class PreferenceTask(DesignerTask):
                            if k.startswith("dpo.reference.")}
 
 
+def encode_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int, overflow: str, path: str
+                 ) -> tuple[list[tuple[EncodedDoc, EncodedDoc]], list[PreferencePair], int]:
+    """Every pair's (chosen, rejected) documents, checked to fit one row side by side: a longer pair is an error
+    naming its line and the data.seq_len it needs, or (data.overflow = "drop") left out. Returns the documents, the
+    pairs kept and how many were dropped."""
+    encoded, kept, dropped = [], [], 0
+    for pair in pairs:
+        docs = encode_pair(tokenizer, pair)
+        need = len(docs[0]) + len(docs[1])
+        if need > seq_len:
+            if overflow != "drop":
+                raise DataError(f"data.seq_len = {seq_len} is too short for {pair.source}: its chosen and rejected "
+                                f"documents, packed side by side in one row, are {need} tokens; set data.seq_len >= "
+                                f"{need}, or data.overflow = \"drop\" to leave such pairs out")
+            dropped += 1
+            continue
+        encoded.append(docs)
+        kept.append(pair)
+    if not encoded:
+        raise DataError(f"{path}: every preference pair is longer than data.seq_len = {seq_len} tokens and "
+                        f"data.overflow = \"drop\" left each one out: raise data.seq_len")
+    return encoded, kept, dropped
+
+
 def _pair_count(loader: PackedLoader) -> int:
     """Pairs in a loader's packed rows (documents 2i, 2i + 1 for pair i)."""
     return max((d for ids in loader.packed.doc_ids or [] for d in ids), default=-1) // 2 + 1
@@ -297,4 +297,4 @@ def designer_task(cfg: DesignerConfig, device: torch.device, dist: DistContext |
     return cls(cfg, device, dist)
 
 
-__all__ = ["PreferenceTask", "PairBatch", "designer_task"]
+__all__ = ["PreferenceTask", "PairBatch", "designer_task", "encode_pairs"]

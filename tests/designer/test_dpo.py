@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from atelier_studio.data.chat import encode_pair
 from atelier_studio.data.packing import make_batch
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.dpo import doc_sums, token_logps
@@ -54,7 +55,7 @@ def _trl_inputs(task: PreferenceTask) -> dict:
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     rows = []
-    for chosen, rejected in (task._encode_pair(p) for p in task._train_pairs):
+    for chosen, rejected in (encode_pair(task.tokenizer, p) for p in task._train_pairs):
         first = chosen.loss_mask.index(True)
         answer = lambda d: [t for t, m in zip(d.input_ids, d.loss_mask) if m]  # noqa: E731
         rows.append({"prompt_ids": chosen.input_ids[:first], "chosen_ids": answer(chosen),
@@ -141,7 +142,7 @@ def test_packed_pairs_equal_each_document_alone_and_adapters_off_is_the_base(wor
         packed = task._doc_logps(pb)
         with adapters_disabled(task.model):
             packed_off = task._doc_logps(pb)
-        docs = [d for pair in task._train_pairs for d in task._encode_pair(pair)]
+        docs = [d for pair in task._train_pairs for d in encode_pair(task.tokenizer, pair)]
         for k, d in enumerate(batch.doc_ids):
             ids = torch.tensor([docs[d].input_ids])
             mask = torch.tensor(docs[d].loss_mask[1:])
@@ -186,6 +187,17 @@ def test_mfu_counts_the_reference_pass(world, tmp_path):
     # full FT: every weight trains, so a forward is a third of a training step's matmul and attention FLOPs
     assert full.batch_flops(fb) == full.family.train_flops(full.model, fb.batch.doc_lens, fb.batch.num_loss_tokens)
     assert full.model.forward_flops(fb.batch.doc_lens, fb.batch.num_loss_tokens) * 3 == full.batch_flops(fb)
+
+
+def test_dry_run_packs_pairs_and_counts_the_reference(world, tmp_path):
+    """`--dry-run` reads pair data as the run does (pairs side by side in rows) and adds LoRA's reference forward."""
+    from atelier_studio.designer.dry_run import designer_plan
+
+    data = _first_pairs(tmp_path, 4)
+    plan = designer_plan(dpo_config(world, tmp_path / "plan", data, "lora.rank=4"))
+    assert "8 documents" in plan.dataset
+    task = PreferenceTask(dpo_config(world, tmp_path / "t", data, "lora.rank=4"), torch.device("cpu"))
+    assert plan.flops_per_step == task.batch_flops(task._to_device(make_batch(task.train_loader.packed, [0])))
 
 
 def dpo_args(world: Path, out: Path, *extra: str) -> list[str]:
