@@ -267,3 +267,33 @@ def test_sft_data_under_dpo_and_pairs_under_sft_are_refused(world, tmp_path, cap
     assert "learns from preference pairs" in capsys.readouterr().err
     assert main(train_args(world, tmp_path / "b", "--set", f"data.train={PAIRS}", "--set", "data.eval=")) == 2
     assert 'set train.objective = "dpo"' in capsys.readouterr().err
+
+
+def test_qlora_reference_is_the_nf4_base_and_resume_is_exact(world, tmp_path):
+    """QLoRA: adapters off is the NF4 base exactly (the same model with its adapters zeroed); a run stopped at a
+    checkpoint and resumed gives one uninterrupted run's losses, the first of them log 2 (policy = reference)."""
+    task = PreferenceTask(dpo_config(world, tmp_path / "t", _first_pairs(tmp_path, 4), "lora.rank=4",
+                                     "lora.base_dtype=nf4"), torch.device("cpu"))
+    batch = task._to_device(make_batch(task.train_loader.packed, [0, 1]))
+    task.model.eval()
+    with torch.no_grad():
+        for n, p in task.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+        moved = task._doc_logps(batch)
+        with adapters_disabled(task.model):
+            off = task._doc_logps(batch)
+        for n, p in task.model.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+        torch.testing.assert_close(off, task._doc_logps(batch), rtol=0, atol=0)
+    assert not torch.allclose(moved, off)
+
+    args = ("--set", "lora.rank=4", "--set", "lora.base_dtype=nf4", "--set", "train.schedule=constant",
+            "--set", "train.warmup_steps=0", "--set", "train.save_every=2", "--set", "train.lr=1e-3")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(dpo_args(world, straight, *args, "--set", "train.max_steps=4")) == 0
+    assert main(dpo_args(world, split, *args, "--set", "train.max_steps=2")) == 0
+    assert main(dpo_args(world, split, *args, "--set", "train.max_steps=4")) == 0
+    assert train_losses(split) == train_losses(straight)
+    assert math.isclose(train_losses(straight)[0][1], math.log(2), rel_tol=16 * EPS)
