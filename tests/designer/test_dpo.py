@@ -297,3 +297,20 @@ def test_qlora_reference_is_the_nf4_base_and_resume_is_exact(world, tmp_path):
     assert main(dpo_args(world, split, *args, "--set", "train.max_steps=4")) == 0
     assert train_losses(split) == train_losses(straight)
     assert math.isclose(train_losses(straight)[0][1], math.log(2), rel_tol=16 * EPS)
+
+
+def test_the_loss_is_the_mean_over_the_accumulated_batchs_pairs(world, tmp_path):
+    """Rows of 1 and 2 pairs: 2 micro-batches of 1 row give the step 2 rows in one micro-batch gives (the pair is the
+    loss unit, a row holding 2 pairs weighs twice), to fp32 rounding."""
+    data = _first_pairs(tmp_path, 11)  # 5 rows of 2 pairs and one of 1 in rows of 300 tokens
+    common = ("--set", f"data.train={data}", "--set", "data.eval=", "--set", "data.seq_len=300",
+              "--set", "train.objective=dpo", "--set", "sample.briefs=0", "--set", "lora.rank=4",
+              "--set", "train.max_steps=3", "--set", "train.lr=3e-3", "--set", "train.save_every=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(train_args(world, one, *common, "--set", "train.micro_batch=2")) == 0
+    assert main(train_args(world, two, *common, "--set", "train.micro_batch=1", "--set", "train.grad_accum=2")) == 0
+    task = PreferenceTask(dpo_config(world, tmp_path / "t", data, "data.seq_len=300"), torch.device("cpu"))
+    assert {len(ids) for ids in task.train_loader.packed.doc_ids} == {2, 4}  # rows of 1 and of 2 pairs
+    a, b = train_losses(one), train_losses(two)
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]
+    assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-5)
