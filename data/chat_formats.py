@@ -367,8 +367,8 @@ def load_data(path: str | Path, fmt: str = "auto", columns: Mapping[str, str] | 
     for file in data_files(Path(path)):
         got, how = load_file(file, fmt, columns)
         if pairs and how.format not in PAIR_FORMATS:
-            raise DataError(f"{file}: read as {how.format}, one answer per prompt, but train.objective = \"dpo\" "
-                            f"learns from preference pairs; give {{brief, chosen, rejected}} records (or TRL's "
+            raise DataError(f"{file}: read as {how.format}, one answer per prompt, but train.objective = "
+                            f"\"dpo\" learns from preference pairs; give {{brief, chosen, rejected}} records (or TRL's "
                             f"{{prompt, chosen, rejected}}; docs/data-in.md)")
         if not pairs and how.format in PAIR_FORMATS:
             raise DataError(f"{file}: holds preference pairs ({how.format}); set train.objective = \"dpo\" to learn "
@@ -378,4 +378,5 @@ def load_data(path: str | Path, fmt: str = "auto", columns: Mapping[str, str] | 
     return examples, formats
 
 
-__all__ = ["FORMATS", "PAIR_FORMATS", "FIELDS", "FileFormat", "load_data", "load_file", "detect_format", "to_example", "data_files"]
+__all__ = ["FORMATS", "PAIR_FORMATS", "FIELDS", "FileFormat", "load_data", "load_file", "detect_format", "to_example",
+           "data_files"]

@@ -73,7 +73,7 @@ class PackResult:
     num_loss_tokens: list[int]      # per row: labels != -100
     pad_id: int
     stats: PackStats
-    doc_ids: list[list[int]] | None = None  # per row, the index in `docs` of each real document (a split piece: its doc)
+    doc_ids: list[list[int]] | None = None  # per row, the index in `docs` of each document (a split piece: its doc's)
 
     @property
     def seq_len(self) -> int:

@@ -167,8 +167,8 @@ class DesignerConfig:
     # shapes and meaning are refused; kernels, attention and delta-rule paths (the same math), the MoE auxiliary loss,
     # the eval set and lora.dropout are hyper-parameters or execution choices, taken with a warning
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
-        refuse=("model.path", "model.dtype", "train.objective", "data.train", "data.format", "data.columns", "data.seq_len",
-                "data.overflow", "lora", *TRAIN_REFUSE),
+        refuse=("model.path", "model.dtype", "train.objective", "data.train", "data.format", "data.columns",
+                "data.seq_len", "data.overflow", "lora", *TRAIN_REFUSE),
         warn=("model.attention", "model.kernels", "model.delta_rule", "model.router_aux_loss", "data.eval",
               "data.max_eval_batches", "lora.dropout", "sample", *TRAIN_WARN),
         free=TRAIN_FREE)

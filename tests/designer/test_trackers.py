@@ -60,8 +60,9 @@ def test_a_dpo_run_logs_its_rewards_to_every_tracker(world, tracker_env, tmp_pat
     out = tmp_path / "dpo"
     assert main(train_args(world, out, "--set", f"data.train={pairs}", "--set", f"data.eval={pairs}",
                            "--set", "data.seq_len=256", "--set", "train.objective=dpo", "--set", "lora.rank=4",
-                           "--set", "train.max_steps=2", "--set", "sample.briefs=0", "--set", "data.max_eval_batches=2",
-                           "--set", "output.tensorboard=true", "--set", "output.trackers=tensorboard,wandb,mlflow")) == 0
+                           "--set", "train.max_steps=2", "--set", "sample.briefs=0",
+                           "--set", "data.max_eval_batches=2", "--set", "output.tensorboard=true",
+                           "--set", "output.trackers=tensorboard,wandb,mlflow")) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     run_id = checkpoint_trackers(out)["mlflow"]["run_id"]
