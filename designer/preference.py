@@ -235,7 +235,7 @@ class PreferenceTask(DesignerTask):
     def evaluate(self) -> dict[str, float]:
         if self.eval_loader is None:
             return {}
-        if self.reference == "precomputed" and "eval" not in self.ref_tables:
+        if self.reference == "precomputed" and "eval" not in self.ref_tables:  # before any step: the starting model
             self._precompute()
         metrics, total = PairMetrics(), torch.zeros((), device=self.device, dtype=torch.float64)
         for i, batch in enumerate(self.eval_loader.iter_eval_batches()):
@@ -257,9 +257,23 @@ class PreferenceTask(DesignerTask):
         return {f"dpo.reference.{name}": t for name, t in self.ref_tables.items()}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The loader's position, and the precomputed reference tables: the model loaded now is a trained one, so a
+        table the checkpoint lacks or that does not fit this run's pairs cannot be made again; that is refused."""
         super().load_state(tensors, meta)
+        if self.reference != "precomputed":
+            return
         self.ref_tables = {k.removeprefix("dpo.reference."): v.float().cpu() for k, v in tensors.items()
                            if k.startswith("dpo.reference.")}
+        for name, loader in (("train", self.train_loader), ("eval", self.eval_loader)):
+            if loader is None:
+                continue
+            key = "data.train" if name == "train" else "data.eval"
+            table = self.ref_tables.get(name)
+            if table is None or len(table) != _pair_count(loader):
+                raise ConfigError(f"{key}: the checkpoint holds no reference log-probabilities for these "
+                                  f"{_pair_count(loader)} pairs (it has {'none' if table is None else len(table)}), "
+                                  f"and a resumed run cannot compute them from the starting model; resume with the "
+                                  f"checkpoint's {key}, or start a new run in another output.dir")
 
 
 def encode_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int, overflow: str, path: str

@@ -314,3 +314,17 @@ def test_the_loss_is_the_mean_over_the_accumulated_batchs_pairs(world, tmp_path)
     a, b = train_losses(one), train_losses(two)
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]
     assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-5)
+
+
+def test_a_resume_that_needs_a_reference_it_cannot_compute_is_refused(world, tmp_path, capsys):
+    """Full FT keeps its reference table in the checkpoint; a resume with other eval pairs would need the starting
+    model's log-probabilities of those, which the trained weights cannot give: one line naming data.eval."""
+    out = tmp_path / "run"
+    common = ("--set", "lora.rank=0", "--set", "train.save_every=2", "--set", "train.eval_every=0")
+    assert main(dpo_args(world, out, *common, "--set", "train.max_steps=2")) == 0
+    fewer = _first_pairs(tmp_path, 3)
+    capsys.readouterr()
+    assert main(dpo_args(world, out, *common, "--set", "train.max_steps=3", "--set", f"data.eval={fewer}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("atelier: error: data.eval: the checkpoint holds no reference "
+                                               "log-probabilities for these 3 pairs (it has 24)"), err
