@@ -190,6 +190,9 @@ class DesignerConfig:
             raise ConfigError(f'train.objective = "dpo" learns from preference pairs, but data.format = '
                               f'"{self.data.format}" holds one answer per prompt; set data.format to one of '
                               f'{", ".join(PAIR_FORMATS)} (or "auto")')
+        if self.train.objective == "dpo" and self.model.router_aux_loss == "on":
+            raise ConfigError('model.router_aux_loss = "on" with train.objective = "dpo": the DPO loss does not add a '
+                              'Qwen3-MoE\'s load-balancing term yet; leave model.router_aux_loss = "auto" or "off"')
         if self.lora.base_dtype == "nf4" and self.train.precision == "fp8":
             raise ConfigError('lora.base_dtype = "nf4" with train.precision = "fp8": a frozen base is stored in NF4 or '
                               'computed in FP8, not both; set one of them back ("bf16")')

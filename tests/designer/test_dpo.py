@@ -19,7 +19,7 @@ from atelier_studio.designer.dpo import doc_sums, token_logps
 from atelier_studio.designer.lora import adapters_disabled, save_peft_adapter
 from atelier_studio.designer.preference import PreferenceTask
 from atelier_studio.flows.cli import main
-from atelier_studio.pipeline.config import load_config
+from atelier_studio.pipeline.config import ConfigError, load_config
 
 from .test_train import _spawn, train_args, train_losses
 
@@ -258,6 +258,14 @@ def test_bad_pairs_are_one_line_naming_file_and_line(world, tmp_path, capsys, re
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith(f"atelier: error: {data}:2: ") and message in err[0], err
+
+
+def test_what_dpo_does_not_do_yet_is_refused_by_key():
+    with pytest.raises(ConfigError, match=r'model\.router_aux_loss = "on" with train\.objective = "dpo"'):
+        load_config(DesignerConfig, None, ["model.path=m", "data.train=d", "train.objective=dpo",
+                                           "model.router_aux_loss=on"])
+    with pytest.raises(ConfigError, match=r'data\.format = "brief_pair" holds preference pairs'):
+        load_config(DesignerConfig, None, ["model.path=m", "data.train=d", "data.format=brief_pair"])
 
 
 def test_sft_data_under_dpo_and_pairs_under_sft_are_refused(world, tmp_path, capsys):
