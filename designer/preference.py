@@ -171,11 +171,13 @@ class PreferenceTask(DesignerTask):
 
     @contextlib.contextmanager
     def _reference_mode(self) -> Iterator[None]:
-        """π_ref: no gradients, eval mode (no dropout draws), adapters off (a no-op without adapters)."""
+        """π_ref: no gradients, eval mode (no dropout draws); with reference "adapters off" the adapters' scales at 0,
+        while "precomputed" runs the starting model as it is (a LoRA run's loaded lora.init_adapter included)."""
         was_training = self.model.training
         self.model.eval()
+        off = adapters_disabled(self.model) if self.reference == "adapters off" else contextlib.nullcontext()
         try:
-            with torch.no_grad(), adapters_disabled(self.model):
+            with torch.no_grad(), off:
                 yield
         finally:
             self.model.train(was_training)

@@ -63,57 +63,75 @@ def _trl_inputs(task: PreferenceTask) -> dict:
     return DataCollatorForPreference(pad_token_id=task.tokenizer.pad_token_id or 0)(rows)
 
 
-@pytest.mark.parametrize("mode,loss_type", [("lora", "sigmoid"), ("lora", "ipo"), ("full", "sigmoid")])
+@pytest.mark.parametrize("mode,loss_type", [("lora", "sigmoid"), ("lora", "ipo"), ("full", "sigmoid"),
+                                            ("lora-init", "sigmoid")])
 def test_loss_and_gradients_equal_trl(world, tmp_path, mode, loss_type):
-    """The same 4 pairs in one micro-batch: Atelier's packed rows vs TRL's padded batch, policy moved off the
-    reference first (LoRA B random; full FT: every weight nudged after the reference pass), fp32."""
+    """The same 4 pairs in one micro-batch: Atelier's packed rows vs TRL's padded batch, fp32, the policy moved off
+    the reference first: fresh LoRA adapters (reference: adapters off) with B random; full FT (reference: the pass
+    before training) with every weight nudged after it; LoRA from lora.init_adapter (reference: the loaded adapter,
+    TRL's "ref" copy and Atelier's pass before training) with the adapters nudged after it."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     beta = 0.3
-    cfg = dpo_config(world, tmp_path / "run", _first_pairs(tmp_path, 4), f"lora.rank={4 if mode == 'lora' else 0}",
-                     f"train.dpo.beta={beta}", f"train.dpo.loss_type={loss_type}")
-    task = PreferenceTask(cfg, torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+    data = _first_pairs(tmp_path, 4)
+    settings = (f"lora.rank={0 if mode == 'full' else 4}", f"train.dpo.beta={beta}", f"train.dpo.loss_type={loss_type}")
     gen = torch.Generator().manual_seed(0)
-    if mode == "lora":
+
+    def randomise_b(model) -> None:
         with torch.no_grad():
-            for n, p in task.model.named_parameters():
+            for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        from peft import PeftModel
 
+    init = ()
+    if mode == "lora-init":  # an adapter trained before: random B, saved, loaded by both
+        first = PreferenceTask(dpo_config(world, tmp_path / "first", data, *settings), torch.device("cpu"))
+        randomise_b(first.model)
+        save_peft_adapter(first.model, first.lora_args, tmp_path / "init", base_model_path=str(world / "model"))
+        init = (f"lora.init_adapter={tmp_path / 'init'}",)
+    task = PreferenceTask(dpo_config(world, tmp_path / "run", data, *settings, *init), torch.device("cpu"))
+    assert task.reference == ("adapters off" if mode == "lora" else "precomputed")
+    hf = AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+    ref_model = None
+    if mode == "lora":
+        randomise_b(task.model)
         save_peft_adapter(task.model, task.lora_args, tmp_path / "adapter", base_model_path=str(world / "model"))
-        policy, ref_model = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True), None
+        policy = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
+    elif mode == "lora-init":
+        policy = PeftModel.from_pretrained(hf, tmp_path / "init", is_trainable=True)
     else:
-        iter(task.train_batches())  # the reference pass, from the starting weights
-        ref_model = AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+        policy, ref_model = hf, AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
+    trainer = _trl_trainer(policy, ref_model, task.tokenizer, beta, loss_type, tmp_path / "trl")
+    if mode == "lora":
+        # TRL keeps a loaded adapter's copy as its reference ("ref", Atelier's choice too, for lora.init_adapter); this
+        # run's adapters are fresh ones moved off zero to make the test non-trivial, whose reference is the base:
+        # TRL's reference without the copy (its adapters disabled)
+        assert "ref" in policy.peft_config
+        policy.delete_adapter("ref")
+        policy.set_adapter("default")
+    strip = (lambda n: n.replace("base_model.model.", "").replace(".default", "")) if mode != "full" else (lambda n: n)
+    if mode in ("full", "lora-init"):  # the reference as it is now; then the same nudge of every trainable weight
+        iter(task.train_batches())
         with torch.no_grad():
-            noise = {n: torch.randn(p.shape, generator=gen) * 0.01 for n, p in task.model.named_parameters()}
+            theirs_params = {strip(n): p for n, p in policy.named_parameters() if p.requires_grad}
             for n, p in task.model.named_parameters():
-                p.add_(noise[n])
-            for n, p in hf.named_parameters():
-                p.add_(noise[n])
-        policy = hf
+                if p.requires_grad:
+                    noise = torch.randn(p.shape, generator=gen) * 0.01
+                    p.add_(noise)
+                    theirs_params[n].add_(noise)
     loader = task.train_loader
     batch = task._to_device(make_batch(loader.packed, list(range(len(loader.packed)))))
     assert batch.num_pairs == 4
     ours = task.loss_sum(batch) / batch.num_pairs
     ours.backward()
-
-    trainer = _trl_trainer(policy, ref_model, task.tokenizer, beta, loss_type, tmp_path / "trl")
-    if mode == "lora" and "ref" in policy.peft_config:
-        # TRL keeps a loaded adapter's copy as its reference (Atelier's choice too, for lora.init_adapter); this run's
-        # adapters are fresh ones moved off zero to make the test non-trivial, whose reference is the base: TRL's
-        # reference without the copy (its adapters disabled)
-        policy.delete_adapter("ref")
-        policy.set_adapter("default")
     theirs = trainer.compute_loss(trainer.model, _trl_inputs(task))
     theirs.backward()
+    assert abs(ours.item() - math.log(2)) > 1e-3  # the policy is not the reference
 
     # fp32 throughout; the two sum the same products in other orders (packed rows vs padded rows, chunked head)
     tol = 64 * EPS
     assert math.isclose(ours.item(), theirs.item(), rel_tol=tol * 10, abs_tol=tol), (ours.item(), theirs.item())
-    strip = (lambda n: n.replace("base_model.model.", "").replace(".default", "")) if mode == "lora" else (lambda n: n)
     theirs_grads = {strip(n): p.grad for n, p in policy.named_parameters() if p.requires_grad}
     ours_grads = {n: p.grad for n, p in task.model.named_parameters() if p.requires_grad}
     assert set(ours_grads) == set(theirs_grads)
