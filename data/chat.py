@@ -62,6 +62,23 @@ class Example:
 
 
 @dataclass(frozen=True)
+class PreferencePair:
+    """One preference (train.objective = "dpo"): a prompt (system?, then user turns) answered by ``chosen``, the
+    preferred caption, and by ``rejected``. Each side is a conversation of its own (``examples``), encoded like any
+    example, so the two share the prompt's tokens exactly."""
+
+    prompt: tuple[Message, ...]
+    chosen: str
+    rejected: str
+    source: str = "<memory>"
+
+    def examples(self) -> tuple[Example, Example]:
+        """(prompt + chosen, prompt + rejected)."""
+        return (Example((*self.prompt, Message("assistant", self.chosen)), self.source),
+                Example((*self.prompt, Message("assistant", self.rejected)), self.source))
+
+
+@dataclass(frozen=True)
 class EncodedDoc:
     """input_ids [L] and loss_mask [L]; loss_mask[i] says token i is a target (assistant content or its <|im_end|>)."""
 
@@ -126,6 +143,36 @@ def parse_example(obj: Any, where: str) -> Example:
     caption = _check_text(obj["caption"], "caption", where)
     system = _check_text(obj["system"], "system", where) if "system" in obj else DEFAULT_SYSTEM_PROMPT
     return Example.from_brief(brief, caption, system, where)
+
+
+def make_pair(prompt: Sequence[Message], chosen: Any, rejected: Any, where: str) -> PreferencePair:
+    """A checked PreferencePair: the prompt ends with a user turn and holds no assistant turn (its tokens would be
+    scored too), each answer a non-empty string, and the two answers differ (an identical pair has no preference:
+    its margin is 0 whatever the model does)."""
+    if not prompt or prompt[-1].role != "user":
+        raise DataError(f"{where}: the prompt must end with a user turn (the brief) that chosen and rejected answer")
+    if any(m.role == "assistant" for m in prompt):
+        raise DataError(f"{where}: the prompt holds an assistant turn; a preference pair scores only the two answers, "
+                        f"so give the prompt as system and user turns")
+    chosen = _check_text(chosen, "chosen", where)
+    rejected = _check_text(rejected, "rejected", where)
+    if chosen.strip() == rejected.strip():
+        raise DataError(f"{where}: chosen and rejected are the same text, so the pair prefers nothing; drop the line "
+                        f"or give a different rejected answer")
+    return PreferencePair(tuple(prompt), chosen, rejected, where)
+
+
+def parse_brief_pair(obj: Any, where: str) -> PreferencePair:
+    """A {brief, chosen, rejected, system?} line: [system, user=brief] answered both ways, the system prompt
+    ``DEFAULT_SYSTEM_PROMPT`` unless the line gives its own (as for brief/caption lines)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("brief", "chosen", "rejected"):
+        if key not in obj:
+            raise DataError(f"{where}: missing field '{key}' (a preference pair is brief, chosen, rejected)")
+    system = _check_text(obj["system"], "system", where) if "system" in obj else DEFAULT_SYSTEM_PROMPT
+    prompt = (Message("system", system), Message("user", _check_text(obj["brief"], "brief", where)))
+    return make_pair(prompt, obj["chosen"], obj["rejected"], where)
 
 
 def load_examples(path: Path | str) -> list[Example]:
@@ -211,6 +258,17 @@ def encode_example(tokenizer: Any, example: Example, max_len: int | None = None)
 
 def encode_examples(tokenizer: Any, examples: Sequence[Example], max_len: int | None = None) -> list[EncodedDoc]:
     return [encode_example(tokenizer, ex, max_len) for ex in examples]
+
+
+def encode_pair(tokenizer: Any, pair: PreferencePair) -> tuple[EncodedDoc, EncodedDoc]:
+    """The (chosen, rejected) documents of a pair: each its conversation encoded as `encode_example` does, so both
+    begin with the same prompt tokens (checked: a template that renders the answer into the prompt is refused)."""
+    chosen, rejected = (encode_example(tokenizer, ex) for ex in pair.examples())
+    first = chosen.loss_mask.index(True)
+    if chosen.input_ids[:first] != rejected.input_ids[:first]:
+        raise DataError(f"{pair.source}: the chosen and rejected conversations do not share their prompt tokens "
+                        f"under this tokenizer's chat template")
+    return chosen, rejected
 
 
 def prompt_ids(tokenizer: Any, brief: str, system: str = DEFAULT_SYSTEM_PROMPT) -> list[int]:

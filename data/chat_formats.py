@@ -14,6 +14,13 @@ Formats (the fields each reads; `?` optional):
     alpaca             instruction, input?, output, system?
     prompt_completion  prompt, completion, system?        TRL's form: strings, or lists of {role, content}
 
+Preference pairs (train.objective = "dpo"; data/chat.py PreferencePair), one prompt answered two ways:
+
+    brief_pair         brief, chosen, rejected, system?   the designer's own form
+    preference         prompt, chosen, rejected, system?  TRL's: strings, or lists of {role, content} (the prompt
+                                                          system/user turns, chosen and rejected one assistant turn)
+    sharegpt_pair      conversations, chosen, rejected    LLaMA-Factory's: chosen/rejected a {from, value} object
+
 A single-turn format (alpaca, prompt_completion with strings) is a brief/caption pair: the user turn is the brief
 (alpaca: the instruction, then a blank line and the input when there is one), the assistant turn the caption, and
 the system prompt `DEFAULT_SYSTEM_PROMPT` unless the record has one, as for brief/caption lines, so that
@@ -34,17 +41,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from atelier_studio.data.chat import DEFAULT_SYSTEM_PROMPT, Example, _check_text, parse_example
+from atelier_studio.data.chat import (
+    DEFAULT_SYSTEM_PROMPT,
+    Example,
+    Message,
+    PreferencePair,
+    _check_text,
+    make_pair,
+    parse_brief_pair,
+    parse_example,
+)
 from atelier_studio.data.textfile import iter_json_lines
 from atelier_studio.pipeline.errors import DataError
 from atelier_studio.pipeline.hub import resolve_dataset_path
 
-FORMATS = ("auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca")
+FORMATS = ("auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca", "brief_pair", "preference",
+           "sharegpt_pair")
+PAIR_FORMATS = ("brief_pair", "preference", "sharegpt_pair")
 # the fields a format needs, then the optional ones; `columns` may rename any of them
 REQUIRED = {"brief_caption": ("brief", "caption"), "messages": ("messages",), "sharegpt": ("conversations",),
-            "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion")}
+            "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"),
+            "brief_pair": ("brief", "chosen", "rejected"), "preference": ("prompt", "chosen", "rejected"),
+            "sharegpt_pair": ("conversations", "chosen", "rejected")}
 OPTIONAL = {"brief_caption": ("system",), "messages": (), "sharegpt": ("system",), "alpaca": ("input", "system"),
-            "prompt_completion": ("system",)}
+            "prompt_completion": ("system",), "brief_pair": ("system",), "preference": ("system",),
+            "sharegpt_pair": ("system",)}
 FIELDS = tuple(dict.fromkeys(f for fmt in REQUIRED for f in REQUIRED[fmt] + OPTIONAL[fmt]))
 DATASETS_SUFFIXES = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SUFFIXES = (".jsonl", *DATASETS_SUFFIXES)
@@ -158,12 +179,16 @@ def detect_format(keys: set[str], where: str) -> str:
     full = [fmt for fmt, req in REQUIRED.items() if set(req) <= keys]
     if set(full) == {"brief_caption", "messages"}:
         full = ["brief_caption"]  # parse_example refuses a line with both, naming it
+    if "sharegpt_pair" in full:
+        full.remove("sharegpt")  # conversations + chosen + rejected: the pair form
     if len(full) == 1:
         return full[0]
     seen = ", ".join(sorted(keys)) or "none"
     if len(full) > 1:
         raise DataError(f"{where}: the columns ({seen}) fit the formats {' and '.join(full)}; {_FIX}")
     partial = [fmt for fmt, req in REQUIRED.items() if set(req) & keys]
+    if keys & {"chosen", "rejected"}:  # a pair with a field missing: name the pair format's field
+        partial = [fmt for fmt in partial if fmt in PAIR_FORMATS] or partial
     if partial:
         fmt = partial[0]
         missing = [f for f in REQUIRED[fmt] if f not in keys]
@@ -172,7 +197,8 @@ def detect_format(keys: set[str], where: str) -> str:
         raise DataError(f"{where}: looks like {fmt} but has no column {missing[0]!r} (columns: {seen}); rename it, or "
                         f'set data.columns.{missing[0]} = "<your column>"')
     raise DataError(f"{where}: no known format in the columns ({seen}); expected brief+caption, messages, "
-                    f"conversations (ShareGPT), instruction+output (Alpaca) or prompt+completion; {_FIX}")
+                    f"conversations (ShareGPT), instruction+output (Alpaca), prompt+completion, or a preference "
+                    f"pair (brief or prompt or conversations, with chosen+rejected); {_FIX}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -227,12 +253,57 @@ def _prompt_completion(rec: dict, where: str) -> Example:
     return _single_turn(rec, where, prompt, completion, ("prompt", "completion"))
 
 
-def to_example(fmt: str, record: Any, where: str) -> Example:
+def _require(rec: dict, fmt: str, where: str) -> None:
+    for key in REQUIRED[fmt]:
+        if key not in rec:
+            raise DataError(f"{where}: missing field {key!r} (a {fmt} record has {', '.join(REQUIRED[fmt])})")
+
+
+def _answer(value: Any, side: str, where: str) -> Any:
+    """A conversational answer (a list of one {role: assistant, content} message) → its content; a string as is."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1 or not isinstance(value[0], dict) or value[0].get("role") != "assistant":
+        raise DataError(f"{where}: {side} must be a string or a list of one {{role: assistant, content}} message")
+    return value[0].get("content")
+
+
+def _preference(rec: dict, where: str) -> PreferencePair:
+    _require(rec, "preference", where)
+    prompt = rec["prompt"]
+    if isinstance(prompt, list):  # TRL's conversational form: the prompt's turns as messages
+        turns = parse_example({"messages": [*prompt, {"role": "assistant", "content": "-"}]}, where).messages[:-1]
+        if "system" in rec and turns[0].role != "system":
+            turns = (Message("system", _check_text(rec["system"], "system", where)), *turns)
+    else:
+        system = _check_text(rec["system"], "system", where) if "system" in rec else DEFAULT_SYSTEM_PROMPT
+        turns = (Message("system", system), Message("user", _check_text(prompt, "prompt", where)))
+    return make_pair(turns, _answer(rec["chosen"], "chosen", where), _answer(rec["rejected"], "rejected", where),
+                     where)
+
+
+def _sharegpt_pair(rec: dict, where: str) -> PreferencePair:
+    _require(rec, "sharegpt_pair", where)
+    answers = []
+    for side in ("chosen", "rejected"):
+        value = rec[side]
+        if not isinstance(value, dict) or SHAREGPT_ROLES.get(value.get("from")) != "assistant" or "value" not in value:
+            raise DataError(f"{where}: {side} must be an object {{from: gpt, value: ...}}")
+        answers.append(value["value"])
+    turns = _sharegpt({**rec, "conversations": [*rec["conversations"], {"from": "gpt", "value": "-"}]},
+                      where).messages[:-1]
+    return make_pair(turns, *answers, where)
+
+
+def to_example(fmt: str, record: Any, where: str) -> Example | PreferencePair:
+    """One record as `fmt`: an Example, or a PreferencePair for the pair formats (PAIR_FORMATS)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if fmt in ("brief_caption", "messages"):
         return parse_example(record, where)
-    return {"sharegpt": _sharegpt, "alpaca": _alpaca, "prompt_completion": _prompt_completion}[fmt](record, where)
+    return {"sharegpt": _sharegpt, "alpaca": _alpaca, "prompt_completion": _prompt_completion,
+            "brief_pair": parse_brief_pair, "preference": _preference,
+            "sharegpt_pair": _sharegpt_pair}[fmt](record, where)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -267,13 +338,13 @@ def _choose(fmt: str, first: dict, columns: Mapping[str, str], where: str) -> st
 
 
 def load_file(path: Path, fmt: str = "auto", columns: Mapping[str, str] | None = None
-              ) -> tuple[list[Example], FileFormat]:
+              ) -> tuple[list[Any], FileFormat]:
     """Every example of one file or saved dataset, read as ``fmt`` ("auto": detected from its columns)."""
     columns = dict(columns or {})
     check_columns(columns)
     if fmt not in FORMATS:
         raise DataError(f"data.format: unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")
-    examples: list[Example] = []
+    examples: list[Any] = []
     chosen = fmt
     for where, raw in iter_records(path):
         if not isinstance(raw, dict):
@@ -286,17 +357,26 @@ def load_file(path: Path, fmt: str = "auto", columns: Mapping[str, str] | None =
     return examples, FileFormat(str(path), chosen, fmt == "auto", len(examples))
 
 
-def load_data(path: str | Path, fmt: str = "auto", columns: Mapping[str, str] | None = None
-              ) -> tuple[list[Example], list[FileFormat]]:
-    """The examples of data.train / data.eval: a file, a saved dataset or a folder of files, in order."""
-    examples: list[Example] = []
+def load_data(path: str | Path, fmt: str = "auto", columns: Mapping[str, str] | None = None, *,
+              pairs: bool = False) -> tuple[list[Any], list[FileFormat]]:
+    """The examples of data.train / data.eval: a file, a saved dataset or a folder of files, in order. With
+    ``pairs`` (train.objective = "dpo") every file must hold preference pairs (PreferencePair), else examples."""
+    examples: list[Any] = []
     formats = []
     path = resolve_dataset_path(str(path), "data file or folder")  # a hub dataset id: its cached snapshot
     for file in data_files(Path(path)):
         got, how = load_file(file, fmt, columns)
+        if pairs and how.format not in PAIR_FORMATS:
+            raise DataError(f"{file}: read as {how.format}, one answer per prompt, but train.objective = "
+                            f"\"dpo\" learns from preference pairs; give {{brief, chosen, rejected}} records (or TRL's "
+                            f"{{prompt, chosen, rejected}}; docs/data-in.md)")
+        if not pairs and how.format in PAIR_FORMATS:
+            raise DataError(f"{file}: holds preference pairs ({how.format}); set train.objective = \"dpo\" to learn "
+                            f"from them, or give brief/caption data")
         examples += got
         formats.append(how)
     return examples, formats
 
 
-__all__ = ["FORMATS", "FIELDS", "FileFormat", "load_data", "load_file", "detect_format", "to_example", "data_files"]
+__all__ = ["FORMATS", "PAIR_FORMATS", "FIELDS", "FileFormat", "load_data", "load_file", "detect_format", "to_example",
+           "data_files"]

@@ -73,6 +73,7 @@ class PackResult:
     num_loss_tokens: list[int]      # per row: labels != -100
     pad_id: int
     stats: PackStats
+    doc_ids: list[list[int]] | None = None  # per row, the index in `docs` of each document (a split piece: its doc's)
 
     @property
     def seq_len(self) -> int:
@@ -95,11 +96,13 @@ class Batch:
     num_tokens: int              # non-padding tokens
     num_loss_tokens: int         # labels != -100
     row_tokens: list[int] | None = None  # non-padding tokens of each row (its padding is its tail); None: no padding
+    doc_ids: list[int] | None = None  # the packed input's index of each real document, in doc_lens order
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
-                     self.max_seqlen, self.doc_lens, self.num_tokens, self.num_loss_tokens, self.row_tokens)
+                     self.max_seqlen, self.doc_lens, self.num_tokens, self.num_loss_tokens, self.row_tokens,
+                     self.doc_ids)
 
     def real_tokens(self) -> torch.Tensor:
         """[B, T] bool on the host: True on the documents' tokens, False on each row's padding tail."""
@@ -207,16 +210,34 @@ def pack_documents(docs: Sequence[EncodedDoc], seq_len: int, overflow: Overflow 
         raise ValueError(f"pack_documents: seq_len must be >= 2, got {seq_len}")
     pieces, counts = overflow_pieces(docs, seq_len, overflow)
     bins = best_fit_decreasing([end - start for _, start, end in pieces], seq_len)
-    R, T = len(bins), seq_len
+    return _fill_rows(docs, [[pieces[p] for p in members] for members in bins], seq_len, pad_id, counts)
+
+
+def pack_pairs(pairs: Sequence[tuple[EncodedDoc, EncodedDoc]], seq_len: int, *, pad_id: int = 0) -> PackResult:
+    """Pack preference pairs (chosen, rejected): each pair's two documents side by side in one row (chosen first),
+    each its own document (positions restart, per-document attention, no label across), pairs placed by best-fit
+    decreasing on their summed length. Documents are numbered 2i (chosen of pair i) and 2i + 1 (rejected): the
+    rows' `doc_ids` give them back. A pair longer than a row is the caller's to refuse or leave out first."""
+    if seq_len < 2:
+        raise ValueError(f"pack_pairs: seq_len must be >= 2, got {seq_len}")
+    docs = [doc for pair in pairs for doc in pair]  # [c0, r0, c1, r1, ...]
+    bins = best_fit_decreasing([len(c) + len(r) for c, r in pairs], seq_len)
+    rows = [[(d, 0, len(docs[d])) for i in members for d in (2 * i, 2 * i + 1)] for members in bins]
+    return _fill_rows(docs, rows, seq_len, pad_id, {"num_split": 0, "num_truncated": 0, "num_dropped": 0})
+
+
+def _fill_rows(docs: Sequence[EncodedDoc], rows: list[list[tuple[int, int, int]]], seq_len: int, pad_id: int,
+               counts: dict[str, int]) -> PackResult:
+    """The rows' tensors from an assignment [(doc, start, end), ...] per row, in row order."""
+    R, T = len(rows), seq_len
     input_ids = torch.full((R, T), pad_id, dtype=torch.long)
     labels = torch.full((R, T), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.empty((R, T), dtype=torch.long)
     arange = torch.arange(T)
     doc_lens: list[list[int]] = []
-    for r, members in enumerate(bins):
+    for r, members in enumerate(rows):
         lens, t = [], 0
-        for p in members:
-            d, start, end = pieces[p]
+        for d, start, end in members:
             ids = torch.tensor(docs[d].input_ids[start:end], dtype=torch.long)  # [n]
             mask = torch.tensor(docs[d].loss_mask[start:end], dtype=torch.bool)  # [n]
             n = end - start
@@ -232,7 +253,8 @@ def pack_documents(docs: Sequence[EncodedDoc], seq_len: int, overflow: Overflow 
     num_tokens = sum(map(sum, doc_lens))
     stats = PackStats(num_docs=len(docs), num_rows=R, num_tokens=num_tokens,
                       padding_fraction=1.0 - num_tokens / (R * T) if R else 0.0, **counts)
-    return PackResult(input_ids, labels, position_ids, doc_lens, num_loss, pad_id, stats)
+    return PackResult(input_ids, labels, position_ids, doc_lens, num_loss, pad_id, stats,
+                      doc_ids=[[d for d, _, _ in members] for members in rows])
 
 
 def pack_documents_ref(docs: Sequence[EncodedDoc], bins: list[list[tuple[int, int, int]]], seq_len: int,
@@ -275,10 +297,11 @@ def make_batch(packed: PackResult, rows: Sequence[int]) -> Batch:
         if bounds[-1] != (i + 1) * T:  # the padding segment of this row
             bounds.append((i + 1) * T)
     segs = [b - a for a, b in zip(bounds, bounds[1:])]
+    doc_ids = None if packed.doc_ids is None else [d for r in real for d in packed.doc_ids[r]]
     return Batch(input_ids, labels, position_ids, torch.tensor(bounds, dtype=torch.int32), max_seqlen=max(segs),
                  doc_lens=doc_lens, num_tokens=sum(doc_lens),
                  num_loss_tokens=sum(packed.num_loss_tokens[r] for r in real),
-                 row_tokens=[sum(packed.doc_lens[r]) if r >= 0 else 0 for r in rows])
+                 row_tokens=[sum(packed.doc_lens[r]) if r >= 0 else 0 for r in rows], doc_ids=doc_ids)
 
 
 def fixed_shape(batch: Batch, segments: int) -> Batch:

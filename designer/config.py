@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from atelier_studio.data.chat_formats import PAIR_FORMATS
 from atelier_studio.pipeline import config as engine_config
 from atelier_studio.pipeline.config import MODEL_PATH, ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
@@ -51,6 +52,8 @@ class ColumnsConfig:
     output: str = ""
     prompt: str = ""
     completion: str = ""
+    chosen: str = ""  # preference pairs (train.objective = "dpo")
+    rejected: str = ""
 
     def mapping(self) -> dict[str, str]:
         """{field: column} for the fields given a column of another name."""
@@ -72,7 +75,10 @@ class DataConfig:
     train: str = ""
     eval: str = ""  # optional, read the same way
     # the records' shape: "auto" detects it per file from the columns and logs what it chose
-    format: Literal["auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca"] = "auto"
+    # (train.objective = "dpo" reads the pair formats: "brief_pair" {brief, chosen, rejected}, "preference" TRL's
+    # {prompt, chosen, rejected}, "sharegpt_pair" LLaMA-Factory's {conversations, chosen, rejected})
+    format: Literal["auto", "brief_caption", "messages", "prompt_completion", "sharegpt", "alpaca", "brief_pair",
+                    "preference", "sharegpt_pair"] = "auto"
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     seq_len: int = 2048  # packed row length in tokens
     overflow: Literal["split", "truncate", "drop"] = "split"  # documents longer than a row
@@ -128,14 +134,41 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """`[train.dpo]`: direct preference optimisation (train.objective = "dpo"; designer/dpo.py, docs/training.md).
+
+    loss_type, as TRL's DPOTrainer names them: "sigmoid" is DPO (Rafailov et al. 2023), -log σ(β·margin) with
+    margin = (log π(chosen) - log π_ref(chosen)) - (log π(rejected) - log π_ref(rejected)), log-probabilities summed
+    over each caption's tokens; "ipo" is IPO (Azar et al. 2023), (margin' - 1/(2β))², on the log-ratios averaged
+    over each caption's tokens (the length-normalised form TRL uses)."""
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+
+    def validate(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"beta: must be > 0, got {self.beta}")
+
+
+@dataclass(frozen=True)
+class DesignerTrainConfig(TrainConfig):
+    """The engine's `[train]` (pipeline.config.TrainConfig) with the designer's objective: "sft" learns the captions
+    of brief/caption data; "dpo" learns from {brief, chosen, rejected} pairs against the frozen starting model
+    (`[train.dpo]`)."""
+
+    objective: Literal["sft", "dpo"] = "sft"
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+
+
+@dataclass(frozen=True)
 class DesignerConfig:
     # what a resume may change (pipeline/config_diff.py; docs/training.md): the model and its dtype, the data stream
     # (the train file, its format and columns, row length, overflow policy) and everything that fixes the adapters'
     # shapes and meaning are refused; kernels, attention and delta-rule paths (the same math), the MoE auxiliary loss,
     # the eval set and lora.dropout are hyper-parameters or execution choices, taken with a warning
     resume_policy: ClassVar[ResumePolicy] = ResumePolicy(
-        refuse=("model.path", "model.dtype", "data.train", "data.format", "data.columns", "data.seq_len",
-                "data.overflow", "lora", *TRAIN_REFUSE),
+        refuse=("model.path", "model.dtype", "train.objective", "data.train", "data.format", "data.columns",
+                "data.seq_len", "data.overflow", "lora", *TRAIN_REFUSE),
         warn=("model.attention", "model.kernels", "model.delta_rule", "model.router_aux_loss", "data.eval",
               "data.max_eval_batches", "lora.dropout", "sample", *TRAIN_WARN),
         free=TRAIN_FREE)
@@ -144,10 +177,22 @@ class DesignerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: DesignerTrainConfig = field(default_factory=DesignerTrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def validate(self) -> None:
+        pairs = self.data.format in PAIR_FORMATS
+        if pairs and self.train.objective != "dpo":
+            raise ConfigError(f'data.format = "{self.data.format}" holds preference pairs, which train.objective = '
+                              f'"{self.train.objective}" cannot learn from; set train.objective = "dpo", or give '
+                              f'brief/caption data')
+        if self.train.objective == "dpo" and self.data.format not in ("auto", *PAIR_FORMATS):
+            raise ConfigError(f'train.objective = "dpo" learns from preference pairs, but data.format = '
+                              f'"{self.data.format}" holds one answer per prompt; set data.format to one of '
+                              f'{", ".join(PAIR_FORMATS)} (or "auto")')
+        if self.train.objective == "dpo" and self.model.router_aux_loss == "on":
+            raise ConfigError('model.router_aux_loss = "on" with train.objective = "dpo": the DPO loss does not add a '
+                              'Qwen3-MoE\'s load-balancing term yet; leave model.router_aux_loss = "auto" or "off"')
         if self.lora.base_dtype == "nf4" and self.train.precision == "fp8":
             raise ConfigError('lora.base_dtype = "nf4" with train.precision = "fp8": a frozen base is stored in NF4 or '
                               'computed in FP8, not both; set one of them back ("bf16")')

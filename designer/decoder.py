@@ -278,6 +278,16 @@ class CausalLM(nn.Module):
         """Useful FLOPs of one forward+backward over documents of lengths `doc_lens` (padding excluded)."""
         return self.matmul_flops(sum(doc_lens), head_tokens) + self.attention_flops(doc_lens)
 
+    def forward_flops(self, doc_lens: Sequence[int], head_tokens: int) -> int:
+        """FLOPs of one forward without backward (DPO's reference pass): 2·in·out·T per nn.Linear (NF4 bases and
+        LoRA A/B included), the LM head on `head_tokens`, and the forward third of attention_flops (4 of its 12).
+        A Qwen3-MoE's expert stacks are not nn.Linear and are left out (an undercount)."""
+        tokens = sum(doc_lens)
+        total = sum(2 * m.in_features * m.out_features * tokens for m in self.model.layers.modules()
+                    if isinstance(m, (nn.Linear, NF4Linear)))
+        head = self.lm_head_weight
+        return total + 2 * head.shape[0] * head.shape[1] * head_tokens + self.attention_flops(doc_lens) // 3
+
 
 def check_packed_inputs(who: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
                         cu_seqlens: torch.Tensor) -> None:

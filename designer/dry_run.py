@@ -10,11 +10,12 @@ import torch
 
 from atelier_studio.data.chat import encode_examples
 from atelier_studio.data.chat_formats import load_data
-from atelier_studio.data.packing import pack_documents
+from atelier_studio.data.packing import pack_documents, pack_pairs
 from atelier_studio.data.tokenizer import load_tokenizer
 from atelier_studio.designer.config import DesignerConfig
 from atelier_studio.designer.hf import build_model, read_args
 from atelier_studio.designer.lora import LoraArgs, apply_lora
+from atelier_studio.designer.preference import encode_pairs
 from atelier_studio.designer.registry import family_of_args
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.dry_run import Plan, activation_bytes, fp8_memory, optimizer_memory, parameter_bytes
@@ -61,6 +62,9 @@ def designer_plan(cfg: DesignerConfig) -> Plan:
         notes.append("NF4 bases counted at 4.5 bits a weight (embeddings, norms and the LM head stay bf16)")
     dataset, doc_lens, loss_tokens = _packed_data(cfg, model_dir, train.micro_batch * train.grad_accum)
     flops = family.train_flops(model, doc_lens, loss_tokens)
+    if cfg.train.objective == "dpo" and not full and not cfg.lora.init_adapter:  # the reference forward of each step
+        flops += model.forward_flops(doc_lens, loss_tokens)
+        notes.append("DPO: each step adds the reference forward (adapters off, no gradients) to the FLOPs")
     return Plan(params_total=total, params_trainable=trainable, unit="tokens",
                 units_per_step=tokens_per_micro * train.grad_accum, flops_per_step=int(flops),
                 memory={"weights": weights, **optimizer_memory(model), **fp8_memory(model, train.precision),
@@ -76,8 +80,12 @@ def _packed_data(cfg: DesignerConfig, model_dir: Path, rows: int) -> tuple[str, 
         return (f"data.train {cfg.data.train} not found: FLOPs for rows of one {seq_len}-token document",
                 [seq_len] * rows, seq_len * rows)
     tokenizer = load_tokenizer(model_dir)
-    examples = load_data(cfg.data.train, cfg.data.format, cfg.data.columns.mapping())[0]
-    packed = pack_documents(encode_examples(tokenizer, examples), seq_len, cfg.data.overflow)
+    dpo = cfg.train.objective == "dpo"
+    examples = load_data(cfg.data.train, cfg.data.format, cfg.data.columns.mapping(), pairs=dpo)[0]
+    if dpo:  # pairs side by side in a row, as the run packs them (designer/preference.py)
+        packed = pack_pairs(encode_pairs(tokenizer, examples, seq_len, cfg.data.overflow, cfg.data.train)[0], seq_len)
+    else:
+        packed = pack_documents(encode_examples(tokenizer, examples), seq_len, cfg.data.overflow)
     s = packed.stats
     step_rows = [i % max(s.num_rows, 1) for i in range(rows)]
     doc_lens = [n for i in step_rows for n in packed.doc_lens[i]]

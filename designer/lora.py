@@ -24,11 +24,13 @@ experts. Dropout is not supported there (PEFT's own adapter on a stacked weight 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -153,6 +155,21 @@ def apply_lora(model: Model, args: LoraArgs) -> Model:
             parent.lora_adapters = nn.ModuleDict()
         parent.lora_adapters[leaf] = GroupedLoRA.of(grouped, leaf, args)
     return model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The frozen base alone inside the block: every adapter's scale is 0 (LoRALinear, its FP8 and NF4 forms,
+    GroupedLoRA), so each layer computes base(x) + 0 = base(x) exactly (PEFT's disable_adapter; DPO's reference
+    model without a second copy in memory). Put the model in eval mode too, or LoRA dropout still draws."""
+    scaled = [(m, m.scale) for m in model.modules() if isinstance(m, (LoRALinear, GroupedLoRA))]
+    try:
+        for m, _ in scaled:
+            m.scale = 0.0
+        yield
+    finally:
+        for m, scale in scaled:
+            m.scale = scale
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

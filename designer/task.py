@@ -106,12 +106,7 @@ class DesignerTask(Task):
         self.family = family_of_args(args)
         self.tokenizer = load_tokenizer(model_dir)
         check_vocab_size(self.tokenizer, model_dir, args.vocab_size, model_dir)  # a tokenizer without its vocabulary
-        self.train_loader = self._loader(cfg.data.train, self._examples(cfg.data.train), rank, world_size,
-                                         drop_last=True)
-        self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
-        eval_examples = self._examples(cfg.data.eval) if cfg.data.eval else []
-        self.eval_loader = self._loader(cfg.data.eval, eval_examples, rank, world_size, drop_last=False) \
-            if cfg.data.eval else None
+        eval_examples = self._build_data(rank, world_size)
         briefs = sample_briefs(eval_examples, cfg.sample.briefs)
         self.sampler = CaptionSampler(self.tokenizer, briefs, cfg.sample.max_new_tokens, args.max_seq_len) \
             if briefs else None
@@ -260,6 +255,18 @@ class DesignerTask(Task):
             f"bases")
 
     # ------------------------------------------------------------------ data
+
+    def _build_data(self, rank: int, world_size: int) -> list[Example]:
+        """The train and eval loaders (`train_loader`, `eval_loader`); returns the eval examples (the sampled briefs
+        come from them)."""
+        cfg = self.cfg
+        self.train_loader = self._loader(cfg.data.train, self._examples(cfg.data.train), rank, world_size,
+                                         drop_last=True)
+        self._dropped = self.train_loader.packed.stats.num_dropped  # data.overflow = "drop": left out of each epoch
+        eval_examples = self._examples(cfg.data.eval) if cfg.data.eval else []
+        self.eval_loader = self._loader(cfg.data.eval, eval_examples, rank, world_size, drop_last=False) \
+            if cfg.data.eval else None
+        return eval_examples
 
     def _examples(self, path: str) -> list[Example]:
         """data.train or data.eval read in its format (data/chat_formats.py), each file's format logged."""

@@ -192,9 +192,9 @@ def _on_rank_0(dist, fn: Callable):
 
 def designer_train(args: argparse.Namespace) -> int:
     from atelier_studio.designer.config import DesignerConfig
-    from atelier_studio.designer.task import DesignerTask
+    from atelier_studio.designer.preference import designer_task
 
-    return _train(args, DesignerConfig, DesignerTask)
+    return _train(args, DesignerConfig, designer_task)
 
 
 def designer_init(args: argparse.Namespace) -> int:

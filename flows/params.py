@@ -28,7 +28,17 @@ from atelier_studio.pipeline.config import _toml_value
 
 
 def field_help(cls: type) -> dict[str, str]:
-    """Each field's help from the dataclass source: the comment lines right above it and the comment after it."""
+    """Each field's help from the dataclass source: the comment lines right above it and the comment after it; a
+    field a subclass inherits (the designer's `[train]` over the engine's) has its base class's help."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update(_own_field_help(base))
+    return out
+
+
+def _own_field_help(cls: type) -> dict[str, str]:
+    """The help of the fields `cls`'s own source declares."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

@@ -152,6 +152,12 @@ class Task(ABC):
         averaged ones of schedule-free AdamW)."""
         return False
 
+    def step_metrics(self) -> dict[str, float]:
+        """Called at each logged step (on every rank, after the loss's host sync): the task's own numbers for the step
+        just taken (the designer's DPO rewards), added to the train record that metrics.jsonl and every tracker get;
+        {} when it has none. A task may gather its ranks' values in it."""
+        return {}
+
     def skipped(self) -> Skipped | None:
         """What the training data skipped so far, which the trainer reports (progress line, metrics.jsonl,
         TensorBoard, the run summary); None when this run's data cannot skip anything. Called on every rank at each

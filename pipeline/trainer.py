@@ -283,6 +283,7 @@ class Trainer:
                            "tflops": rate.flops_per_s / 1e12, "mfu": rate.mfu})
         if self.device.type == "cuda":
             record["peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        record.update(self.task.step_metrics())
         skips = self.task.skipped()
         if skips is not None:
             record["skipped"] = skips.total

@@ -290,6 +290,15 @@ def train_on(tmp: Path, w: World, key: str, name: str, data: str | bytes) -> lis
     return designer_train(tmp, w, f"{key}={write(tmp / name, data)}")
 
 
+def dpo_on(tmp: Path, w: World, data: str, *sets: str) -> list[str]:
+    """`designer train` with train.objective = "dpo" on tmp/pairs.jsonl holding `data` (rows long enough for a pair)."""
+    return designer_train(tmp, w, f"data.train={write(tmp / 'pairs.jsonl', data)}", "train.objective=dpo",
+                          "data.seq_len=256", *sets)
+
+
+PAIR = {"brief": "a calm circle", "chosen": "a small blue circle", "rejected": "a large red square"}
+
+
 def broken_model(tmp: Path, w: World, name: str, cut: int | None = None, text: str | None = None) -> list[str]:
     """A copy of the tiny model with file `name` cut to `cut` bytes or replaced by `text`; `designer train` on it."""
     shutil.copytree(w.model, tmp / "model")
@@ -476,6 +485,18 @@ CASES = [
                                                                '"caption": "c"}]'),
          ("{tmp}/bad.json row 1", "fit the formats brief_caption and prompt_completion", "set data.format"),
          absent=("run",)),
+    Case("dpo-pair-identical",
+         lambda t, w: dpo_on(t, w, json.dumps(PAIR) + "\n" + json.dumps({**PAIR, "rejected": PAIR["chosen"]}) + "\n"),
+         ("{tmp}/pairs.jsonl:2", "chosen and rejected are the same text"), absent=("run",)),
+    Case("dpo-pair-missing-rejected",
+         lambda t, w: dpo_on(t, w, json.dumps({"brief": "b", "chosen": "c"}) + "\n"),
+         ("{tmp}/pairs.jsonl:1", "looks like brief_pair but has no column 'rejected'"), absent=("run",)),
+    Case("dpo-pair-longer-than-a-row",
+         lambda t, w: dpo_on(t, w, json.dumps(PAIR) + "\n", "data.seq_len=40"),
+         ("data.seq_len = 40", "{tmp}/pairs.jsonl:1", "set data.seq_len >=", "data.overflow = \"drop\""),
+         absent=("run",)),
+    Case("dpo-on-caption-data", lambda t, w: designer_train(t, w, "train.objective=dpo"),
+         ("{fixture}", "one answer per prompt", "preference pairs"), absent=("run",)),
     Case("jsonl-missing", lambda t, w: designer_train(t, w, f"data.train={t / 'missing.jsonl'}"),
          ("{tmp}/missing.jsonl: no such file",), absent=("run",)),
     Case("seq-len-shorter-than-a-brief", lambda t, w: designer_train(t, w, "data.seq_len=16"),

@@ -218,3 +218,68 @@ def test_a_hub_dataset_id_reads_its_cached_snapshot(tmp_path, offline_cache):  #
                                         r"dataset org/a-model is not in the Hugging Face cache .*`huggingface-cli "
                                         r"download --repo-type dataset org/a-model`"):
         load_data("org/a-model")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Preference pairs (train.objective = "dpo")
+
+BRIEF, CHOSEN, REJECTED = "a calm circle", "a small blue circle", "a large red square"
+PAIR_RECORDS = {
+    "brief_pair": {"brief": BRIEF, "chosen": CHOSEN, "rejected": REJECTED},
+    "preference": {"prompt": BRIEF, "chosen": CHOSEN, "rejected": REJECTED},
+    "preference-conversational": {"prompt": [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                             {"role": "user", "content": BRIEF}],
+                                  "chosen": [{"role": "assistant", "content": CHOSEN}],
+                                  "rejected": [{"role": "assistant", "content": REJECTED}]},
+    "sharegpt_pair": {"system": DEFAULT_SYSTEM_PROMPT, "conversations": [{"from": "human", "value": BRIEF}],
+                      "chosen": {"from": "gpt", "value": CHOSEN}, "rejected": {"from": "gpt", "value": REJECTED}},
+}
+
+
+@pytest.mark.parametrize("name,kind", [(n, k) for n in PAIR_RECORDS for k in ("jsonl", "parquet")])
+def test_every_pair_format_reads_to_the_same_pair(tmp_path, name, kind):
+    [pair], [how] = load_data(write(tmp_path / f"d.{kind}", [PAIR_RECORDS[name]] * 1), pairs=True)
+    assert how.format == name.split("-")[0] and how.detected
+    chosen, rejected = pair.examples()
+    assert chosen == Example.from_brief(BRIEF, CHOSEN, source=pair.source)
+    assert rejected == Example.from_brief(BRIEF, REJECTED, source=pair.source)
+
+
+def test_pair_columns_map_and_both_sides_share_the_prompt_tokens(tmp_path, tok):  # noqa: F811
+    from atelier_studio.data.chat import encode_example, encode_pair
+
+    rec = {"question": BRIEF, "good": CHOSEN, "bad": REJECTED}
+    [pair], _ = load_data(write(tmp_path / "d.csv", [rec]), "auto",
+                          {"brief": "question", "chosen": "good", "rejected": "bad"}, pairs=True)
+    chosen, rejected = encode_pair(tok, pair)
+    first = chosen.loss_mask.index(True)
+    assert chosen.input_ids[:first] == rejected.input_ids[:first] and rejected.loss_mask.index(True) == first
+    assert chosen == encode_example(tok, Example.from_brief(BRIEF, CHOSEN))
+
+
+PAIR_BAD = [
+    ("missing-rejected", {"brief": BRIEF, "chosen": CHOSEN}, r"d\.jsonl:2: missing field 'rejected'"),
+    ("empty-chosen", {"brief": BRIEF, "chosen": " ", "rejected": REJECTED}, r"d\.jsonl:2: chosen is empty"),
+    ("identical", {"brief": BRIEF, "chosen": CHOSEN, "rejected": CHOSEN + " "},
+     r"d\.jsonl:2: chosen and rejected are the same text"),
+    ("prompt-with-assistant", {"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                          {"role": "user", "content": "z"}], "chosen": CHOSEN, "rejected": REJECTED},
+     r"d\.jsonl:2: the prompt holds an assistant turn"),
+    ("two-answers", {"prompt": BRIEF, "chosen": [{"role": "assistant", "content": "a"}] * 2, "rejected": REJECTED},
+     r"d\.jsonl:2: chosen must be a string or a list of one"),
+]
+
+
+@pytest.mark.parametrize("name,bad,message", PAIR_BAD, ids=[b[0] for b in PAIR_BAD])
+def test_bad_pairs_are_one_line_naming_file_and_line(tmp_path, name, bad, message):
+    good = PAIR_RECORDS["preference" if "prompt" in bad else "brief_pair"]
+    with pytest.raises(DataError, match=message) as e:
+        load_data(write(tmp_path / "d.jsonl", [good, bad]), pairs=True)
+    assert "\n" not in str(e.value)
+
+
+def test_pairs_and_single_answers_do_not_mix_up(tmp_path):
+    with pytest.raises(DataError, match=r"holds preference pairs \(brief_pair\); set train\.objective = \"dpo\""):
+        load_data(write(tmp_path / "p.jsonl", [PAIR_RECORDS["brief_pair"]]))
+    with pytest.raises(DataError, match=r"read as brief_caption, one answer per prompt"):
+        load_data(write(tmp_path / "s.jsonl", [{"brief": BRIEF, "caption": CHOSEN}]), pairs=True)

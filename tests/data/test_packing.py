@@ -280,3 +280,25 @@ def test_packed_loss_equals_documents_one_by_one():
                                                    ignore_index=IGNORE_INDEX)
     assert b.num_loss_tokens == count > 0
     torch.testing.assert_close(packed_sum, loss_sum, rtol=1e-5, atol=1e-4)
+
+
+def test_pairs_share_a_row_as_two_documents():
+    """pack_pairs: both documents of a pair in one row, chosen first, each its own segment (positions restart, no
+    label across); rows equal the token-by-token reference built from the same placement; doc_ids give them back."""
+    from atelier_studio.data.packing import pack_pairs
+
+    docs, T = random_docs(4, 40, 30), 64
+    pairs = list(zip(docs[::2], docs[1::2]))
+    packed = pack_pairs(pairs, T, pad_id=PAD)
+    bins = best_fit_decreasing([len(c) + len(r) for c, r in pairs], T)
+    flat = [d for pair in pairs for d in pair]
+    rows = [[(d, 0, len(flat[d])) for i in b for d in (2 * i, 2 * i + 1)] for b in bins]
+    ids, labels, pos = pack_documents_ref(flat, rows, T, pad_id=PAD)
+    assert (packed.input_ids.tolist(), packed.labels.tolist(), packed.position_ids.tolist()) == (ids, labels, pos)
+    assert packed.doc_ids == [[d for d, _, _ in row] for row in rows]
+    assert sorted(d for row in packed.doc_ids for d in row) == list(range(len(flat)))
+    for row in packed.doc_ids:
+        assert row[0::2] == [d - 1 for d in row[1::2]] and all(d % 2 == 0 for d in row[0::2])
+    batch = make_batch(packed, [1, -1, 0])
+    assert batch.doc_ids == packed.doc_ids[1] + packed.doc_ids[0]
+    assert [len(flat[d]) for d in batch.doc_ids] == batch.doc_lens

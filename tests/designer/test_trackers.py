@@ -9,7 +9,7 @@ import json
 from atelier_studio.flows.cli import main
 
 from tests._trackers import assert_same_losses_everywhere, mlflow_history, wandb_history
-from tests.designer.test_train import train_args
+from tests.designer.test_train import ROOT, train_args
 
 # shapes-world briefs (data/synthetic.py's parse_brief reads each): the judge scores their captions
 SHAPES_BRIEFS = ("a calm poster with a circle on the left", "something angular, bold",
@@ -47,3 +47,31 @@ def test_captions_of_briefs_outside_the_shapes_world_are_not_judged(world):
     assert all(parse_brief(b) is not None for b in SHAPES_BRIEFS)
     assert CaptionSampler(tokenizer, SHAPES_BRIEFS, 8, 128).judged
     assert not CaptionSampler(tokenizer, [*SHAPES_BRIEFS, "a poster for a jazz night"], 8, 128).judged
+
+
+def test_a_dpo_run_logs_its_rewards_to_every_tracker(world, tracker_env, tmp_path):
+    """train.objective = "dpo": rewards/* and logps/* of each logged step and each evaluation, the same in
+    metrics.jsonl, TensorBoard, W&B and MLflow."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests._trackers import assert_same, checkpoint_trackers
+
+    pairs = ROOT / "tests" / "fixtures" / "designer" / "pairs.jsonl"
+    out = tmp_path / "dpo"
+    assert main(train_args(world, out, "--set", f"data.train={pairs}", "--set", f"data.eval={pairs}",
+                           "--set", "data.seq_len=256", "--set", "train.objective=dpo", "--set", "lora.rank=4",
+                           "--set", "train.max_steps=2", "--set", "sample.briefs=0",
+                           "--set", "data.max_eval_batches=2", "--set", "output.tensorboard=true",
+                           "--set", "output.trackers=tensorboard,wandb,mlflow")) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    run_id = checkpoint_trackers(out)["mlflow"]["run_id"]
+    history = wandb_history(out)
+    for kind, steps in (("train", [1, 2]), ("eval", [2])):
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                     "logps/rejected"):
+            want = [(r["step"], r[name]) for r in records if r["kind"] == kind]
+            assert [s for s, _ in want] == steps
+            assert_same([(e.step, e.value) for e in events.Scalars(f"{kind}/{name}")], want)
+            assert_same(mlflow_history(tracker_env.uri, run_id, f"{kind}/{name}"), want)
+            assert_same([(r["_step"], r[f"{kind}/{name}"]) for r in history if f"{kind}/{name}" in r], want)

@@ -21,7 +21,10 @@ def test_the_model_has_every_key_typed_with_its_default_and_help():
     assert train["properties"]["grad_clip"] == {"default": 1.0, "description": "max global grad norm; 0 disables "
                                                 "clipping", "title": "Grad Clip", "type": "number"}
     assert train["properties"]["schedule"]["enum"] == ["cosine", "linear", "constant"]
-    assert set(train["properties"]) == set(TrainConfig.__dataclass_fields__)
+    # the designer's [train] is the engine's plus its objective (designer/config.py DesignerTrainConfig), each
+    # inherited key with the engine's help
+    assert set(train["properties"]) == set(TrainConfig.__dataclass_fields__) | {"objective", "dpo"}
+    assert train["properties"]["objective"]["enum"] == ["sft", "dpo"]
     assert field_help(TrainConfig)["min_lr_ratio"] == "the schedule decays to lr * min_lr_ratio"
     assert "ema" in ImagegenParams.model_fields and "lora" in DesignerParams.model_fields
 
