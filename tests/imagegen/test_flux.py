@@ -1,6 +1,7 @@
-"""imagegen/flux.py + imagegen/hf.py against diffusers' FluxTransformer2DModel on the same weights (tiny random
-configs, fp32 on the CPU): forward and every gradient, the packing and ids of FluxPipeline, the checkpoint both
-ways, the named sizes, the FLOP count, the fused kernels and the registry."""
+"""imagegen/flux.py + imagegen/hf.py + imagegen/lora.py against diffusers' FluxTransformer2DModel on the same weights
+(tiny random configs, fp32 on the CPU): forward and every gradient, the packing and ids of FluxPipeline, the
+checkpoint both ways, the named sizes, the FLOP count, the fused kernels, the registry, and the LoRA file
+FluxPipeline.load_lora_weights reads."""
 
 import dataclasses
 import json
@@ -13,9 +14,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from atelier_studio.flows.cli import main
 from atelier_studio.imagegen import registry
-from atelier_studio.imagegen.flux import FAMILY, SIZES, Flux, FluxArgs, pack, unpack
+from atelier_studio.imagegen.flux import FAMILY, LORA_ATTENTION, SIZES, Flux, FluxArgs, pack, unpack
 from atelier_studio.imagegen.hf import WEIGHTS_NAME, init_random, load_pretrained, read_args, save_pretrained
+from atelier_studio.imagegen.lora import apply_lora, load_lora, save_lora, target_modules
 from atelier_studio.pipeline.errors import ModelLoadError
+from atelier_studio.pipeline.lora import LoraArgs, lora_layers
 
 from tests.kernels._compare import rounding_tolerance
 
@@ -221,3 +224,55 @@ def test_the_family_is_registered_and_init_writes_each_size(tmp_path, capsys):
     assert type(loaded) is Flux and loaded.args == DEV
     ref, info = FluxTransformer2DModel.from_pretrained(tmp_path / "m", output_loading_info=True)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and ref.config.guidance_embeds
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+def test_lora_targets_cover_both_block_types():
+    assert FAMILY.resolve_lora_targets(()) == LORA_ATTENTION
+    model = Flux(DEV)
+    names = target_modules(model, FAMILY.resolve_lora_targets(("to_q", "proj_mlp", "to_add_out")))
+    assert names == ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_add_out",
+                     "transformer_blocks.1.attn.to_q", "transformer_blocks.1.attn.to_add_out",
+                     "single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp",
+                     "single_transformer_blocks.1.attn.to_q", "single_transformer_blocks.1.proj_mlp"]
+
+
+@pytest.mark.parametrize("targets", [(), ("to_q", "to_v", "ff.net.2", "proj_mlp", "proj_out")],
+                         ids=["attention", "mixed"])
+def test_load_lora_weights_gives_atelier_outputs(targets, tmp_path):
+    """FluxPipeline.load_lora_weights reads the file Atelier writes, wraps exactly Atelier's modules (of both block
+    types) with Atelier's scale, and its transformer predicts what Atelier's does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from peft.tuners.lora import LoraLayer
+
+    lora = LoraArgs(rank=4, alpha=8.0)
+    ref = reference(DEV)
+    model = Flux(DEV)
+    model.load_state_dict(ref.state_dict(), strict=True)
+    apply_lora(model, lora, target_modules(model, FAMILY.resolve_lora_targets(targets)))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_layers(model).values():  # a fresh adapter is the identity and would test nothing
+            m.lora_B.weight.normal_(0, 0.1, generator=g)
+    out = save_lora(model, lora, tmp_path / "lora")
+
+    pipe = FluxPipeline(transformer=reference(DEV), scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    x = inputs(DEV, 6, 10)
+    with torch.no_grad():
+        base = reference_forward(pipe.transformer, *x)
+    pipe.load_lora_weights(str(out))
+    wrapped = {n: m for n, m in pipe.transformer.named_modules() if isinstance(m, LoraLayer)}
+    assert sorted(wrapped) == sorted(lora_layers(model))
+    assert {m.scaling[next(iter(m.scaling))] for m in wrapped.values()} == {lora.scale}
+    with torch.no_grad():
+        want, got = model(*x), reference_forward(pipe.transformer, *x)
+    assert (want - base).abs().max() > 0.05  # the adapters change the output ...
+    assert (got - want).abs().max() <= tolerance(want, DEPTH)  # ... and diffusers' changes it the same way
+    # and back: Atelier reads the file into a fresh model and predicts the same
+    again = Flux(DEV)
+    again.load_state_dict(ref.state_dict(), strict=True)
+    assert load_lora(again, out) == lora
+    with torch.no_grad():
+        assert torch.equal(again(*x), want)
