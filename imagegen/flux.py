@@ -469,7 +469,7 @@ FAMILY = Family(
     tiny_size="flux-tiny", train_flops=Flux.train_flops,
     blocks=lambda model: [*model.transformer_blocks, *model.single_transformer_blocks],
     diffusers_class="diffusers:FluxTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP,
-    default_lora_targets=LORA_ATTENTION,
+    default_lora_targets=LORA_ATTENTION, sigma_grid="linspace", guidance_input=lambda args: args.guidance_embeds,
     # kept out of FP8, as the MMDiT's: what runs once per image (the conditioning MLPs, every AdaLN modulation) and
     # the final projection (4C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",

@@ -71,7 +71,7 @@ class SD3TextEncoders(nn.Module):
                                    f"got {max_sequence_length}")
         if clip_skip < 0:
             raise TextEncoderError(f"text.clip_skip: must be >= 0, got {clip_skip}")
-        index = read_model_index(self.path)
+        index = read_model_index(self.path, "StableDiffusion3Pipeline")
         if use_t5 and not has_part(index, "text_encoder_3"):
             raise TextEncoderError(f"{self.path}: this pipeline has no text_encoder_3 (T5); set text.use_t5 = false "
                                    f"to train with T5's part as zeros")
@@ -210,8 +210,13 @@ class SD3TextEncoders(nn.Module):
 
 def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
     """The text encoder of an `imagegen.config.TextConfig`, any kind: for "sd3" the three encoders of the SD3
-    pipeline at text.encoder ("" = `model_path`, the run's model.path), else a TextEncoder (imagegen/text.py)."""
+    pipeline at text.encoder ("" = `model_path`, the run's model.path), for "flux" the two of a FLUX pipeline
+    (imagegen/flux_text.py), else a TextEncoder (imagegen/text.py)."""
     path = text_encoder_dir(cfg, model_path)
+    if cfg.kind == "flux":
+        from atelier_studio.imagegen.flux_text import FluxTextEncoders
+
+        return FluxTextEncoders(path, cfg.max_sequence_length, device, getattr(torch, cfg.dtype))
     if cfg.kind == "sd3":
         return SD3TextEncoders(path, cfg.max_sequence_length, cfg.clip_skip, cfg.use_t5, device,
                                getattr(torch, cfg.dtype))

@@ -34,6 +34,9 @@ from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.hf_files import check_vocab_size, check_weights_dir
 
 KINDS = ("causal-lm", "encoder")
+# the kinds that are a diffusers pipeline's own encoders (imagegen/sd3_text.py, imagegen/flux_text.py): text.encoder
+# defaults to the pipeline at model.path, and a run with the pipeline's VAE exports a pipeline directory
+PIPELINE_TEXT_KINDS = ("sd3", "flux")
 POOLINGS = ("mean", "last", "cls")
 
 
@@ -212,14 +215,15 @@ class EncodedPrompts:
 
 
 def text_encoder_dir(cfg, model_path: str = "") -> str:
-    """The directory `TextConfig` points at: text.encoder, or for kind "sd3" with no encoder the pipeline at
-    model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
-    if cfg.kind == "sd3" and not cfg.encoder:
+    """The directory `TextConfig` points at: text.encoder, or for a pipeline kind ("sd3", "flux") with no encoder the
+    pipeline at model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
+    if cfg.kind in PIPELINE_TEXT_KINDS and not cfg.encoder:
         if not model_path:
-            raise TextEncoderError("text.kind = 'sd3' needs text.encoder or model.path to be an SD3 pipeline directory")
+            raise TextEncoderError(f"text.kind = {cfg.kind!r} needs text.encoder or model.path to be a pipeline "
+                                   f"directory")
         return model_path
     return cfg.encoder
 
 
-__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "pool_ref",
+__all__ = ["PIPELINE_TEXT_KINDS", "TextEncoder", "TextEncoderError", "default_text_encoder_path", "pool_ref",
            "text_encoder_dir", "TextPart", "EncodedPrompts"]
