@@ -111,19 +111,30 @@ def test_init_flux_tiny_through_the_cli(tmp_path, capsys):
     assert "unknown FluxArgs override(s) ['sample_size']" in capsys.readouterr().err
 
 
-def test_cache_train_lora_export_and_render_through_the_cli(dev, tmp_path):
-    """`imagegen cache` -> `imagegen train` (LoRA on both block types) -> pipeline/ with the LoRA at its top: diffusers
-    renders it as Atelier samples it, and the adapters moved."""
+def test_cache_train_lora_export_and_render_through_the_cli(dev, tmp_path, monkeypatch):
+    """`imagegen cache` -> `imagegen train` (LoRA on both block types, dev's guidance input at model.guidance) ->
+    pipeline/ with the LoRA at its top: diffusers renders it as Atelier samples it, and the adapters moved."""
     from safetensors.torch import load_file
 
     shards = build_shards(tmp_path / "world")
     latents, run = tmp_path / "latents", tmp_path / "run"
-    sets = [a for item in config_overrides(dev, shards, latents, run, "lora.targets=[\"to_q\", \"proj_mlp\"]")
-            for a in ("--set", item)]
+    sets = [a for item in config_overrides(dev, shards, latents, run, "lora.targets=[\"to_q\", \"proj_mlp\"]",
+                                           "model.guidance=2.5") for a in ("--set", item)]
     assert main(["imagegen", "cache", "--config", str(FLUX_CONFIG), "--out", str(latents), *sets]) == 0
     meta = json.loads((latents / "cache.json").read_text())
     assert meta["text_kind"] == "flux" and meta["text_tokens"] == MAX_SEQUENCE_LENGTH
+    guidance_seen: list[torch.Tensor] = []
+    forward = Flux.forward
+
+    def recording(self, *args, guidance=None, **kwargs):
+        guidance_seen.append(guidance)
+        return forward(self, *args, guidance=guidance, **kwargs)
+
+    monkeypatch.setattr(Flux, "forward", recording)
     assert main(["imagegen", "train", "--config", str(FLUX_CONFIG), *sets]) == 0
+    monkeypatch.undo()
+    assert len(guidance_seen) == 3 * 4  # 3 steps of grad_accum 4 (the shipped config)
+    assert all(torch.equal(g, torch.full((4,), 2.5)) for g in guidance_seen)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["step"] == 3 and np.isfinite(summary["final_loss"])
 
