@@ -24,7 +24,6 @@ from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 
 
-
 def imagegen_plan(cfg: ImagegenConfig) -> Plan:
     try:
         args = read_args(cfg.model.path)
