@@ -20,6 +20,8 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   guidance_input   None: sampling guides by classifier-free guidance (SD3); else a function of the args telling
                    whether the guidance scale is a model input instead (FLUX.1-dev's distilled guidance embedding:
                    the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
+  export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
+                   LoRA names and the single-file layout are SD3's
   linear_rows      the rows a block's linear reads, by its path inside the block: linear_rows(name, images,
                    image_tokens, text_tokens) (the dry run's activation count: imagegen/dry_run.py); None: every
                    token of both streams
@@ -59,6 +61,7 @@ class Family:
     linear_rows: Callable[[str, int, int, int], int] | None = None
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
+    export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
 
     def __post_init__(self) -> None:
         problems = []

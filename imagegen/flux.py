@@ -470,6 +470,8 @@ FAMILY = Family(
     blocks=lambda model: [*model.transformer_blocks, *model.single_transformer_blocks],
     diffusers_class="diffusers:FluxTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP,
     default_lora_targets=LORA_ATTENTION, sigma_grid="linspace", guidance_input=lambda args: args.guidance_embeds,
+    # BFL's original layout (fused qkv, double_blocks.*) and its kohya LoRA names are not written yet
+    export_forms=("diffusers", "merge"),
     # kept out of FP8, as the MMDiT's: what runs once per image (the conditioning MLPs, every AdaLN modulation) and
     # the final projection (4C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
