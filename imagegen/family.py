@@ -22,6 +22,8 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
                    the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
   export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
                    LoRA names and the single-file layout are SD3's
+  diffusers_forward  the diffusers model called on the model's own arguments (latents [B,C,H,W], text states, pooled,
+                   timestep = t*1000, **guidance) -> v [B,C,H,W], as its pipeline calls it: the bench's peer
   linear_rows      the rows a block's linear reads, by its path inside the block: linear_rows(name, images,
                    image_tokens, text_tokens) (the dry run's activation count: imagegen/dry_run.py); None: every
                    token of both streams
@@ -62,6 +64,7 @@ class Family:
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
     export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
+    diffusers_forward: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems = []

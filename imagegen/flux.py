@@ -457,6 +457,18 @@ class Flux(nn.Module):
         return 2 * mm + batch_size * self._matmul_flops(image_tokens, text_tokens, True) + 3 * attn
 
 
+def diffusers_forward(ref: nn.Module, latents: torch.Tensor, text_states: torch.Tensor, pooled: torch.Tensor,
+                      timestep: torch.Tensor, guidance: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' FluxTransformer2DModel on Flux.forward's arguments, as FluxPipeline calls it: packed latents, the
+    ids, sigma (diffusers multiplies by 1000 inside) -> v [B, Co, H, W]."""
+    H, W = latents.shape[-2:]
+    L = text_states.shape[1]
+    ids = position_ids(L, H // PACK, W // PACK, latents.device)  # [L + N, 3]
+    out = ref(hidden_states=pack(latents), encoder_hidden_states=text_states, pooled_projections=pooled,
+              timestep=timestep / 1000, img_ids=ids[L:], txt_ids=ids[:L], guidance=guidance, return_dict=False)[0]
+    return unpack(out, H, W)
+
+
 # LoRA targets by diffusers' module paths inside a block (PEFT's target_modules, the names diffusers'
 # train_dreambooth_lora_flux.py --lora_layers takes). A block gets those it has: attn.to_q/k/v exist in both block
 # types, the rest in one. Default: every attention projection of both block types; the MLPs are opt-in.
@@ -471,7 +483,7 @@ FAMILY = Family(
     diffusers_class="diffusers:FluxTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP,
     default_lora_targets=LORA_ATTENTION, sigma_grid="linspace", guidance_input=lambda args: args.guidance_embeds,
     # BFL's original layout (fused qkv, double_blocks.*) and its kohya LoRA names are not written yet
-    export_forms=("diffusers", "merge"),
+    export_forms=("diffusers", "merge"), diffusers_forward=diffusers_forward,
     # kept out of FP8, as the MMDiT's: what runs once per image (the conditioning MLPs, every AdaLN modulation) and
     # the final projection (4C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",

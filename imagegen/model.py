@@ -514,6 +514,13 @@ def block_linear_rows(name: str, images: int, image_tokens: int, text_tokens: in
     return images * image_tokens
 
 
+def diffusers_forward(ref: nn.Module, latents: torch.Tensor, text_states: torch.Tensor, pooled: torch.Tensor,
+                      timestep: torch.Tensor) -> torch.Tensor:
+    """diffusers' SD3Transformer2DModel on MMDiT.forward's arguments (the same ones) -> v [B, Co, H, W]."""
+    return ref(hidden_states=latents, encoder_hidden_states=text_states, pooled_projections=pooled,
+               timestep=timestep, return_dict=False)[0]
+
+
 FAMILY = Family(
     name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
@@ -524,5 +531,5 @@ FAMILY = Family(
     # projection (N = p²·C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
               "norm_out.linear", "proj_out"),
-    linear_rows=block_linear_rows,
+    linear_rows=block_linear_rows, diffusers_forward=diffusers_forward,
 )

@@ -276,3 +276,11 @@ def test_load_lora_weights_gives_atelier_outputs(targets, tmp_path):
     assert load_lora(again, out) == lora
     with torch.no_grad():
         assert torch.equal(again(*x), want)
+
+
+def test_the_familys_diffusers_call_is_flux_pipelines():
+    """FAMILY.diffusers_forward (the bench's peer call) feeds diffusers what FluxPipeline feeds it."""
+    ref = reference(DEV)
+    x = inputs(DEV, 6, 10)
+    with torch.no_grad():
+        assert torch.equal(FAMILY.diffusers_forward(ref, *x[:4], guidance=x[4]), reference_forward(ref, *x))
