@@ -1,6 +1,9 @@
-"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
+"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches
+(and FLUX.1-dev vs FluxTransformer2DModel: flux-dev-1024, 4096 image + 512 T5 tokens; every model-specific step asks
+the family's record in imagegen/registry.py: the model class, the diffusers peer and its pipeline's call, the FLOPs).
 
-    python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
+    python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024|flux-dev-1024
+        --out DIR
         [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
         [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
         [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
