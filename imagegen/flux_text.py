@@ -26,14 +26,13 @@ from torch import nn
 
 from atelier_studio.imagegen.config import FLUX_T5_TOKENS as MAX_T5_TOKENS
 from atelier_studio.imagegen.sd3_dir import check_pipeline_files, part_dir, read_model_index
-from atelier_studio.imagegen.text import TextEncoderError, TextPart
+from atelier_studio.imagegen.text import CaptionTokens, TextEncoderError, TextPart
 from atelier_studio.pipeline.hf_files import check_vocab_size
-from atelier_studio.pipeline.progress import log
 
 PIPELINE = "FluxPipeline"
 
 
-class FluxTextEncoders(nn.Module):
+class FluxTextEncoders(CaptionTokens, nn.Module):
     """CLIP-L + T5 of a FLUX pipeline directory. `encode(captions)` -> (states [B, T, E], pooled [B, P],
     mask [B, T] int64: T5's attention mask, 1 = a real token)."""
 
@@ -87,13 +86,6 @@ class FluxTextEncoders(nn.Module):
         self.truncated = {"clip": 0, "t5": 0}  # captions cut at the CLIP / T5 token limit so far
         self._empty: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _tokens(self, tokenizer, captions: list[str], length: int, which: str) -> dict[str, torch.Tensor]:
-        """Exactly `length` tokens per caption; captions cut short are counted under `which`."""
-        tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-        full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
-        self.truncated[which] += sum(len(ids) > length for ids in full)
-        return tok
-
     @torch.no_grad()
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """captions (B) -> states [B, T, E], pooled [B, P] (in `dtype`), mask [B, T] (1 = a real T5 token)."""
@@ -116,13 +108,6 @@ class FluxTextEncoders(nn.Module):
     def negative(self) -> tuple[torch.Tensor, torch.Tensor]:
         """CFG's unconditional input (FluxPipeline's negative_prompt "" under true_cfg_scale): the empty caption."""
         return self.empty()
-
-    def report_truncation(self, where: str) -> None:
-        """One log line when captions were cut at the CLIP or T5 token limit (diffusers warns per batch)."""
-        if any(self.truncated.values()):
-            log(f"{where}: {self.truncated['clip']} caption(s) longer than CLIP's {self.clip_length} tokens and "
-                f"{self.truncated['t5']} longer than T5's max_sequence_length {self.max_sequence_length} were "
-                f"truncated")
 
     def settings(self) -> dict:
         """What produced the states (written to cache.json and imagegen.json)."""

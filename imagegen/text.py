@@ -81,6 +81,32 @@ def pool_ref(states: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor
     raise TextEncoderError(f"pooled: must be one of {POOLINGS}, got {how!r}")
 
 
+class CaptionTokens:
+    """What the CLIP + T5 encoders of SD3 and FLUX (imagegen/sd3_text.py, imagegen/flux_text.py) share: fixed-length
+    tokens with the captions cut short counted (`self.truncated`: {"clip": n, "t5": n}), and one log line about them."""
+
+    truncated: dict[str, int]
+    clip_length: int
+    max_sequence_length: int
+
+    def _tokens(self, tokenizer, captions: list[str], length: int, which: str | None) -> dict[str, torch.Tensor]:
+        """Exactly `length` tokens per caption; captions cut short are counted under `which` (None: not counted)."""
+        tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+        if which is not None:
+            full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
+            self.truncated[which] += sum(len(ids) > length for ids in full)
+        return tok
+
+    def report_truncation(self, where: str) -> None:
+        """One log line when captions were cut at the CLIP or T5 token limit (diffusers warns per batch)."""
+        from atelier_studio.pipeline.progress import log
+
+        if any(self.truncated.values()):
+            log(f"{where}: {self.truncated['clip']} caption(s) longer than CLIP's {self.clip_length} tokens and "
+                f"{self.truncated['t5']} longer than T5's max_sequence_length {self.max_sequence_length} were "
+                f"truncated")
+
+
 class TextEncoder(nn.Module):
     """A frozen HF text model. `encode(captions)` -> (states [B,L,D], pooled [B,D], mask [B,L] int64).
 
@@ -225,5 +251,5 @@ def text_encoder_dir(cfg, model_path: str = "") -> str:
     return cfg.encoder
 
 
-__all__ = ["PIPELINE_TEXT_KINDS", "TextEncoder", "TextEncoderError", "default_text_encoder_path", "pool_ref",
-           "text_encoder_dir", "TextPart", "EncodedPrompts"]
+__all__ = ["CaptionTokens", "PIPELINE_TEXT_KINDS", "TextEncoder", "TextEncoderError", "default_text_encoder_path",
+           "pool_ref", "text_encoder_dir", "TextPart", "EncodedPrompts"]

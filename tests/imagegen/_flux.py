@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from tests.imagegen import _sd3
 from tests.imagegen._sd3 import RESOLUTION, ROOT, clip_tokenizer, t5_tokenizer
 
 CLIP_L, T5_WIDTH = 32, 96
 FLUX_CONFIG = ROOT / "configs" / "imagegen" / "flux-dev-lora.toml"
-MAX_SEQUENCE_LENGTH = 16  # T5 tokens in the tests (FluxPipeline's default 512 is real work on a CPU)
+MAX_SEQUENCE_LENGTH = _sd3.MAX_SEQUENCE_LENGTH  # 16 T5 tokens (FluxPipeline's default 512 is real work on a CPU)
 VAE_FACTOR = 2
 
 
@@ -67,17 +68,10 @@ def build_pipeline(out: Path, schnell: bool = False, seed: int = 0) -> Path:
 
 def load_pipeline(path: Path):
     """FluxPipeline.from_pretrained(path) in fp32 on the CPU, progress bars off."""
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _sd3.load_pipeline(path, "FluxPipeline")
 
 
 def config_overrides(pipe: Path, shards: Path, latents: Path, out: Path, *extra: str) -> list[str]:
-    """The shipped FLUX config pointed at a tiny pipeline: fp32, 32 px, 16 T5 tokens, 3 steps of batch 4."""
-    return [f"model.path={pipe}", "model.dtype=float32", "text.dtype=float32",
-            f"text.max_sequence_length={MAX_SEQUENCE_LENGTH}", f"data.image_shards={shards}", f"data.shards={latents}",
-            f"data.resolution={RESOLUTION}", "data.cache_batch=4", "train.max_steps=3", "train.micro_batch=4",
-            "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1", "train.save_every=0", "train.eval_every=0",
-            "sample.every=0", "ema.decay=0", "output.tensorboard=false", f"output.dir={out}", *extra]
+    """The shipped FLUX config pointed at a tiny pipeline as _sd3's points the SD3 one: fp32, 32 px, 16 T5 tokens, 3
+    steps of batch 4, EMA 0.5 (the exported LoRA is the EMA's)."""
+    return _sd3.config_overrides(pipe, shards, latents, out, *extra)
