@@ -148,7 +148,13 @@ def test_named_sizes_contract(name):
 
 
 def test_init_weights_is_adaln_zero():
-    out = Flux(DEV)(*inputs(DEV, 8, 8))
+    model = Flux(DEV)
+    adaln = [lin for b in model.transformer_blocks for lin in (b.norm1.linear, b.norm1_context.linear)]
+    adaln += [b.norm.linear for b in model.single_transformer_blocks]
+    assert len(adaln) == 6 and not any(lin.weight.any() or lin.bias.any() for lin in adaln)  # every block starts as id
+    assert model.transformer_blocks[0].attn.to_q.weight.std() > 0
+    assert model.single_transformer_blocks[0].proj_mlp.weight.std() > 0
+    out = model(*inputs(DEV, 8, 8))
     assert torch.equal(out, torch.zeros_like(out))  # DiT: the zero-init final layer outputs 0
 
 
