@@ -66,3 +66,17 @@ def test_flux_trains_on_two_processes_as_on_one(world, flux_model, tmp_path):
     assert (two / "samples" / "step-4.png").is_file()
     model, info = FluxTransformer2DModel.from_pretrained(two / "transformer", output_loading_info=True)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and model.config.guidance_embeds
+
+
+def test_flux_trains_with_fp8_linears(world, flux_model, tmp_path, capsys):
+    """train.precision = "fp8" on FLUX: every block linear of both types and the two input embedders run in FP8; what
+    the family's fp8_skip names (the conditioning MLPs, the AdaLN modulations, the final proj_out) stays."""
+    out = tmp_path / "fp8"
+    assert main(cli_args(world, out, *COMMON, "train.micro_batch=8", f"model.path={flux_model}", "sample.every=0",
+                         "train.eval_every=0", "train.precision=fp8", "train.fp8_recipe=tensorwise")) == 0
+    # double blocks: q, k, v, out, add_q/k/v, add_out, ff x2, ff_context x2 (12 each); single blocks: q, k, v,
+    # proj_mlp, proj_out (5 each); plus context_embedder and x_embedder
+    assert "fp8 (tensorwise): 36 linear layers in FP8" in capsys.readouterr().out
+    losses = [json.loads(r)["loss"] for r in (out / "metrics.jsonl").read_text().splitlines()
+              if json.loads(r)["kind"] == "train"]
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)
