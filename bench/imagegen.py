@@ -1,6 +1,9 @@
-"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches.
+"""Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches
+(and FLUX.1-dev vs FluxTransformer2DModel: flux-dev-1024, 4096 image + 512 T5 tokens; every model-specific step asks
+the family's record in imagegen/registry.py: the model class, the diffusers peer and its pipeline's call, the FLOPs).
 
-    python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024 --out DIR
+    python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024|flux-dev-1024
+        --out DIR
         [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
         [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
         [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
@@ -89,7 +92,7 @@ from atelier_studio.bench.harness import attempt as attempt_run
 from atelier_studio.imagegen.ema import EMA, ema_update_ref
 from atelier_studio.imagegen.flow import FlowArgs, add_noise, flow_loss, sample_timesteps
 from atelier_studio.imagegen.lora import apply_lora, target_modules
-from atelier_studio.imagegen.model import MMDiT, MMDiTArgs, sincos_2d_grid
+from atelier_studio.imagegen.model import MMDiTArgs, sincos_2d_grid
 from atelier_studio.imagegen.registry import family_of_args, family_of_size
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 from atelier_studio.pipeline.float8 import apply_fp8
@@ -124,6 +127,8 @@ CONFIGS = {
     "sd3-medium-1024": BenchConfig("sd3-medium", 1024, 333, (8, 16, 24)),
     "sd3-medium-512": BenchConfig("sd3-medium", 512, 333, (16, 32, 64)),
     "sd3.5-medium-1024": BenchConfig("sd3.5-medium", 1024, 333, (8, 16, 24)),
+    # FLUX.1-dev: 4096 image tokens at 1024 px and FluxPipeline's 512 T5 tokens; LoRA is what users train on it
+    "flux-dev-1024": BenchConfig("flux-dev", 1024, 512, (1, 2, 4)),
 }
 
 
@@ -143,8 +148,10 @@ def tiny_config(cfg: BenchConfig) -> BenchConfig:
     """The same code path at CPU size: the tiny MMDiT with the real size's architecture (SD3.5's QK RMSNorm and dual
     attention in its first block), an 8x8 latent (16 image tokens), 7 text tokens, fp32."""
     real, family = model_args(cfg), family_of_size(cfg.size)
-    tiny = family.args_of_size(family.tiny_size, qk_norm=real.qk_norm,
-                               dual_attention_layers=(0,) if real.dual_attention_layers else ())
+    kept = {k: getattr(real, k) for k in ("qk_norm", "guidance_embeds") if hasattr(real, k)}  # the real's variant
+    if getattr(real, "dual_attention_layers", ()):
+        kept["dual_attention_layers"] = (0,)
+    tiny = family.args_of_size(family.tiny_size, **kept)
     return dataclasses.replace(cfg, size=family.tiny_size, resolution=64, text_tokens=7, batches=(1, 2),
                                shard_samples=8, shard_size=2, model=tiny)
 
@@ -164,7 +171,7 @@ def random_state_dict(args: MMDiTArgs, dtype: torch.dtype, device: torch.device,
     ones ± 0.1 for the QK-norm weights, and the fixed sincos grid for pos_embed.pos_embed."""
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in MMDiT(args).state_dict().items()}
+        shapes = {k: v.shape for k, v in family_of_args(args).model_cls(args).state_dict().items()}
     out = {}
     for name, shape in shapes.items():
         if name == "pos_embed.pos_embed":
@@ -220,7 +227,7 @@ class Lora:
 def make_lora(args: MMDiTArgs, rank: int, device: torch.device, seed: int) -> Lora:
     """Rank-`rank` adapters (alpha = rank) on the family's default targets; A ~ N(0, 1/I), B ~ N(0, 0.01²)."""
     with torch.device("meta"):
-        meta = MMDiT(args)
+        meta = family_of_args(args).model_cls(args)
     modules = target_modules(meta, family_of_args(args).default_lora_targets)
     g = torch.Generator(device=device).manual_seed(seed)
     weights = {}
@@ -243,12 +250,15 @@ class Run:
     params: list[nn.Parameter]
     fused_adamw: bool
     autocast: bool                # bf16 autocast over fp32 master weights; off for exact (tiny) runs
+    args: Any = None              # the model's args (its family: the guidance input)
 
     def loss(self, b: ImageBatch) -> torch.Tensor:
         """The loss both sides share: noise the latents, predict the velocity, the batch's mean flow_loss (fp32)."""
         x_t = add_noise(b.x0, b.noise, b.t)  # [B, C, h, w]
+        # a guidance-distilled model (FLUX.1-dev) gets the trainer's default guidance input, model.guidance = 1
+        guidance = family_of_args(self.args).guidance_kwargs(self.args, 1.0, b.size, b.x0.device)
         with torch.autocast(b.x0.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            pred = self.forward(x_t, b.text, b.pooled, b.t * 1000)  # [B, C, h, w]
+            pred = self.forward(x_t, b.text, b.pooled, b.t * 1000, **guidance)  # [B, C, h, w]
         return flow_loss(pred, b.x0, b.noise, b.t, FLOW).mean()
 
 
@@ -260,7 +270,7 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora
     """Full fine-tuning: fp32 master copies of the weights. LoRA: the shared frozen base as it is (bf16, or fp32 for
     exact runs) with imagegen/lora.py's layers holding fp32 copies of the drawn adapters."""
     with torch.device("meta"):
-        model = MMDiT(dataclasses.replace(args, kernels=v.kernels, attention=v.attention))
+        model = family_of_args(args).model_cls(dataclasses.replace(args, kernels=v.kernels, attention=v.attention))
     model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True)
     model.train().requires_grad_(True)
     if lora is not None:
@@ -271,24 +281,26 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora
                 m.lora_B.weight.copy_(lora.weights[f"{name}.lora_B.weight"])
     if v.precision == "fp8":  # first, as the trainer applies train.precision (imagegen/task.py _wrap)
         apply_fp8(model, v.fp8_recipe, family_of_args(args).fp8_skip)
-    last = model.transformer_blocks[-1].attn  # no text queries in the last block (imagegen/task.py _wrap)
-    for m in (last.add_q_proj, last.norm_added_q):
-        if m is not None:
-            m.requires_grad_(False)
+    for block in model.transformer_blocks:  # a block without text output has no text queries (imagegen/task.py _wrap)
+        if block.attn.to_add_out is None:
+            for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):
+                if m is not None:
+                    m.requires_grad_(False)
     if v.compile:
         compile_blocks(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    return Run(model, model, params, v.fused_adamw, autocast=not exact)
+    return Run(model, model, params, v.fused_adamw, autocast=not exact, args=args)
 
 
 def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None) -> Run:
-    """diffusers SD3Transformer2DModel (its default JointAttnProcessor2_0: SDPA) on the same weights; with `lora`,
-    PEFT adapters on the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B."""
-    from diffusers import SD3Transformer2DModel  # ImportError → the peer is reported as skipped
-
+    """The family's diffusers model (SD3Transformer2DModel, FluxTransformer2DModel; their default SDPA processors) on
+    the same weights, called as its pipeline calls it (the family's diffusers_forward); with `lora`, PEFT adapters on
+    the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B."""
+    family = family_of_args(args)
+    reference = family.diffusers_reference()  # ImportError → the peer is reported as skipped
     kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
     with torch.device("meta"):
-        model = SD3Transformer2DModel(**kwargs)
+        model = reference(**kwargs)
     model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True, strict=True)
     model.train().requires_grad_(True)
     if lora is not None:
@@ -305,12 +317,11 @@ def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | N
         compile_blocks(model)
     dev = next(model.parameters()).device
 
-    def forward(x_t, text, pooled, timestep):
-        return model(hidden_states=x_t, encoder_hidden_states=text, pooled_projections=pooled, timestep=timestep,
-                     return_dict=False)[0]
+    def forward(x_t, text, pooled, timestep, **guidance):
+        return family.diffusers_forward(model, x_t, text, pooled, timestep, **guidance)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    return Run(model, forward, params, fused_adamw=dev.type == "cuda", autocast=not exact)
+    return Run(model, forward, params, fused_adamw=dev.type == "cuda", autocast=not exact, args=args)
 
 
 def measure(build: Callable[[], Run], batches: list[ImageBatch], warmup: int, steps: int, lr: float,
@@ -486,7 +497,7 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     sd = random_state_dict(args, dtype, device, seed)
     lora = make_lora(args, lora_rank, device, seed + 1) if lora_rank else None
     with torch.device("meta"):
-        meta_model, meta_full = MMDiT(args), MMDiT(args)
+        meta_model, meta_full = family_of_args(args).model_cls(args), family_of_args(args).model_cls(args)
         if lora is not None:  # the FLOP count sees the adapters and the frozen base (4·N + 6·N_lora)
             apply_lora(meta_model, lora.args, list(lora.modules))
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
@@ -505,7 +516,7 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     def data_for(bs: int) -> tuple[list[ImageBatch], int]:
         if bs not in data:
             data[bs] = (make_batches(cfg, args, bs, warmup + steps, device, dtype, seed + bs),
-                        meta_model.train_flops(bs, N, L))
+                        family_of_args(args).train_flops(meta_model, bs, N, L))
         return data[bs]
 
     def measured(build: Callable[[], Run], bs: int, label: str, compiled: bool | None = None) -> dict[str, Any]:
@@ -516,7 +527,8 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
         if compiled is not None:
             r["compile"] = compiled
         if lora is not None and "step_s_median" in r:  # the full fine-tune's 6·N count over the same step time
-            r["mfu_6n"] = meta_full.train_flops(bs, N, L) / r["step_s_median"] / 1e12 / PEAK_TFLOPS
+            full_flops = family_of_args(args).train_flops(meta_full, bs, N, L)
+            r["mfu_6n"] = full_flops / r["step_s_median"] / 1e12 / PEAK_TFLOPS
         print(f"{label} batch={bs}: " + _said(r), flush=True)
         return r
 

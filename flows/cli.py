@@ -597,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(i, "init", imagegen_init, "write a random-init model of a registered family (diffusers layout)")
     sp.add_argument("--size", required=True,
                     help="a size of a registered family (imagegen/registry.py), e.g. the MMDiT's tiny, demo, "
-                         "sd3-medium, sd3.5-medium, sd3.5-large; an unknown size lists them all")
+                         "sd3-medium, sd3.5-medium, sd3.5-large, FLUX.1's flux-tiny, flux-dev, flux-schnell; an "
+                         "unknown size lists them all")
     sp.add_argument("--out", required=True)
     number(sp, "--seed", type=int, bounds=SEED, default=0)
     sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

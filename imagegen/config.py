@@ -25,6 +25,8 @@ from atelier_studio.pipeline import config as engine_config
 from atelier_studio.pipeline.config import MODEL_PATH, ConfigError, OutputConfig, TrainConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
+FLUX_T5_TOKENS = 512  # FluxPipeline.check_inputs refuses a longer max_sequence_length (imagegen/flux_text.py)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -40,8 +42,14 @@ class ModelConfig:
     # the joint attention's SDPA backend (MMDiTArgs.attention): "auto" = PyTorch's choice; pin the fastest one
     # bench/imagegen.py measured on your card
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    # the guidance scale a guidance-distilled model (FLUX.1-dev: guidance_embeds) is trained at, as its input; models
+    # without a guidance embedding ignore it. 1.0 as SimpleTuner's and ai-toolkit's FLUX LoRA defaults (diffusers'
+    # train_dreambooth_lora_flux.py: 3.5)
+    guidance: float = 1.0
 
     def validate(self) -> None:
+        if self.guidance < 0:
+            raise ConfigError(f"guidance: must be >= 0, got {self.guidance}")
         if not self.path:
             raise ConfigError("path: required — a diffusers transformer directory (see `atelier imagegen init`) or an "
                               "SD3 pipeline directory")
@@ -67,8 +75,10 @@ class TextConfig:
     # "causal-lm": a decoder LM (e.g. the designer's Qwen3) through AutoModel, hidden states of `layer`;
     # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state;
     # "sd3": CLIP-L + CLIP-G + T5 of a diffusers SD3 pipeline directory, encoded as StableDiffusion3Pipeline's
-    # encode_prompt does (imagegen/sd3_text.py); `max_length`, `layer` and `pooled` do not apply to it
-    kind: Literal["causal-lm", "encoder", "sd3"] = "encoder"
+    # encode_prompt does (imagegen/sd3_text.py); "flux": CLIP-L (pooled) + T5 of a FluxPipeline directory, as
+    # FluxPipeline.encode_prompt (imagegen/flux_text.py; L = max_sequence_length); `max_length`, `layer` and `pooled`
+    # do not apply to them
+    kind: Literal["causal-lm", "encoder", "sd3", "flux"] = "encoder"
     max_length: int = 32  # every caption is padded (or truncated) to this many tokens: L is fixed
     # index into hidden_states (0 = embeddings, -1 = last, after the final norm). -1 by default; -2 (the
     # penultimate layer, as SD3 takes from CLIP) is the usual alternative for a causal LM. Encoders use -1.
@@ -99,6 +109,9 @@ class TextConfig:
         if self.kind == "encoder" and self.layer != -1:
             raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', "
                               f"got {self.layer}")
+        if self.kind == "flux" and not 1 <= self.max_sequence_length <= FLUX_T5_TOKENS:
+            raise ConfigError(f"max_sequence_length: must be in [1, {FLUX_T5_TOKENS}] (diffusers' limit for FLUX), "
+                              f"got {self.max_sequence_length}")
         if self.kind == "sd3":
             if self.layer != -1:
                 raise ConfigError(f"layer: kind 'sd3' takes the CLIP layer from clip_skip, not layer "
@@ -285,7 +298,7 @@ class ImagegenConfig:
         refuse=("model.path", "model.dtype", "autoencoder", "text", "data.shards", "data.resolution",
                 "data.resolutions", "data.resolution_weights", "data.min_ratio", "data.max_ratio",
                 "data.shuffle_buffer", "data.mask", "lora", "ema", *TRAIN_REFUSE),
-        warn=("model.kernels", "model.attention", "text.caption_dropout", "text.caption_dropout_fill",
+        warn=("model.kernels", "model.attention", "model.guidance", "text.caption_dropout", "text.caption_dropout_fill",
               "text.caption_dropout_encoders", "data.eval_shards", "data.image_shards", "data.eval_image_shards",
               "data.max_bad_fraction", "data.num_workers", "data.cache_batch", "data.max_eval_images",
               "data.loader_workers", "flow", "lora.dropout", "sample", *TRAIN_WARN),

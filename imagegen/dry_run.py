@@ -3,7 +3,9 @@ applied as the run would, the latent shards counted from their index files; no w
 
 An image at data.resolution (the largest of data.resolutions) becomes (resolution / f / patch)² image tokens, f the
 autoencoder's downsampling (8 for an SD3 VAE, p for the pixel codec "pixel:p"); the text stream has text.max_length
-tokens (an SD3 pipeline's encoders: 77 CLIP + 256 T5 tokens). Both streams run through every joint block.
+tokens (an SD3 pipeline's encoders: 77 CLIP + text.max_sequence_length T5 tokens; a FLUX pipeline's: the T5 tokens).
+Both streams run through every block (FLUX's blocks are estimated as its first, double-stream one: its activations
+bound a single-stream block's).
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ from atelier_studio.pipeline.dry_run import Plan, activation_bytes, fp8_memory, 
 from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.lora_fp8 import FP8_CONVERSIONS
 
-SD3_TEXT_TOKENS = 77 + 256  # CLIP's 77 then T5's 256, concatenated along the sequence (imagegen/sd3_text.py)
-
 
 def imagegen_plan(cfg: ImagegenConfig) -> Plan:
     try:
@@ -38,7 +38,9 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
     down = int(spec.split(":")[1]) if spec.startswith("pixel:") else (2 if spec == "pixel" else 8)
     resolution = max(cfg.data.all_resolutions) or args.sample_size * down  # the largest bucket sets the peak
     image_tokens = (resolution // down // args.patch_size) ** 2
-    text_tokens = SD3_TEXT_TOKENS if cfg.text.kind == "sd3" else cfg.text.max_length
+    # SD3's encoders: 77 CLIP + T5 tokens; FLUX's: T5's alone (CLIP gives only the pooled vector)
+    text_tokens = {"sd3": 77 + cfg.text.max_sequence_length, "flux": cfg.text.max_sequence_length}.get(
+        cfg.text.kind, cfg.text.max_length)
     train = cfg.train
     with torch.device("meta"):
         model = build_model(args).to(base_dtype)

@@ -1,4 +1,5 @@
-"""Write a `StableDiffusion3Pipeline` directory: a base pipeline's parts with a trained transformer swapped in.
+"""Write a `StableDiffusion3Pipeline` (or `FluxPipeline`) directory: a base pipeline's parts with a trained
+transformer swapped in. Both have the same layout (imagegen/sd3_dir.py); the examples below are SD3's.
 
     export_pipeline(base, out, transformer=run / "ema", vae=vae_dir, flow=flow_args)
     StableDiffusion3Pipeline.from_pretrained(out)   # renders what `atelier imagegen sample --model out` renders

@@ -1,5 +1,7 @@
 """`atelier imagegen export RUN --out PATH (--lora-format diffusers|kohya | --merge | --single-file)`: an imagegen
-run's result in the form a serving stack loads.
+run's result in the form a serving stack loads. The forms a family has are its record's `export_forms`
+(imagegen/family.py): FLUX.1 has the diffusers LoRA and the merge (the kohya names and the single-file layout below
+are SD3's).
 
     --lora-format diffusers  PATH/pytorch_lora_weights.safetensors, for pipe.load_lora_weights(PATH)
     --lora-format kohya      PATH (.safetensors), for ComfyUI / Forge LoRA loaders (imagegen/lora_kohya.py)
@@ -27,10 +29,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from atelier_studio.imagegen.hf import load_pretrained, resolve_dir, save_pretrained, weight_map
+from atelier_studio.imagegen.hf import load_pretrained, read_args, resolve_dir, save_pretrained, weight_map
 from atelier_studio.imagegen.lora import LORA_FILE, load_lora, lora_file, read_lora
 from atelier_studio.imagegen.lora_kohya import kohya_metadata, kohya_state_dict
 from atelier_studio.imagegen.model import MMDiT
+from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sd3_dir import is_pipeline_dir
 from atelier_studio.imagegen.single_file import single_file_state_dict
 from atelier_studio.pipeline.atomic import atomic_dir, save_safetensors
@@ -116,6 +119,10 @@ def export_run(run: Path, out: Path, form: str, log=print) -> Path:
     """Write ``run``'s result at ``out`` in ``form`` (one of FORMS; the module docstring)."""
     result = run_result(Path(run))
     out = Path(out)
+    family = family_of_args(read_args(result.transformer))
+    if form in FORMS and form not in family.export_forms:
+        raise UsageError(f"imagegen export {run}: the {family.name} family has no {form} export yet; it has "
+                         f"{', '.join(family.export_forms)}")
     if form in ("diffusers", "kohya") and result.lora is None:
         raise UsageError(f"--lora-format {form}: {run} is a full fine-tuning run, it has no LoRA; export its "
                          f"transformer with --single-file, or use its transformer/ or pipeline/ as they are")

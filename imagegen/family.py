@@ -15,6 +15,15 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
                    PEFT's target_modules); `default_lora_targets` the ones `lora.targets = []` takes
   fp8_skip         module-name globs kept in the model's dtype under `train.precision = "fp8"` (the task and the
                    bench apply FP8 with them: pipeline/float8.apply_fp8)
+  sigma_grid       the sampler's sigma grid as the family's diffusers pipeline sets it (imagegen/flow.py
+                   sampler_sigmas): "scheduler" (StableDiffusion3Pipeline) or "linspace" (FluxPipeline)
+  guidance_input   None: sampling guides by classifier-free guidance (SD3); else a function of the args telling
+                   whether the guidance scale is a model input instead (FLUX.1-dev's distilled guidance embedding:
+                   the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
+  export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
+                   LoRA names and the single-file layout are SD3's
+  diffusers_forward  the diffusers model called on the model's own arguments (latents [B,C,H,W], text states, pooled,
+                   timestep = t*1000, **guidance) -> v [B,C,H,W], as its pipeline calls it: the bench's peer
   linear_rows      the rows a block's linear reads, by its path inside the block: linear_rows(name, images,
                    image_tokens, text_tokens) (the dry run's activation count: imagegen/dry_run.py); None: every
                    token of both streams
@@ -28,6 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 # The implementation choices a run sets on the args read from config.json (never part of the checkpoint).
@@ -51,6 +61,10 @@ class Family:
     default_lora_targets: tuple[str, ...] = ()
     fp8_skip: tuple[str, ...] = ()
     linear_rows: Callable[[str, int, int, int], int] | None = None
+    sigma_grid: str = "scheduler"
+    guidance_input: Callable[[Any], bool] | None = None
+    export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
+    diffusers_forward: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +80,8 @@ class Family:
         unknown = [t for t in self.default_lora_targets if t not in self.lora_targets]
         if unknown:
             problems.append(f"default_lora_targets {unknown} are not among its lora_targets")
+        if self.sigma_grid not in ("scheduler", "linspace"):
+            problems.append(f"sigma_grid {self.sigma_grid!r} is not 'scheduler' or 'linspace'")
         if problems:
             raise ValueError(f"Family {self.name!r}: {'; '.join(problems)}")
         for name in ("class_names", "lora_targets", "default_lora_targets"):
@@ -82,6 +98,17 @@ class Family:
             raise ValueError(f"{unmatched or list(names)} match no {self.name} linear a LoRA may wrap; known: "
                              f"{', '.join(self.lora_targets) or 'none'}")
         return tuple(p for p in self.lora_targets if any(p == n or p.endswith("." + n) for n in names))
+
+    def guidance_kwargs(self, args: Any, scale: float, batch: int, device: torch.device) -> dict:
+        """The model's guidance input at `scale` for `batch` images ({"guidance": [B]}); {} for a model without one."""
+        if self.guidance_input is None or not self.guidance_input(args):
+            return {}
+        return {"guidance": torch.full((batch,), float(scale), device=device)}
+
+    def sampling_cfg(self, scale: float) -> float:
+        """The classifier-free guidance scale sampling runs at `scale`: itself, or 1 (none) where the scale is a
+        model input (guidance_input)."""
+        return 1.0 if self.guidance_input is not None else scale
 
     def args_of_size(self, size: str, **overrides: Any) -> Any:
         """The args of a named size with field `overrides` (e.g. in_channels=4)."""

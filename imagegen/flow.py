@@ -163,19 +163,28 @@ def flow_loss(pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torc
     return loss_weight(t, args) * weighted / area.clamp_min(torch.finfo(torch.float32).tiny)
 
 
+SIGMA_GRIDS = ("scheduler", "linspace")
+
+
 def sampler_sigmas(num_steps: int, shift: float = 3.0, image_seq_len: int | None = None,
-                   args: FlowArgs | None = None) -> torch.Tensor:
+                   args: FlowArgs | None = None, grid: str = "scheduler") -> torch.Tensor:
     """[num_steps + 1] fp32 times from ~1 down to 0, equal to diffusers'
     ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps).sigmas``.
 
     With ``args.use_dynamic_shifting`` the shift comes from ``image_seq_len`` instead (the
     scheduler's ``use_dynamic_shifting=True`` with ``mu = calculate_shift(image_seq_len)``).
-    diffusers' grid quirk is kept on purpose: the last point is the *shifted* 1/1000, and the
-    linspace between the ends is shifted again.
+    ``grid`` "scheduler" (StableDiffusion3Pipeline): the scheduler's own grid, whose quirk is kept on
+    purpose: the last point is the *shifted* 1/1000, and the linspace between the ends is shifted again.
+    "linspace" (FluxPipeline): the pipeline passes ``sigmas = linspace(1, 1/n, n)``, shifted once.
     """
     if num_steps < 1:
         raise ValueError(f"sampler_sigmas: num_steps must be >= 1, got {num_steps}")
+    if grid not in SIGMA_GRIDS:
+        raise ValueError(f"sampler_sigmas: grid must be one of {SIGMA_GRIDS}, got {grid!r}")
     mu = _mu(args, image_seq_len, "sampler_sigmas") if args is not None else None
+    if grid == "linspace":  # set_timesteps(sigmas=...): float32, shifted (dynamic or static), then 0 appended
+        sigmas = shift_timesteps(np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32), shift, mu)
+        return torch.cat([torch.from_numpy(np.asarray(sigmas)).to(torch.float32), torch.zeros(1)])
     # Scheduler __init__: the 1000-step training grid (float32), shifted unless shifting is dynamic.
     grid = torch.arange(NUM_TRAIN_TIMESTEPS, 0, -1, dtype=torch.float32) / NUM_TRAIN_TIMESTEPS
     if mu is None:
@@ -194,10 +203,12 @@ ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 def euler_sample(model_fn: ModelFn, noise: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor,
                  neg_text: torch.Tensor | None = None, neg_pooled: torch.Tensor | None = None,
                  num_steps: int = 28, guidance_scale: float = 7.0, shift: float = 3.0,
-                 image_seq_len: int | None = None, args: FlowArgs | None = None) -> torch.Tensor:
-    """Integrate from ``noise`` (t = 1) to x0 (t = 0) with Euler steps on ``sampler_sigmas``.
+                 image_seq_len: int | None = None, args: FlowArgs | None = None, grid: str = "scheduler",
+                 model_kwargs: dict | None = None) -> torch.Tensor:
+    """Integrate from ``noise`` (t = 1) to x0 (t = 0) with Euler steps on ``sampler_sigmas`` (``grid``).
 
-    model_fn(latents [B,C,H,W], text [B,L,E], pooled [B,P], timestep [B] = t*1000) -> v [B,C,H,W].
+    model_fn(latents [B,C,H,W], text [B,L,E], pooled [B,P], timestep [B] = t*1000, **model_kwargs) -> v [B,C,H,W]
+    (``model_kwargs``: e.g. FLUX.1-dev's embedded guidance [B]).
     With ``guidance_scale != 1`` classifier-free guidance runs one batched call on
     [uncond; cond] (diffusers' order): v = v_u + g (v_c - v_u). The state stays fp32 between steps
     (diffusers' ``step`` adds in fp32 but casts back to the model dtype each step; in fp32 the two
@@ -216,14 +227,15 @@ def euler_sample(model_fn: ModelFn, noise: torch.Tensor, text: torch.Tensor, poo
                              f"{tuple(neg_pooled.shape)} must match text {tuple(text.shape)} / "
                              f"pooled {tuple(pooled.shape)}")
         text, pooled = torch.cat([neg_text, text]), torch.cat([neg_pooled, pooled])  # [2B, L, E], [2B, P]
-    sigmas = sampler_sigmas(num_steps, shift, image_seq_len, args).to(noise.device)
+    model_kwargs = {k: torch.cat([v, v]) if cfg else v for k, v in (model_kwargs or {}).items()}  # [B or 2B]
+    sigmas = sampler_sigmas(num_steps, shift, image_seq_len, args, grid).to(noise.device)
     x = noise.float()
     for i in range(num_steps):
         x_in = x.to(noise.dtype)
         if cfg:
             x_in = torch.cat([x_in, x_in])  # [2B, C, H, W]
         timestep = (sigmas[i] * NUM_TRAIN_TIMESTEPS).expand(x_in.shape[0])  # [B or 2B]
-        v = model_fn(x_in, text, pooled, timestep)
+        v = model_fn(x_in, text, pooled, timestep, **model_kwargs)
         if cfg:
             v_uncond, v_cond = v.chunk(2)
             v = v_uncond + guidance_scale * (v_cond - v_uncond)

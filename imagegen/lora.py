@@ -1,5 +1,5 @@
-"""LoRA for the MMDiT (Hu et al. 2021, arXiv:2106.09685), saved as the file `StableDiffusion3Pipeline.load_lora_weights`
-reads.
+"""LoRA for the MMDiT families (Hu et al. 2021, arXiv:2106.09685), saved as the file the diffusers pipelines'
+`load_lora_weights` read (`StableDiffusion3Pipeline`'s, `FluxPipeline`'s: the same layout).
 
 The layers are the ones both trainers share (pipeline/lora.py LoRALinear over kernels/lora_linear.py): a frozen
 base linear, A [r, I] kaiming-uniform and B [O, r] zeros (a fresh adapter is the identity), y = base(x) + s · B A
@@ -7,8 +7,9 @@ dropout(x), s = alpha / r (alpha / √r with rslora); no weight gradient for the
 and, under bf16 autocast, computed in bf16. The MMDiT's target names are resolved against its family's
 `lora_targets` (imagegen/family.py) into the module paths inside a block that `target_modules` wraps.
 
-Targets are module paths inside a joint block, diffusers' names (attn.to_q … attn.to_add_out, attn2.* in SD3.5's
-dual-attention blocks, ff.net.0.proj, ff.net.2, ff_context.*). A block gets the ones it has: the last block has no
+Targets are module paths inside a block, diffusers' names (attn.to_q … attn.to_add_out, attn2.* in SD3.5's
+dual-attention blocks, ff.net.0.proj, ff.net.2, ff_context.*; FLUX's single-stream blocks add proj_mlp and
+proj_out, and have only attn.to_q/k/v of the attention's). A block gets the ones it has: the last block has no
 text output (no attn.to_add_out, no ff_context), and its attn.add_q_proj is never applied (imagegen/model.py
 Attention), so it gets no adapter.
 

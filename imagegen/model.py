@@ -25,8 +25,6 @@ on CUDA and the references elsewhere. Both give the same numbers (tests/imagegen
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -34,28 +32,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from atelier_studio.imagegen.family import Family
+from atelier_studio.imagegen.layers import (
+    ATTENTION_BACKENDS,
+    KERNEL_IMPLS,
+    NORM_EPS,
+    TIME_FREQ_DIM,
+    FeedForward,
+    MLPEmbedder,
+    Modulation,
+    RMSNorm,
+    linear_flops,
+    sdpa_backend,
+    timestep_embedding,
+)
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
-from atelier_studio.kernels.rmsnorm import rmsnorm
 from atelier_studio.pipeline.shared_input import shared_input_linears
-
-# diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
-NORM_EPS = 1e-6
-TIME_FREQ_DIM = 256
-KERNEL_IMPLS = ("auto", "triton", "ref")
-# SDPA backends for the joint attention (MMDiTArgs.attention): "auto" leaves the choice to PyTorch; the others
-# pin one, so the fastest exact backend measured on a card (bench/imagegen.py's sdpa_* rows) can be chosen.
-ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
-
-
-def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
-    """The SDPA backend context for MMDiTArgs.attention ("auto": none, PyTorch chooses). Traced by torch.compile."""
-    if name == "auto":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]])
 
 
 @dataclass(frozen=True)
@@ -205,14 +197,6 @@ def sincos_2d_grid(dim: int, grid_size: int, base_size: int) -> torch.Tensor:
     return emb.float().unsqueeze(0)
 
 
-def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM, max_period: float = 10000.0) -> torch.Tensor:
-    """[B] timesteps (sigma*1000) -> [B, dim] fp32 features [cos, sin] (DDPM/DiT, flip_sin_to_cos)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = t[:, None].float() * freqs[None, :]  # [B, half]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
 class PatchEmbed(nn.Module):
     """[B, C, H, W] -> [B, N, D]: p x p patches, plus the centre crop h x w of the M x M sincos grid."""
 
@@ -235,18 +219,6 @@ class PatchEmbed(nn.Module):
         return (x + self.cropped_pos_embed(h, w)).to(x.dtype)
 
 
-class MLPEmbedder(nn.Module):
-    """Linear -> SiLU -> Linear (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
-
-    def __init__(self, in_dim: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class TimeTextEmbed(nn.Module):
     """Conditioning vector c = MLP(sinusoid(t)) + MLP(pooled text): [B], [B, P] -> [B, D]."""
 
@@ -261,30 +233,6 @@ class TimeTextEmbed(nn.Module):
 
 
 # ------------------------------------------------------------------------------ norms and modulation
-
-class RMSNorm(nn.Module):
-    """QK-norm over the head dim (SD3.5): x / rms(x) * weight in fp32, rounded once to x.dtype (kernels/rmsnorm.py)."""
-
-    def __init__(self, dim: int, impl: str = "auto"):
-        super().__init__()
-        self.impl = impl
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, NORM_EPS, impl=self.impl)
-
-
-class Modulation(nn.Module):
-    """AdaLN: SiLU(c) -> Linear -> k chunks of [B, D] (shift/scale/gate vectors for one stream)."""
-
-    def __init__(self, dim: int, chunks: int):
-        super().__init__()
-        self.chunks = chunks
-        self.linear = nn.Linear(dim, chunks * dim)
-
-    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(F.silu(c)).chunk(self.chunks, dim=1)
-
 
 # AdaLN itself is kernels/adaln.py: parameter-free LayerNorm(x) * (1 + scale) + shift, [B, D] vectors
 # broadcast over tokens; its residual partner x + gate * y is kernels/gated_residual.py.
@@ -353,20 +301,6 @@ class Attention(nn.Module):
         return x_out, ctx_out
 
 
-class FeedForward(nn.Module):
-    """Linear(D, 4D) -> GELU(tanh) -> Linear(4D, D). Keys net.0.proj / net.2 as in diffusers."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        proj = nn.Module()
-        proj.proj = nn.Linear(dim, 4 * dim)
-        # Index 1 is diffusers' parameter-free Dropout; Identity keeps the Linear at net.2.
-        self.net = nn.Sequential(proj, nn.Identity(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
-
-
 # ------------------------------------------------------------------------------------------- blocks
 
 class JointBlock(nn.Module):
@@ -429,15 +363,6 @@ class JointBlock(nn.Module):
         ctx = add(ctx, c_gate_msa, ctx_attn)
         ctx = add(ctx, c_gate_mlp, self.ff_context(norm(ctx, c_shift_mlp, c_scale_mlp)))
         return ctx, x
-
-
-def _linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:
-    """Forward matmul FLOPs of every nn.Linear inside ``module`` applied to ``tokens`` rows; with ``weight_grad``,
-    only of those whose weight trains (the FLOPs of their weight gradients: a frozen weight gets none)."""
-    if module is None:
-        return 0
-    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules()
-               if isinstance(m, nn.Linear) and (not weight_grad or m.weight.requires_grad))
 
 
 class MMDiT(nn.Module):
@@ -531,18 +456,18 @@ class MMDiT(nn.Module):
         modulation and conditioning linears run once per image."""
         N, L = image_tokens, text_tokens
         conv = self.pos_embed.proj
-        mm = _linear_flops(self.time_text_embed, 1, weight_grad) + _linear_flops(self.norm_out, 1, weight_grad)
+        mm = linear_flops(self.time_text_embed, 1, weight_grad) + linear_flops(self.norm_out, 1, weight_grad)
         if not weight_grad or conv.weight.requires_grad:
             mm += 2 * N * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels
-        mm += _linear_flops(self.context_embedder, L, weight_grad) + _linear_flops(self.proj_out, N, weight_grad)
+        mm += linear_flops(self.context_embedder, L, weight_grad) + linear_flops(self.proj_out, N, weight_grad)
         for b in self.transformer_blocks:
-            mm += _linear_flops(b.norm1, 1, weight_grad) + _linear_flops(b.norm1_context, 1, weight_grad)
+            mm += linear_flops(b.norm1, 1, weight_grad) + linear_flops(b.norm1_context, 1, weight_grad)
             a = b.attn
-            mm += sum(_linear_flops(m, N, weight_grad) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
+            mm += sum(linear_flops(m, N, weight_grad) for m in (a.to_q, a.to_k, a.to_v, a.to_out))
             text_q = a.add_q_proj if a.to_add_out is not None else None  # see Attention.forward
-            mm += sum(_linear_flops(m, L, weight_grad) for m in (text_q, a.add_k_proj, a.add_v_proj, a.to_add_out))
-            mm += sum(_linear_flops(m, N, weight_grad) for m in (b.attn2, b.ff))
-            mm += _linear_flops(b.ff_context, L, weight_grad)
+            mm += sum(linear_flops(m, L, weight_grad) for m in (text_q, a.add_k_proj, a.add_v_proj, a.to_add_out))
+            mm += sum(linear_flops(m, N, weight_grad) for m in (b.attn2, b.ff))
+            mm += linear_flops(b.ff_context, L, weight_grad)
         return mm
 
     def forward_flops(self, batch_size: int, image_tokens: int, text_tokens: int) -> tuple[int, int]:
@@ -589,6 +514,13 @@ def block_linear_rows(name: str, images: int, image_tokens: int, text_tokens: in
     return images * image_tokens
 
 
+def diffusers_forward(ref: nn.Module, latents: torch.Tensor, text_states: torch.Tensor, pooled: torch.Tensor,
+                      timestep: torch.Tensor) -> torch.Tensor:
+    """diffusers' SD3Transformer2DModel on MMDiT.forward's arguments (the same ones) -> v [B, Co, H, W]."""
+    return ref(hidden_states=latents, encoder_hidden_states=text_states, pooled_projections=pooled,
+               timestep=timestep, return_dict=False)[0]
+
+
 FAMILY = Family(
     name="MMDiT", class_names=("SD3Transformer2DModel",), args_cls=MMDiTArgs, model_cls=MMDiT, sizes=SIZES,
     tiny_size="tiny", train_flops=MMDiT.train_flops, blocks=lambda model: list(model.transformer_blocks),
@@ -599,5 +531,5 @@ FAMILY = Family(
     # projection (N = p²·C = 64 outputs, next to the loss)
     fp8_skip=("time_text_embed.*", "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
               "norm_out.linear", "proj_out"),
-    linear_rows=block_linear_rows,
+    linear_rows=block_linear_rows, diffusers_forward=diffusers_forward,
 )

@@ -1,4 +1,7 @@
-"""Render captions with a trained MMDiT: Euler + classifier-free guidance (`imagegen.flow.euler_sample`).
+"""Render captions with a trained MMDiT: Euler + classifier-free guidance (`imagegen.flow.euler_sample`); for a
+family whose guidance is a model input (FLUX.1-dev's embedding: imagegen/family.py guidance_input) the guidance
+scale goes into the model and no CFG runs, on its pipeline's sigma grid (FluxPipeline's linspace), as its diffusers
+pipeline renders.
 
 Shape legend: B captions, C latent channels, h/w latent size, H/W pixels, L text tokens, D text width.
 
@@ -76,8 +79,11 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
                    guidance: float, seed: int, flow: FlowArgs, batch_size: int,
                    autocast_dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
     """Latents x0 [b, C, h, w] (fp32, on the model's device) for consecutive chunks of `captions`."""
+    from atelier_studio.imagegen.registry import family_of_args
+
     h, w = latent_hw
     C, p = model.args.in_channels, model.args.patch_size
+    family = family_of_args(model.args)  # its pipeline's sigma grid, and whether guidance is CFG or a model input
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     noise_all = torch.randn(len(captions), C, h, w, generator=gen)  # [B, C, h, w], CPU: device independent
@@ -95,7 +101,9 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
                 x0 = euler_sample(model, noise_all[i:i + b].to(device), states.to(device).float(),
                                   pooled.to(device).float(), neg_states.to(device).float().expand(b, -1, -1),
                                   neg_pooled.to(device).float().expand(b, -1), num_steps=steps,
-                                  guidance_scale=guidance, shift=flow.shift, image_seq_len=image_seq_len, args=flow)
+                                  guidance_scale=family.sampling_cfg(guidance), shift=flow.shift,
+                                  image_seq_len=image_seq_len, args=flow, grid=family.sigma_grid,
+                                  model_kwargs=family.guidance_kwargs(model.args, guidance, b, device))
             yield x0.float()
     finally:
         model.train(was_training)
@@ -200,6 +208,10 @@ def text_encoder_from_meta(text: dict, device: torch.device, pipeline_dir: Path 
     from atelier_studio.imagegen.text import TextEncoder
 
     dtype = getattr(torch, text.get("dtype", "float32"))
+    if text["kind"] == "flux":
+        from atelier_studio.imagegen.flux_text import FluxTextEncoders
+
+        return FluxTextEncoders(pipeline_dir or text["encoder"], text["max_sequence_length"], device, dtype)
     if text["kind"] == "sd3":
         from atelier_studio.imagegen.sd3_text import SD3TextEncoders
 
@@ -213,6 +225,8 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     """(text encoder, autoencoder, flow, resolution, model_dtype) for sampling an SD3 pipeline directory: its parts
     and scheduler; a run's imagegen.json (when one is next to it) gives the text settings and the resolution."""
     from atelier_studio.imagegen.autoencoder import SD3VAE
+    from atelier_studio.imagegen.flux_text import PIPELINE as FLUX_PIPELINE
+    from atelier_studio.imagegen.flux_text import FluxTextEncoders
     from atelier_studio.imagegen.sd3_dir import (
         check_pipeline_files,
         default_resolution,
@@ -221,13 +235,16 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
         scheduler_flow,
     )
     from atelier_studio.imagegen.sd3_text import SD3TextEncoders
+    from atelier_studio.imagegen.text import PIPELINE_TEXT_KINDS
 
     index = read_model_index(pipeline_dir)
     flow = FlowArgs(**{**(meta or {}).get("flow", {}), **scheduler_flow(pipeline_dir)})  # the cheap checks first
     resolution = meta["resolution"] if meta is not None else default_resolution(pipeline_dir)
     check_pipeline_files(pipeline_dir)  # every part's files, before the first is loaded
-    if meta is not None and meta.get("text", {}).get("kind") == "sd3":
+    if meta is not None and meta.get("text", {}).get("kind") in PIPELINE_TEXT_KINDS:
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
+    elif index["_class_name"] == FLUX_PIPELINE:  # a released FLUX pipeline: FluxPipeline's default 512 T5 tokens
+        text = FluxTextEncoders(pipeline_dir, device=device)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
         text = SD3TextEncoders(pipeline_dir, use_t5=has_part(index, "text_encoder_3"), device=device)
     autoencoder = SD3VAE.from_dir(pipeline_dir)

@@ -1,4 +1,5 @@
-"""A diffusers `StableDiffusion3Pipeline` directory: its parts, checked, and its scheduler's sampling settings.
+"""A diffusers `StableDiffusion3Pipeline` (or `FluxPipeline`) directory: its parts, checked, and its scheduler's
+sampling settings.
 
 The layout `StableDiffusion3Pipeline.save_pretrained` writes (and the stabilityai SD3 / SD3.5 repos hold):
 
@@ -10,6 +11,11 @@ The layout `StableDiffusion3Pipeline.save_pretrained` writes (and the stabilitya
     text_encoder_3/       T5EncoderModel (T5-XXL)                   tokenizer_3/  T5 tokenizer
     scheduler/            FlowMatchEulerDiscreteScheduler (scheduler_config.json)
 
+A `FluxPipeline` directory has the same layout with two text encoders: text_encoder/ CLIP-L (CLIPTextModel, its
+pooled output), tokenizer/ CLIPTokenizer, text_encoder_2/ T5EncoderModel (T5-XXL), tokenizer_2/ its T5 tokenizer, and
+a FluxTransformer2DModel in transformer/ (imagegen/flux_text.py encodes its prompts). `PIPELINES` lists each
+pipeline class's required parts and tokenizer kinds; model_index.json's `_class_name` picks the row.
+
 A part saved as None (the pipeline loaded with `text_encoder_3=None`, SD3's T5-less mode) is `[null, null]` in
 model_index.json and has no folder. Every problem is a `ModelLoadError` naming the file or folder;
 `check_pipeline_files` checks every part's files before any part is loaded.
@@ -18,6 +24,7 @@ model_index.json and has no folder. Every problem is a `ModelLoadError` naming t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from atelier_studio.data.textfile import read_json
@@ -25,13 +32,27 @@ from atelier_studio.pipeline.errors import ModelLoadError
 from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_weights_dir
 
 MODEL_INDEX = "model_index.json"
-PIPELINE_CLASS = "StableDiffusion3Pipeline"
 SCHEDULER_CONFIG = "scheduler_config.json"
 SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 TOKENIZER_PARTS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 MAX_T5_TOKENS = 512  # StableDiffusion3Pipeline.check_inputs refuses a longer max_sequence_length
 REQUIRED_PARTS = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+@dataclass(frozen=True)
+class PipelineKind:
+    """What a pipeline class's directory must hold: its required parts and the kind of each tokenizer folder."""
+
+    required: tuple[str, ...]
+    tokenizers: dict[str, str]
+
+
+PIPELINES = {
+    "StableDiffusion3Pipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "clip",
+                                                              "tokenizer_3": "t5"}),
+    "FluxPipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "t5"}),
+}
 
 # FlowMatchEulerDiscreteScheduler options and the value the Euler sampler of imagegen/flow.py implements. A
 # scheduler config with any other value would sample differently, so it is refused instead of approximated.
@@ -48,21 +69,23 @@ def is_pipeline_dir(path: str | os.PathLike) -> bool:
     return bool(path) and (Path(path) / MODEL_INDEX).is_file()
 
 
-def read_model_index(path: str | os.PathLike) -> dict:
-    """model_index.json of an SD3 pipeline directory, its class and required parts checked."""
+def read_model_index(path: str | os.PathLike, expect: str | None = None) -> dict:
+    """model_index.json of a pipeline directory of one of `PIPELINES` (`expect`: that one), its class and required
+    parts checked."""
     index_path = Path(path) / MODEL_INDEX
+    known = [expect] if expect else list(PIPELINES)
     if not index_path.is_file():
-        raise ModelLoadError(f"{path}: no {MODEL_INDEX} (expected a diffusers StableDiffusion3Pipeline directory)")
+        raise ModelLoadError(f"{path}: no {MODEL_INDEX} (expected a diffusers {' or '.join(known)} directory)")
     index = read_json(index_path, ModelLoadError)
     if not isinstance(index, dict):
         raise ModelLoadError(f"{index_path}: expected a JSON object, got {type(index).__name__}")
     name = index.get("_class_name")
-    if name != PIPELINE_CLASS:
-        raise ModelLoadError(f"{index_path}: _class_name is {name!r}, expected {PIPELINE_CLASS!r}")
-    missing = [p for p in REQUIRED_PARTS if not has_part(index, p)]
+    if name not in known:
+        raise ModelLoadError(f"{index_path}: _class_name is {name!r}, expected {' or '.join(map(repr, known))}")
+    missing = [p for p in PIPELINES[name].required if not has_part(index, p)]
     if missing:
-        raise ModelLoadError(f"{index_path}: no {', '.join(missing)} (an SD3 pipeline needs "
-                             f"{', '.join(REQUIRED_PARTS)})")
+        raise ModelLoadError(f"{index_path}: no {', '.join(missing)} (a {name} needs "
+                             f"{', '.join(PIPELINES[name].required)})")
     return index
 
 
@@ -84,7 +107,6 @@ def part_dir(path: str | os.PathLike, name: str) -> Path:
 
 
 WEIGHT_PARTS = ("transformer", "vae") + TEXT_PARTS
-TOKENIZER_KINDS = {"tokenizer": "clip", "tokenizer_2": "clip", "tokenizer_3": "t5"}
 
 
 def check_pipeline_files(path: str | os.PathLike) -> None:
@@ -95,7 +117,7 @@ def check_pipeline_files(path: str | os.PathLike) -> None:
     for name in WEIGHT_PARTS:
         if has_part(index, name):
             check_weights_dir(part_dir(path, name), name)
-    for name, kind in TOKENIZER_KINDS.items():
+    for name, kind in PIPELINES[index["_class_name"]].tokenizers.items():
         if has_part(index, name):
             check_tokenizer_dir(part_dir(path, name), kind)
 
@@ -145,6 +167,6 @@ def default_resolution(path: str | os.PathLike) -> int:
     return int(transformer_config(path).get("sample_size", 128)) * 2 ** (len(vae_cfg["block_out_channels"]) - 1)
 
 
-__all__ = ["is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files", "scheduler_config",
-           "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX", "SCHEDULER_CONFIG",
-           "SCHEDULER_FLOW_KEYS", "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]
+__all__ = ["PIPELINES", "is_pipeline_dir", "read_model_index", "has_part", "part_dir", "check_pipeline_files",
+           "scheduler_config", "scheduler_flow", "transformer_config", "default_resolution", "MODEL_INDEX",
+           "SCHEDULER_CONFIG", "SCHEDULER_FLOW_KEYS", "TEXT_PARTS", "TOKENIZER_PARTS", "MAX_T5_TOKENS"]

@@ -39,9 +39,8 @@ from atelier_studio.imagegen.sd3_dir import (
     read_model_index,
     transformer_config,
 )
-from atelier_studio.imagegen.text import TextEncoder, TextEncoderError, TextPart, text_encoder_dir
+from atelier_studio.imagegen.text import CaptionTokens, TextEncoder, TextEncoderError, TextPart, text_encoder_dir
 from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_vocab_size, check_weights_dir
-from atelier_studio.pipeline.progress import log
 
 
 def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Tensor) -> torch.Tensor:
@@ -52,7 +51,7 @@ def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Ten
     return torch.cat([clip, t5], dim=-2)  # [B, Lc + T, E]
 
 
-class SD3TextEncoders(nn.Module):
+class SD3TextEncoders(CaptionTokens, nn.Module):
     """CLIP-L + CLIP-G + T5 of an SD3 pipeline directory. `encode(captions)` -> (states [B, L, E], pooled [B, P],
     mask [B, L] int64: each tokenizer's attention mask, zeros for a dropped T5)."""
 
@@ -71,7 +70,7 @@ class SD3TextEncoders(nn.Module):
                                    f"got {max_sequence_length}")
         if clip_skip < 0:
             raise TextEncoderError(f"text.clip_skip: must be >= 0, got {clip_skip}")
-        index = read_model_index(self.path)
+        index = read_model_index(self.path, "StableDiffusion3Pipeline")
         if use_t5 and not has_part(index, "text_encoder_3"):
             raise TextEncoderError(f"{self.path}: this pipeline has no text_encoder_3 (T5); set text.use_t5 = false "
                                    f"to train with T5's part as zeros")
@@ -142,14 +141,6 @@ class SD3TextEncoders(nn.Module):
 
     # ------------------------------------------------------------------ the encoders
 
-    def _tokens(self, tokenizer, captions: list[str], length: int, which: str | None) -> dict[str, torch.Tensor]:
-        """Exactly `length` tokens per caption; captions cut short are counted under `which` (None: not counted)."""
-        tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-        if which is not None:
-            full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
-            self.truncated[which] += sum(len(ids) > length for ids in full)
-        return tok
-
     def _clip(self, i: int, captions: list[str], clip_skip: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CLIP i (0: CLIP-L, 1: CLIP-G) -> (states [B, Lc, D], pooled [B, P], mask [B, Lc])."""
         tok = self._tokens(self.tokenizers[i], captions, self.clip_length, "clip" if i == 0 else None)  # count once
@@ -194,13 +185,6 @@ class SD3TextEncoders(nn.Module):
             self._negative = states[0], pooled[0]
         return self._negative
 
-    def report_truncation(self, where: str) -> None:
-        """One log line when captions were cut at the CLIP or T5 token limit (diffusers warns per batch)."""
-        if any(self.truncated.values()):
-            log(f"{where}: {self.truncated['clip']} caption(s) longer than CLIP's {self.clip_length} tokens and "
-                f"{self.truncated['t5']} longer than T5's max_sequence_length {self.max_sequence_length} were "
-                f"truncated")
-
     def settings(self) -> dict:
         """What produced the states (written to cache.json and imagegen.json)."""
         return {"text_encoder": str(self.path.resolve()), "text_kind": self.kind,
@@ -210,8 +194,13 @@ class SD3TextEncoders(nn.Module):
 
 def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
     """The text encoder of an `imagegen.config.TextConfig`, any kind: for "sd3" the three encoders of the SD3
-    pipeline at text.encoder ("" = `model_path`, the run's model.path), else a TextEncoder (imagegen/text.py)."""
+    pipeline at text.encoder ("" = `model_path`, the run's model.path), for "flux" the two of a FLUX pipeline
+    (imagegen/flux_text.py), else a TextEncoder (imagegen/text.py)."""
     path = text_encoder_dir(cfg, model_path)
+    if cfg.kind == "flux":
+        from atelier_studio.imagegen.flux_text import FluxTextEncoders
+
+        return FluxTextEncoders(path, cfg.max_sequence_length, device, getattr(torch, cfg.dtype))
     if cfg.kind == "sd3":
         return SD3TextEncoders(path, cfg.max_sequence_length, cfg.clip_skip, cfg.use_t5, device,
                                getattr(torch, cfg.dtype))

@@ -91,7 +91,7 @@ from atelier_studio.imagegen.registry import family_of_args
 from atelier_studio.imagegen.sample import make_grid, make_grid_column, sample_images, write_run_meta
 from atelier_studio.imagegen.sd3_dir import scheduler_config
 from atelier_studio.imagegen.sd3_text import load_text_encoder
-from atelier_studio.imagegen.text import EncodedPrompts, text_encoder_dir
+from atelier_studio.imagegen.text import PIPELINE_TEXT_KINDS, EncodedPrompts, text_encoder_dir
 from atelier_studio.pipeline.atomic import atomic_file
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.distributed import (
@@ -143,7 +143,7 @@ class ImagegenTask(Task):
     unit = "images"
     # the inputs' embeddings (patches, timestep, pooled text, text tokens) and the output projection, in diffusers'
     # names: AdamW's under Muon (the blocks and the AdaLN linears are the hidden layers)
-    outer_layers = ("pos_embed.", "time_text_embed.", "context_embedder.", "proj_out.")
+    outer_layers = ("pos_embed.", "x_embedder.", "time_text_embed.", "context_embedder.", "proj_out.")
 
     def __init__(self, cfg: ImagegenConfig, device: torch.device, dist: DistContext | None = None):
         self.cfg, self.device = cfg, device
@@ -163,7 +163,7 @@ class ImagegenTask(Task):
         self.autoencoder = load_autoencoder(resolve_autoencoder_spec(cfg.autoencoder.spec, cfg.model.path)).to(device)
         self.text = load_text_encoder(cfg.text, device, cfg.model.path)
         self._check_dims()
-        if cfg.text.kind == "sd3" and not self._exports_pipeline():
+        if cfg.text.kind in PIPELINE_TEXT_KINDS and not self._exports_pipeline():
             log(f"imagegen: autoencoder.spec {cfg.autoencoder.spec!r} is not a diffusers VAE: the run exports "
                 f"transformer/ but no pipeline/ directory")
         if self._exports_pipeline():  # the export copies the base's scheduler: a bad one is named now, not at the end
@@ -237,7 +237,7 @@ class ImagegenTask(Task):
         """Wrap the target linears (lora.targets, or init_adapter's modules) in place; returns the adapters'
         initial weights by parameter name: init_adapter's, or on a meta-device model (a sharded build) the draws
         one process makes, so every process count starts from the same adapter."""
-        meta = model.pos_embed.proj.weight.is_meta
+        meta = next(model.parameters()).is_meta
         if self.cfg.lora.init_adapter:
             load_lora(model, self.cfg.lora.init_adapter, dtype=self.lora.dtype)
             return read_lora(self.cfg.lora.init_adapter)[1] if meta else {}
@@ -367,7 +367,8 @@ class ImagegenTask(Task):
                   ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
                   ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
                   ("text tokens", shapes["text_states"][0], self.text.num_tokens,
-                   "text.max_sequence_length + 77" if self.cfg.text.kind == "sd3" else "text.max_length")]
+                   {"sd3": "text.max_sequence_length + 77", "flux": "text.max_sequence_length"}.get(
+                       self.cfg.text.kind, "text.max_length"))]
         for what, got, want, of in checks:
             if got != want:
                 raise ConfigError(f"{source} (key {key} in {shard}): {what} is {got}, but {of} is {want}; "
@@ -459,8 +460,11 @@ class ImagegenTask(Task):
                 pooled: torch.Tensor) -> torch.Tensor:
         """Per-image flow loss [B] (fp32) at times t [B] with noise [B, C, h, w]."""
         x_t = add_noise(b.latent, noise, t)  # [B, C, h, w]
+        # a guidance-distilled model (FLUX.1-dev) trains at a fixed guidance input, model.guidance; others take none
+        guidance = family_of_args(self.model.args).guidance_kwargs(self.model.args, self.cfg.model.guidance,
+                                                                   b.size, self.device)
         with self._autocast():
-            pred = self.model(x_t, states, pooled, t * 1000)  # [B, C, h, w]
+            pred = self.model(x_t, states, pooled, t * 1000, **guidance)  # [B, C, h, w]
         return flow_loss(pred, b.latent, noise, t, self.flow, b.mask)
 
     def _draws(self, b: ImageBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -622,7 +626,7 @@ class ImagegenTask(Task):
 
     def _exports_pipeline(self) -> bool:
         """A pipeline/ export needs SD3's encoders and a diffusers VAE (a pixel codec has no pipeline form)."""
-        return self.cfg.text.kind == "sd3" and isinstance(self.autoencoder, SD3VAE)
+        return self.cfg.text.kind in PIPELINE_TEXT_KINDS and isinstance(self.autoencoder, SD3VAE)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self.ema.state_tensors() if self.ema is not None else {}

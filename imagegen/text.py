@@ -34,6 +34,9 @@ from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.hf_files import check_vocab_size, check_weights_dir
 
 KINDS = ("causal-lm", "encoder")
+# the kinds that are a diffusers pipeline's own encoders (imagegen/sd3_text.py, imagegen/flux_text.py): text.encoder
+# defaults to the pipeline at model.path, and a run with the pipeline's VAE exports a pipeline directory
+PIPELINE_TEXT_KINDS = ("sd3", "flux")
 POOLINGS = ("mean", "last", "cls")
 
 
@@ -76,6 +79,32 @@ def pool_ref(states: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor
     if how == "cls":
         return states[:, 0]
     raise TextEncoderError(f"pooled: must be one of {POOLINGS}, got {how!r}")
+
+
+class CaptionTokens:
+    """What the CLIP + T5 encoders of SD3 and FLUX (imagegen/sd3_text.py, imagegen/flux_text.py) share: fixed-length
+    tokens with the captions cut short counted (`self.truncated`: {"clip": n, "t5": n}), and one log line about them."""
+
+    truncated: dict[str, int]
+    clip_length: int
+    max_sequence_length: int
+
+    def _tokens(self, tokenizer, captions: list[str], length: int, which: str | None) -> dict[str, torch.Tensor]:
+        """Exactly `length` tokens per caption; captions cut short are counted under `which` (None: not counted)."""
+        tok = tokenizer(captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+        if which is not None:
+            full = tokenizer(captions, padding=False, truncation=False)["input_ids"]
+            self.truncated[which] += sum(len(ids) > length for ids in full)
+        return tok
+
+    def report_truncation(self, where: str) -> None:
+        """One log line when captions were cut at the CLIP or T5 token limit (diffusers warns per batch)."""
+        from atelier_studio.pipeline.progress import log
+
+        if any(self.truncated.values()):
+            log(f"{where}: {self.truncated['clip']} caption(s) longer than CLIP's {self.clip_length} tokens and "
+                f"{self.truncated['t5']} longer than T5's max_sequence_length {self.max_sequence_length} were "
+                f"truncated")
 
 
 class TextEncoder(nn.Module):
@@ -212,14 +241,15 @@ class EncodedPrompts:
 
 
 def text_encoder_dir(cfg, model_path: str = "") -> str:
-    """The directory `TextConfig` points at: text.encoder, or for kind "sd3" with no encoder the pipeline at
-    model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
-    if cfg.kind == "sd3" and not cfg.encoder:
+    """The directory `TextConfig` points at: text.encoder, or for a pipeline kind ("sd3", "flux") with no encoder the
+    pipeline at model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
+    if cfg.kind in PIPELINE_TEXT_KINDS and not cfg.encoder:
         if not model_path:
-            raise TextEncoderError("text.kind = 'sd3' needs text.encoder or model.path to be an SD3 pipeline directory")
+            raise TextEncoderError(f"text.kind = {cfg.kind!r} needs text.encoder or model.path to be a pipeline "
+                                   f"directory")
         return model_path
     return cfg.encoder
 
 
-__all__ = ["TextEncoder", "TextEncoderError", "default_text_encoder_path", "pool_ref",
-           "text_encoder_dir", "TextPart", "EncodedPrompts"]
+__all__ = ["CaptionTokens", "PIPELINE_TEXT_KINDS", "TextEncoder", "TextEncoderError", "default_text_encoder_path",
+           "pool_ref", "text_encoder_dir", "TextPart", "EncodedPrompts"]

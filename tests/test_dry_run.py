@@ -14,7 +14,8 @@ ROOT = Path(__file__).parents[1]
 # each shipped config and the registered size its model.path holds (the init command in its header comment)
 SIZES = {"designer/demo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b", "designer/qwen3-8b-qlora.toml": "8b",
          "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b", "imagegen/demo.toml": "demo",
-         "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium"}
+         "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium",
+         "imagegen/flux-dev-lora.toml": "flux-dev"}
 
 
 def config_only(trainer: str, size: str, out: Path) -> Path:
@@ -43,6 +44,26 @@ def test_dry_run_reports_every_shipped_config(name, tmp_path, capsys):
                  "peak GPU memory (estimate, one process): "):
         assert line in report, line
     assert not out.exists()  # nothing written, nothing trained
+
+
+def test_flux_dev_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
+    """FLUX.1-dev (11.9B: its 19 double- and 38 single-stream blocks) with the shipped LoRA config: the bf16 base, the
+    rank-16 adapters on every attention projection and activation checkpointing fit one 80 GB card; without the
+    checkpointing the plan does not."""
+    model = config_only("imagegen", "flux-dev", tmp_path / "model")
+    config = str(ROOT / "configs" / "imagegen" / "flux-dev-lora.toml")
+
+    def plan(*sets: str) -> tuple[int, float]:
+        assert main(["imagegen", "train", "--config", config, "--dry-run", "--set", f"model.path={model}",
+                     *(a for s in sets for a in ("--set", s))]) == 0
+        report = capsys.readouterr().out
+        total = int(next(l for l in report.splitlines() if l.startswith("parameters: ")).split()[1].replace(",", ""))
+        peak = next(l for l in report.splitlines() if l.startswith("peak GPU memory"))
+        return total, float(peak.split(": ")[1].split()[0])
+
+    total, peak = plan()
+    assert total == 11_901_408_320 + 26_148_864 and peak < 80  # FluxTransformer2DModel's count + the adapters
+    assert plan("train.distributed.activation_checkpointing=none")[1] > 80
 
 
 def test_dry_run_of_the_8b_lora_counts_what_the_bench_reports(tmp_path, capsys):

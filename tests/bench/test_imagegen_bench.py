@@ -193,3 +193,18 @@ def test_a_spent_budget_skips_the_rest_and_every_run_is_reported():
     assert r["peers"]["diffusers"]["skipped"].startswith("time budget")
     assert r["loader"]["error"].startswith("time budget")
     assert "time budget" in markdown(r)
+
+
+def test_tiny_flux_lora_run_asks_the_registry(tmp_path):
+    """FLUX.1-dev's bench config at tiny size: Atelier's FLUX and diffusers' FluxTransformer2DModel + PEFT (called as
+    FluxPipeline calls it, with dev's guidance input) on the same weights, adapters and batches."""
+    assert main(["--config", "flux-dev-1024", "--tiny", "--lora", "4", "--out", str(tmp_path), "--peers", "diffusers",
+                 "--steps", "2", "--warmup", "1", "--loader-workers", "0", "--kernels", KERNELS]) == 0
+    (path,) = tmp_path.glob("imagegen-flux-dev-1024-lora4-*.json")
+    r = json.loads(path.read_text())
+    assert r["config"]["model"]["guidance_embeds"] and r["config"]["model"]["num_single_layers"] == 2
+    # every attention projection: each double block both streams' 8, each single block its q, k, v
+    assert r["lora"]["modules"] == 2 * 8 + 2 * 3
+    for run in (r["atelier"], r["peers"]["diffusers"]):
+        assert run["images_per_s"] > 0 and 0 < run["mfu"] < run["mfu_6n"]
+    assert r["loss_mean_abs_diff"] < 1e-5  # fp32: two implementations of the same LoRA training

@@ -106,11 +106,11 @@ def build_pipeline(out: Path, sd35: bool = False, seed: int = 0) -> Path:
     return out
 
 
-def load_pipeline(path: Path):
-    """StableDiffusion3Pipeline.from_pretrained(path) in fp32 on the CPU, progress bars off."""
-    from diffusers import StableDiffusion3Pipeline
+def load_pipeline(path: Path, pipeline: str = "StableDiffusion3Pipeline"):
+    """<pipeline>.from_pretrained(path) in fp32 on the CPU, progress bars off."""
+    import diffusers
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+    pipe = getattr(diffusers, pipeline).from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

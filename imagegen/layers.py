@@ -1,0 +1,102 @@
+"""The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1): constants diffusers
+hard-codes, the SDPA backend choice, the timestep sinusoid and its MLP, QK RMSNorm, the AdaLN modulation linear, the
+GELU feed-forward, and the linear-FLOP walk each model's FLOP count is built from. Names and keys are diffusers'.
+
+Shape legend: B batch, T tokens, D model dim, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from atelier_studio.kernels.rmsnorm import rmsnorm
+
+# diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
+NORM_EPS = 1e-6
+TIME_FREQ_DIM = 256
+KERNEL_IMPLS = ("auto", "triton", "ref")
+# SDPA backends for the joint attention (MMDiTArgs.attention): "auto" leaves the choice to PyTorch; the others
+# pin one, so the fastest exact backend measured on a card (bench/imagegen.py's sdpa_* rows) can be chosen.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
+    """The SDPA backend context for MMDiTArgs.attention ("auto": none, PyTorch chooses). Traced by torch.compile."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]])
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = TIME_FREQ_DIM, max_period: float = 10000.0) -> torch.Tensor:
+    """[B] timesteps (sigma*1000) -> [B, dim] fp32 features [cos, sin] (DDPM/DiT, flip_sin_to_cos)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None, :]  # [B, half]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    """Linear -> SiLU -> Linear (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class RMSNorm(nn.Module):
+    """QK-norm over the head dim (SD3.5): x / rms(x) * weight in fp32, rounded once to x.dtype (kernels/rmsnorm.py)."""
+
+    def __init__(self, dim: int, impl: str = "auto"):
+        super().__init__()
+        self.impl = impl
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, NORM_EPS, impl=self.impl)
+
+
+class Modulation(nn.Module):
+    """AdaLN: SiLU(c) -> Linear -> k chunks of [B, D] (shift/scale/gate vectors for one stream)."""
+
+    def __init__(self, dim: int, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+        self.linear = nn.Linear(dim, chunks * dim)
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(F.silu(c)).chunk(self.chunks, dim=1)
+
+
+class FeedForward(nn.Module):
+    """Linear(D, 4D) -> GELU(tanh) -> Linear(4D, D). Keys net.0.proj / net.2 as in diffusers."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, 4 * dim)
+        # Index 1 is diffusers' parameter-free Dropout; Identity keeps the Linear at net.2.
+        self.net = nn.Sequential(proj, nn.Identity(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:
+    """Forward matmul FLOPs of every nn.Linear inside ``module`` applied to ``tokens`` rows; with ``weight_grad``,
+    only of those whose weight trains (the FLOPs of their weight gradients: a frozen weight gets none)."""
+    if module is None:
+        return 0
+    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules()
+               if isinstance(m, nn.Linear) and (not weight_grad or m.weight.requires_grad))
