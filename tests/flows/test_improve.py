@@ -22,13 +22,14 @@ def test_pairs_are_best_vs_worst_beyond_the_margin_and_ties_are_dropped():
               _group("b", ("x", 0.5), ("y", 0.5)),                   # tie
               _group("c", ("x", 0.4), ("y", 0.6)),                   # gap 0.2: within a margin of 0.25
               _group("d", ("x", 0.9), ("", 0.0), ("y", None)),       # one usable sample only
-              _group("e", ("same", 1.0), ("same ", 0.0))]            # the same text both ways: no preference
+              _group("e", ("same", 1.0), ("same ", 0.0)),            # the same text both ways: no preference
+              _group("g", ("x", 0.5), ("y", 0.75))]                  # a gap of exactly the margin is not beyond it
     sel = select_pairs(groups, margin=0.25)
     assert [(p.brief, p.chosen.caption, p.rejected.caption) for p in sel.pairs] == [("a", "y", "x")]
-    assert (sel.ties, sel.within_margin, sel.too_few) == (2, 1, 1)
+    assert (sel.ties, sel.within_margin, sel.too_few) == (2, 2, 1)
     assert sel.pairs[0].gap == pytest.approx(0.8)
     at_zero = select_pairs(groups, margin=0.0)  # any strict gain is kept at margin 0
-    assert [p.brief for p in at_zero.pairs] == ["a", "c"] and at_zero.ties == 2
+    assert [p.brief for p in at_zero.pairs] == ["a", "c", "g"] and at_zero.ties == 2
     # among equal best scores the first sample is chosen, among equal worst the last is rejected
     sel = select_pairs([_group("f", ("p", 1.0), ("q", 1.0), ("r", 0.0), ("s", 0.0))], margin=0.0)
     assert (sel.pairs[0].chosen.caption, sel.pairs[0].rejected.caption) == ("p", "s")
