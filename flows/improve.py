@@ -23,7 +23,8 @@ One round, in <out>/round-<r>/ (flows pass paths, never tensors):
 
 Artifacts (Prefect): per round a markdown summary with the before/after score table and a grid of the same held-out
 briefs before (top row) and after (bottom row), a per-brief before/after table, and one summary of every round's
-costs. The DPO run itself logs to the trackers of its config (`[output] trackers`).
+costs. The DPO run logs to the trackers of its config (`[output] trackers`), and the round adds its before/after
+scores, per-brief table and grid to those same tracker runs, one step after the run's last.
 """
 
 from __future__ import annotations
@@ -156,6 +157,43 @@ def publish_round(r: dict[str, Any]) -> None:
                           description=f"round {r['round']}: each held-out brief's caption and score, before and after")
 
 
+def report_to_trackers(run_dir: str | Path, r: dict[str, Any]) -> list[str]:
+    """The round's before/after scores (scalars `improve/<check>_before`, `_after`), the per-brief table and the grid
+    into the DPO run's own trackers (its `[output] trackers`), continuing the runs its last checkpoint names, one step
+    after its last; returns the trackers written to ([] when the run has none)."""
+    from atelier_studio.data.textfile import read_json
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.pipeline.checkpoint_files import list_checkpoints
+    from atelier_studio.pipeline.config import load_config
+    from atelier_studio.pipeline.trackers import RunInfo, git_commit, open_trackers, system_info
+
+    run_dir = Path(run_dir)
+    out = load_config(DesignerConfig, run_dir / "config.toml").output
+    names = out.active_trackers()
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    if not names or not checkpoints:
+        return []
+    state = read_json(checkpoints[-1] / "state.json", FlowInputError)
+    step = int(state["step"])
+    # params={}: the run logged its config when it started; a resumed tracker run only adds keys it lacks
+    info = RunInfo(out_dir=run_dir, name=out.run_name or run_dir.resolve().name, group=out.group, project=out.project,
+                   params={}, git_commit=git_commit(), system=system_info(), resume_step=step)
+    trackers = open_trackers(names, info, state.get("trackers", {}))
+    values = {}
+    for row in r["table"]:
+        values[f"improve/{row['check']}_before"] = float(row["before"])
+        values[f"improve/{row['check']}_after"] = float(row["after"])
+    values["improve/pairs"] = float(r["costs"]["pairs"])
+    trackers.scalars(step + 1, values)
+    columns = list(r["per_brief"][0]) if r["per_brief"] else []
+    if columns:
+        trackers.table("improve/held_out", columns, [[row[c] for c in columns] for row in r["per_brief"]], step + 1)
+    if r.get("grid"):
+        trackers.image("improve/before_after", Path(r["grid"]), step + 1)
+    trackers.finish({}, interrupted=False)
+    return list(names)
+
+
 @task(name="sample-and-judge")
 def sample_task(designer: str, imagegen: str, briefs: list[str], k: int, out_dir: str, temperature: float, seed: int,
                 max_new_tokens: int, steps: int, guidance: float, clip: str) -> tuple[list, dict[str, Any]]:
@@ -203,6 +241,7 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
     # the DPO run's folder keeps the evaluation beside its metrics, for the trackers' run and `atelier runs`
     atomic_write_text(Path(dpo_dir) / "improve_eval.json", json.dumps(
         {k_: result[k_] for k_ in ("round", "before", "after", "table")}, indent=1), what="before/after scores")
+    result["trackers"] = report_to_trackers(dpo_dir, result)
     atomic_write_text(rdir / ROUND_FILE, json.dumps(result, indent=1), what="round summary")
     return result
 

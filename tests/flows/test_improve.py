@@ -108,7 +108,7 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     dpo_config = designer_config(designer_world, tmp_path / "unused")  # the tiny LoRA config; this round sets the rest
     out = tmp_path / "improve"
     kwargs = dict(rounds=1, k=3, temperature=1.0, seed=0, dpo_config=str(dpo_config), dpo_steps=2, lora_rank=4,
-                  max_new_tokens=8, steps=1, dpo_overrides=["data.seq_len=256"])
+                  max_new_tokens=8, steps=1, dpo_overrides=["data.seq_len=256", "output.tensorboard=true"])
     result, run_id = run_flow(improve_designer, str(sft_designer), str(imagegen_model / "model"),
                               str(briefs), str(held_out), str(out), **kwargs)
     rdir = out / "round-1"
@@ -125,6 +125,13 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     metrics = [json.loads(line) for line in (dpo / "metrics.jsonl").read_text().splitlines()]
     assert any("train/rewards/accuracies" in m or "rewards/accuracies" in json.dumps(m) for m in metrics)
     assert json.loads((dpo / "improve_eval.json").read_text())["round"] == 1
+    # the round's before/after went into the DPO run's own tracker, one step after its last
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dpo / "tensorboard")).Reload()
+    after = [(e.step, e.value) for e in events.Scalars("improve/score_after")]
+    assert result["rounds"][0]["trackers"] == ["tensorboard"]
+    assert after == [(3, pytest.approx(float(result["rounds"][0]["table"][0]["after"])))]
     # costs, before/after tables, artifacts
     r1 = result["rounds"][0]
     assert r1["costs"]["samples"] == 12 and r1["costs"]["pairs"] == len(pairs)
