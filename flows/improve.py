@@ -18,8 +18,8 @@ One round, in <out>/round-<r>/ (flows pass paths, never tensors):
                   round's eval-after/)
     5. round.json written last: the round's costs (samples, renders, seconds sampling / rendering / judging /
                   training, pairs kept and dropped), the before/after scores and the new designer. A re-run reads a
-                  round that has it instead of redoing it; an unfinished round is redone from its start (the same
-                  seed gives the same samples) and its DPO run resumes from its newest checkpoint.
+                  round that has it instead of redoing it; an unfinished round keeps its pairs when they were
+                  written (else samples again, from the same seed) and its DPO run resumes from its newest checkpoint.
 
 Artifacts (Prefect): per round a markdown summary with the before/after score table and a grid of the same held-out
 briefs before (top row) and after (bottom row), a per-brief before/after table, and one summary of every round's
@@ -203,15 +203,16 @@ def sample_task(designer: str, imagegen: str, briefs: list[str], k: int, out_dir
 
 
 @task(name="write-pairs")
-def pairs_task(groups: list, margin: float, out_dir: str) -> tuple[str, dict[str, int]]:
+def pairs_task(groups: list, margin: float, out_dir: str, costs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The pairs dataset, with the costs of sampling (`costs`) and the selection's counts in its costs.json."""
     selection = select_pairs(groups, margin)
     if not selection.pairs:
         raise FlowInputError(f"{out_dir}: no pairs ({selection.ties} ties, {selection.within_margin} within margin "
                              f"{margin}, {selection.too_few} briefs with fewer than 2 usable samples): raise k or the "
                              f"temperature, lower the margin, or give more briefs")
-    path = write_pairs(selection, out_dir)
-    return str(path), {"pairs": len(selection.pairs), "ties": selection.ties,
-                       "within_margin": selection.within_margin, "too_few": selection.too_few}
+    costs = {**costs, "pairs": len(selection.pairs), "ties": selection.ties,
+             "within_margin": selection.within_margin, "too_few": selection.too_few}
+    return str(write_pairs(selection, out_dir, costs)), costs
 
 
 def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_briefs: str, out: Path,
@@ -221,9 +222,12 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
     import time
 
     rdir = out / f"round-{r}"
-    groups, costs = sample_task(designer, imagegen, briefs, k, str(rdir / "samples"), temperature, seed + r,
-                                max_new_tokens, steps, guidance, clip)
-    pairs, kept = pairs_task(groups, margin, str(rdir / "pairs"))
+    if (rdir / "pairs" / "costs.json").is_file():  # an unfinished round whose pairs are written: train on those
+        pairs, costs = str(rdir / "pairs" / "pairs.jsonl"), json.loads((rdir / "pairs" / "costs.json").read_text())
+    else:
+        groups, costs = sample_task(designer, imagegen, briefs, k, str(rdir / "samples"), temperature, seed + r,
+                                    max_new_tokens, steps, guidance, clip)
+        pairs, costs = pairs_task(groups, margin, str(rdir / "pairs"), costs)
     t0 = time.perf_counter()
     dpo_dir = train_designer(dpo_config, overrides=dpo_run_sets(designer, Path(pairs), rdir / "dpo", dpo_steps,
                                                                  lora_rank, user_sets))
@@ -234,7 +238,7 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
     grid = before_after_grid(before_dir, after_dir, rdir / "before_after.png")
     result = {"round": r, "designer_before": str(designer), "designer_after": str(dpo_dir),
               "eval_before": str(before_dir), "eval_after": str(after_dir), "pairs": pairs,
-              "costs": {**costs, **kept, "briefs": len(briefs), "k": k, "temperature": temperature, "seed": seed + r,
+              "costs": {**costs, "briefs": len(briefs), "k": k, "temperature": temperature, "seed": seed + r,
                         "dpo_s": round(dpo_s, 3)},
               "before": before["aggregate"], "after": after["aggregate"], "table": before_after(before, after),
               "per_brief": per_brief_rows(before_dir, after_dir), "grid": str(grid) if grid else None}

@@ -11,7 +11,7 @@ against the brief; a sample no scorer applies to, or with an empty caption, take
 `select_pairs` keeps, per brief, the best and the worst sample when the best beats the worst by more than `margin`
 (a tie, or a gap of at most `margin`, drops the brief; so does a best and worst of the same text). `write_pairs`
 writes <round>/pairs/ whole or not at all: pairs.jsonl ({brief, chosen, rejected}: the `brief_pair` format DPO
-reads), scores.jsonl (each pair's scores and images) and images/ (the pair's two renders).
+reads), scores.jsonl (each pair's scores and images), images/ (the pair's two renders) and costs.json.
 """
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ def sample_and_judge(designer: str | Path, imagegen: str | Path, briefs: Sequenc
     return groups, costs
 
 
-def write_pairs(selection: Selection, out_dir: str | Path) -> Path:
-    """<out>/pairs.jsonl, scores.jsonl and images/ (module docstring), installed whole; returns pairs.jsonl."""
+def write_pairs(selection: Selection, out_dir: str | Path, costs: dict[str, Any] | None = None) -> Path:
+    """<out>/pairs.jsonl, scores.jsonl, images/ (module docstring) and costs.json (`costs`, what making them took),
+    installed whole; returns pairs.jsonl."""
     final = Path(out_dir)
     with atomic_dir(final, "pairs dataset") as tmp:
         (tmp / "images").mkdir()
@@ -131,4 +132,5 @@ def write_pairs(selection: Selection, out_dir: str | Path) -> Path:
                            "chosen_image": images["chosen"], "rejected_image": images["rejected"]})
         atomic_write_text(tmp / "scores.jsonl", "".join(json.dumps(r) + "\n" for r in scored), what="pair scores")
         atomic_write_text(tmp / "pairs.jsonl", "".join(json.dumps(r) + "\n" for r in rows), what="pairs")
+        atomic_write_text(tmp / "costs.json", json.dumps(costs or {}, indent=1), what="pair costs")
     return final / "pairs.jsonl"

@@ -150,3 +150,13 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     again, _ = run_flow(improve_designer, str(sft_designer), str(imagegen_model / "model"),
                         str(briefs), str(held_out), str(out), **kwargs)
     assert (rdir / "round.json").stat().st_mtime_ns == stamp and again["designer"] == result["designer"]
+    # an unfinished round (no round.json) keeps the pairs it wrote, and its DPO run resumes at its last checkpoint
+    (rdir / "round.json").unlink()
+    sampled = (rdir / "samples" / "captions.jsonl").stat().st_mtime_ns
+    again, _ = run_flow(improve_designer, str(sft_designer), str(imagegen_model / "model"),
+                        str(briefs), str(held_out), str(out), **kwargs)
+    assert (rdir / "samples" / "captions.jsonl").stat().st_mtime_ns == sampled
+    timed = ("dpo_s",)  # the resumed DPO run's own seconds differ; every other cost is the pairs' costs.json
+    assert {k: v for k, v in again["rounds"][0]["costs"].items() if k not in timed} == \
+        {k: v for k, v in r1["costs"].items() if k not in timed} and (rdir / "round.json").is_file()
+    assert len((dpo / "metrics.jsonl").read_text().splitlines()) == len(metrics)  # no step trained twice
