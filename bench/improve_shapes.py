@@ -78,7 +78,8 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.bench.improve_shapes", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m atelier_studio.bench.improve_shapes",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--designer", required=True)
     p.add_argument("--imagegen", required=True)
     p.add_argument("--world", required=True, help="the shapes world the demo trained on (its briefs_eval.txt)")

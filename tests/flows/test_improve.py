@@ -62,6 +62,7 @@ def imagegen_model(tmp_path_factory) -> Path:
     from atelier_studio.imagegen.config import ImagegenConfig
     from atelier_studio.imagegen.sample import write_run_meta
     from atelier_studio.pipeline.config import load_config
+
     from tests.imagegen._world import DEMO, build_world, config_overrides
 
     base = build_world(tmp_path_factory.mktemp("improve-imagegen"), cache=False)
@@ -95,8 +96,9 @@ def _brightness_judge(image, brief):
 def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sft_designer, imagegen_model, tmp_path,
                                                               monkeypatch):
     import atelier_studio.data.judge as judge_module
-    from atelier_studio.flows.improve import improve_designer
     from atelier_studio.flows.evaluate import read_briefs
+    from atelier_studio.flows.improve import improve_designer
+
     from tests.flows.conftest import designer_config
     from tests.flows.test_flows import artifacts_of, run_flow
 
