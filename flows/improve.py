@@ -242,7 +242,7 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
                         "dpo_s": round(dpo_s, 3)},
               "before": before["aggregate"], "after": after["aggregate"], "table": before_after(before, after),
               "per_brief": per_brief_rows(before_dir, after_dir), "grid": str(grid) if grid else None}
-    # the DPO run's folder keeps the evaluation beside its metrics, for the trackers' run and `atelier runs`
+    # the DPO run's folder keeps the before/after evaluation beside its metrics
     atomic_write_text(Path(dpo_dir) / "improve_eval.json", json.dumps(
         {k_: result[k_] for k_ in ("round", "before", "after", "table")}, indent=1), what="before/after scores")
     result["trackers"] = report_to_trackers(dpo_dir, result)
