@@ -675,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefect-file", default=None, help="default: ./prefect.yaml, else the one in the package")
     sp = command(groups, "run", run_cmd, "run a deployment and follow its logs; exit 0 when it completes")
     sp.add_argument("deployment", help="train-designer, train-imagegen, brief-to-image-eval, brief-to-image, "
-                                       "render-briefs (or FLOW/DEPLOYMENT)")
+                                       "render-briefs, improve-designer (or FLOW/DEPLOYMENT)")
     sp.add_argument("--config", default=None, help="trainers: a TOML file or a shipped name (atelier config list)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="trainers: a config key (train.lr=3e-4); other flows: a parameter (out_dir=runs/x)")

@@ -3,7 +3,7 @@
     atelier serve [--stop | --status | --foreground]    # the same commands, the spelling for users
 
 Why a wrapper and not `prefect server start --background` / `prefect server stop`: those start and stop the server
-only. This also (1) starts the process that serves the five deployments (Prefect's `serve()`, which runs in the
+only. This also (1) starts the process that serves the six deployments (Prefect's `serve()`, which runs in the
 foreground and has no background mode) and waits until the API lists all of them, so the command returns when a
 `prefect deployment run` would be picked up; (2) stops that process before the server, as a process group, so
 the runs it started and their trainers (torchrun and its workers, flows/launch.py) end with it instead of
@@ -20,8 +20,8 @@ not, naming it. The production path needs none of this: prefect.yaml, `prefect d
                                                   # background)
 
 Served deployments, all named `default`: train-designer/default, train-imagegen/default,
-brief-to-image-eval/default, brief-to-image/default, render-briefs/default; start one with
-`prefect deployment run train-designer/default --watch --watch-timeout 1800`.
+brief-to-image-eval/default, brief-to-image/default, render-briefs/default, improve-designer/default; start
+one with `prefect deployment run train-designer/default --watch --watch-timeout 1800`.
 
 The API URL and home come from Prefect's settings: the checkout's prefect.toml says http://127.0.0.1:4200/api,
 the Makefile sets PREFECT_HOME to the checkout's .prefect (else Prefect's ~/.prefect). When PREFECT_API_URL names
@@ -56,7 +56,7 @@ from atelier_studio.flows.local_server import (
 )
 
 DEPLOYMENTS = ("train-designer/default", "train-imagegen/default", "brief-to-image-eval/default",
-               "brief-to-image/default", "render-briefs/default")
+               "brief-to-image/default", "render-briefs/default", "improve-designer/default")
 SERVER_START_TIMEOUT_S = 180.0  # a fresh SQLite server takes 30-60 s to become healthy on 2 cores
 SERVE_START_TIMEOUT_S = 120.0
 
@@ -196,13 +196,14 @@ def run() -> None:
 
     from atelier_studio.flows.chain import brief_to_image
     from atelier_studio.flows.evaluate import brief_to_image_eval
+    from atelier_studio.flows.improve import improve_designer
     from atelier_studio.flows.render import render_briefs
     from atelier_studio.flows.train_designer import train_designer
     from atelier_studio.flows.train_imagegen import train_imagegen
 
     require_server("python -m atelier_studio.flows.serve run")
     serve(*(f.to_deployment(name="default") for f in (train_designer, train_imagegen, brief_to_image_eval,
-                                                      brief_to_image, render_briefs)),
+                                                      brief_to_image, render_briefs, improve_designer)),
           pause_on_shutdown=False)
 
 

@@ -30,7 +30,7 @@ from tests.flows.conftest import designer_config
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 ROOT = Path(__file__).parents[2]
 DEPLOYMENTS = ["brief-to-image-eval/default", "brief-to-image/default", "render-briefs/default",
-               "train-designer/default", "train-imagegen/default"]
+               "improve-designer/default", "train-designer/default", "train-imagegen/default"]
 
 
 def client():
@@ -41,7 +41,7 @@ def client():
 
 @pytest.fixture(scope="module")
 def deployed(prefect_harness):
-    """`atelier deploy --gpus 1` against the test server: pool, limit, and the five deployments of prefect.yaml."""
+    """`atelier deploy --gpus 1` against the test server: pool, limit, and the six deployments of prefect.yaml."""
     assert atelier(["deploy", "--gpus", "1"]) == 0
     with client() as c:
         return {name: c.read_deployment_by_name(name) for name in DEPLOYMENTS}

@@ -1,0 +1,28 @@
+"""bench/improve_shapes.py without models: the split it writes, per-axis scores, the report's table and targets."""
+
+from __future__ import annotations
+
+import json
+
+from atelier_studio.bench.improve_shapes import per_axis, report_markdown, write_split
+from atelier_studio.data.weak_briefs import AXES
+
+
+def test_split_per_axis_scores_and_report(tmp_path):
+    briefs, heldout, axes = write_split(tmp_path / "split", per_axis=3)
+    held = heldout.read_text().splitlines()
+    assert len(held) == 9 and set(axes.values()) == set(AXES) and not set(held) & set(briefs.read_text().splitlines())
+    # the first axis's briefs score 1, the rest 0; a brief the split does not name counts as "normal"
+    rows = [{"brief": b, "score": 1.0 if axes[b] == AXES[0] else 0.0} for b in held]
+    rows.append({"brief": "something calm with a circle", "score": None})
+    (tmp_path / "scores.json").write_text(json.dumps({"per_brief": rows}))
+    scores = per_axis(tmp_path / "scores.json", axes)
+    assert scores == {AXES[0]: 100.0, AXES[1]: 0.0, AXES[2]: 0.0, "normal": 0.0, "all": 30.0}
+    report = {"command": "python -m atelier_studio.bench.improve_shapes ...", "rounds_reported": [1, 3],
+              "table": {"all": {"before": 30.0, "round 1": 40.0, "round 3": 50.0}}, "weakest_axis": AXES[1],
+              "weakest_change": 12.5, "normal_change": -0.5, "grids": ["g.png"],
+              "costs": [{"round": 1, "samples": 36, "renders": 35, "sample_s": 1.0, "render_s": 2.0, "judge_s": 3.0,
+                         "dpo_s": 4.0, "pairs": 7, "ties": 2}]}
+    md = report_markdown(report)
+    assert "| all | 30.0 | 40.0 | 50.0 |" in md and "+12.5 points (target ≥ +10)" in md
+    assert "-0.5 points (target ≥ 0)" in md and "| 1 | 36 | 35 |" in md
