@@ -48,21 +48,24 @@ from atelier_studio.imagegen.layers import (
     ATTENTION_BACKENDS,
     KERNEL_IMPLS,
     NORM_EPS,
+    PACK,
     TIME_FREQ_DIM,
     FeedForward,
     MLPEmbedder,
     Modulation,
     RMSNorm,
+    interleaved_to_half,
     linear_flops,
+    pack,
     sdpa_backend,
     timestep_embedding,
+    unpack,
 )
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
 from atelier_studio.kernels.rope import rope
 from atelier_studio.pipeline.shared_input import shared_input_linears
 
-PACK = 2  # FluxPipeline packs latents into 2x2 patches (diffusers' config says patch_size 1: it sees packed tokens)
 ROPE_THETA = 10000.0  # FluxPosEmbed(theta=10000) in diffusers
 DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size: 128 latents x the VAE's 8 = 1024 px
 
@@ -177,22 +180,7 @@ SIZES: dict[str, FluxArgs] = {
 }
 
 
-# ---------------------------------------------------------------------------------- packing and RoPE
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, N, 4C]: 2x2 patches row-major, channels (c, dy, dx) (FluxPipeline._pack_latents)."""
-    B, C, H, W = latents.shape
-    x = latents.view(B, C, H // PACK, PACK, W // PACK, PACK)  # [B, C, h, 2, w, 2]
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // PACK) * (W // PACK), C * PACK * PACK)  # [B, N, 4C]
-
-
-def unpack(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """[B, N, 4C] -> [B, C, H, W], the inverse of `pack` (FluxPipeline._unpack_latents)."""
-    B, _, packed = x.shape
-    C = packed // (PACK * PACK)
-    x = x.view(B, H // PACK, W // PACK, C, PACK, PACK)  # [B, h, w, C, 2, 2]
-    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
-
+# ---------------------------------------------------------------------------------------------- RoPE
 
 def position_ids(text_tokens: int, h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
     """[L + N, 3] ids of the joint sequence, text first: text (0, 0, 0), image (0, row, col) (FluxPipeline's
@@ -214,11 +202,6 @@ def rope_tables(ids: torch.Tensor, axes_dims: tuple[int, ...]) -> tuple[torch.Te
     a = torch.cat(angles, dim=-1)  # [S, Dh/2]
     a = torch.cat([a, a], dim=-1)  # [S, Dh]
     return a.cos().float(), a.sin().float()
-
-
-def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., Dh] -> [..., Dh] with the even channels first, then the odd: interleaved pairs become halves."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [..., Dh/2, 2] -> [..., 2, Dh/2] -> [..., Dh]
 
 
 # ----------------------------------------------------------------------------------------- attention

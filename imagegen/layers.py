@@ -1,6 +1,8 @@
-"""The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1): constants diffusers
-hard-codes, the SDPA backend choice, the timestep sinusoid and its MLP, QK RMSNorm, the AdaLN modulation linear, the
-GELU feed-forward, and the linear-FLOP walk each model's FLOP count is built from. Names and keys are diffusers'.
+"""The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1,
+imagegen/qwen_image.py's Qwen-Image): constants diffusers hard-codes, the SDPA backend choice, the timestep sinusoid
+and its MLP, QK RMSNorm, the AdaLN modulation linear, the GELU feed-forward, the 2x2 latent packing and the RoPE pair
+permutation of FLUX.1 and Qwen-Image (imagegen/flux.py says why), and the linear-FLOP walk each model's FLOP count is
+built from. Names and keys are diffusers'.
 
 Shape legend: B batch, T tokens, D model dim, Dh head dim.
 """
@@ -23,6 +25,8 @@ KERNEL_IMPLS = ("auto", "triton", "ref")
 # SDPA backends for the joint attention (MMDiTArgs.attention): "auto" leaves the choice to PyTorch; the others
 # pin one, so the fastest exact backend measured on a card (bench/imagegen.py's sdpa_* rows) can be chosen.
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+# FLUX.1 and Qwen-Image pack latents into 2x2 patches (FluxPipeline / QwenImagePipeline._pack_latents).
+PACK = 2  # diffusers' FLUX config says patch_size 1 on packed tokens, Qwen-Image's says 2
 
 
 def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
@@ -91,6 +95,27 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, N, 4C]: 2x2 patches row-major, channels (c, dy, dx) (FluxPipeline's and QwenImagePipeline's
+    _pack_latents)."""
+    B, C, H, W = latents.shape
+    x = latents.view(B, C, H // PACK, PACK, W // PACK, PACK)  # [B, C, h, 2, w, 2]
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // PACK) * (W // PACK), C * PACK * PACK)  # [B, N, 4C]
+
+
+def unpack(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """[B, N, 4C] -> [B, C, H, W], the inverse of `pack` (their _unpack_latents, one frame)."""
+    B, _, packed = x.shape
+    C = packed // (PACK * PACK)
+    x = x.view(B, H // PACK, W // PACK, C, PACK, PACK)  # [B, h, w, C, 2, 2]
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+
+
+def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., Dh] -> [..., Dh] with the even channels first, then the odd: interleaved pairs become halves."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [..., Dh/2, 2] -> [..., 2, Dh/2] -> [..., Dh]
 
 
 def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:
