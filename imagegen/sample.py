@@ -208,6 +208,10 @@ def text_encoder_from_meta(text: dict, device: torch.device, pipeline_dir: Path 
     from atelier_studio.imagegen.text import TextEncoder
 
     dtype = getattr(torch, text.get("dtype", "float32"))
+    if text["kind"] == "qwen-image":
+        from atelier_studio.imagegen.qwen_image_text import QwenImageTextEncoder
+
+        return QwenImageTextEncoder(pipeline_dir or text["encoder"], text["max_sequence_length"], device, dtype)
     if text["kind"] == "flux":
         from atelier_studio.imagegen.flux_text import FluxTextEncoders
 

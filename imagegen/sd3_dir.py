@@ -13,7 +13,9 @@ The layout `StableDiffusion3Pipeline.save_pretrained` writes (and the stabilitya
 
 A `FluxPipeline` directory has the same layout with two text encoders: text_encoder/ CLIP-L (CLIPTextModel, its
 pooled output), tokenizer/ CLIPTokenizer, text_encoder_2/ T5EncoderModel (T5-XXL), tokenizer_2/ its T5 tokenizer, and
-a FluxTransformer2DModel in transformer/ (imagegen/flux_text.py encodes its prompts). `PIPELINES` lists each
+a FluxTransformer2DModel in transformer/ (imagegen/flux_text.py encodes its prompts). A `QwenImagePipeline` directory
+has one text encoder: text_encoder/ Qwen2_5_VLForConditionalGeneration, tokenizer/ its Qwen2 tokenizer
+(imagegen/qwen_image_text.py), a QwenImageTransformer2DModel and an AutoencoderKLQwenImage. `PIPELINES` lists each
 pipeline class's required parts and tokenizer kinds; model_index.json's `_class_name` picks the row.
 
 A part saved as None (the pipeline loaded with `text_encoder_3=None`, SD3's T5-less mode) is `[null, null]` in
@@ -52,6 +54,8 @@ PIPELINES = {
     "StableDiffusion3Pipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "clip",
                                                               "tokenizer_3": "t5"}),
     "FluxPipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "t5"}),
+    "QwenImagePipeline": PipelineKind(("transformer", "vae", "scheduler", "text_encoder", "tokenizer"),
+                                      {"tokenizer": "qwen"}),
 }
 
 # FlowMatchEulerDiscreteScheduler options and the value the Euler sampler of imagegen/flow.py implements. A

@@ -367,7 +367,8 @@ class ImagegenTask(Task):
                   ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
                   ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
                   ("text tokens", shapes["text_states"][0], self.text.num_tokens,
-                   {"sd3": "text.max_sequence_length + 77", "flux": "text.max_sequence_length"}.get(
+                   {"sd3": "text.max_sequence_length + 77", "flux": "text.max_sequence_length",
+                    "qwen-image": "text.max_sequence_length"}.get(
                        self.cfg.text.kind, "text.max_length"))]
         for what, got, want, of in checks:
             if got != want:

