@@ -20,6 +20,9 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   guidance_input   None: sampling guides by classifier-free guidance (SD3); else a function of the args telling
                    whether the guidance scale is a model input instead (FLUX.1-dev's distilled guidance embedding:
                    the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
+  cfg_rescale      None, or what the family's pipeline does to the classifier-free-guided prediction:
+                   cfg_rescale(v_guided, v_cond) -> v, both [B,C,H,W] (QwenImagePipeline rescales each token's vector
+                   to the conditional prediction's norm)
   export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
                    LoRA names and the single-file layout are SD3's
   diffusers_forward  the diffusers model called on the model's own arguments (latents [B,C,H,W], text states, pooled,
@@ -63,6 +66,7 @@ class Family:
     linear_rows: Callable[[str, int, int, int], int] | None = None
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
+    cfg_rescale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
     diffusers_forward: Callable[..., Any] | None = None
 

@@ -433,6 +433,14 @@ def diffusers_forward(ref: nn.Module, latents: torch.Tensor, text_states: torch.
     return unpack(out, H, W)
 
 
+def cfg_rescale(v: torch.Tensor, v_cond: torch.Tensor) -> torch.Tensor:
+    """QwenImagePipeline's correction of the guided prediction: each image token's packed vector [4C] rescaled to the
+    conditional prediction's norm. v, v_cond [B, C, H, W] -> [B, C, H, W]."""
+    H, W = v.shape[-2:]
+    guided, cond = pack(v), pack(v_cond)  # [B, N, 4C]
+    return unpack(guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True)), H, W)
+
+
 # LoRA targets by diffusers' module paths inside a block (PEFT's target_modules). Default: every attention
 # projection of both streams (diffusers' train_dreambooth_lora_qwen_image.py wraps the image stream's to_q/k/v/out);
 # the MLPs and the modulation are opt-in.
@@ -447,6 +455,7 @@ FAMILY = Family(
     blocks=lambda model: list(model.transformer_blocks),
     diffusers_class="diffusers:QwenImageTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP + LORA_MODULATION,
     default_lora_targets=LORA_ATTENTION, sigma_grid="linspace",  # QwenImagePipeline: linspace(1, 1/n, n), shifted
+    cfg_rescale=cfg_rescale,
     export_forms=("diffusers", "merge"), diffusers_forward=diffusers_forward,
     # kept out of FP8, as FLUX's: what runs once per image (the timestep MLP, every AdaLN modulation) and the final
     # projection (4C = 64 outputs, next to the loss)

@@ -103,7 +103,8 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
                                   neg_pooled.to(device).float().expand(b, -1), num_steps=steps,
                                   guidance_scale=family.sampling_cfg(guidance), shift=flow.shift,
                                   image_seq_len=image_seq_len, args=flow, grid=family.sigma_grid,
-                                  model_kwargs=family.guidance_kwargs(model.args, guidance, b, device))
+                                  model_kwargs=family.guidance_kwargs(model.args, guidance, b, device),
+                                  cfg_rescale=family.cfg_rescale)
             yield x0.float()
     finally:
         model.train(was_training)

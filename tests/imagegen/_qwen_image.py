@@ -24,6 +24,7 @@ WIDTH = 48  # Qwen2.5-VL hidden size = the transformer's joint_attention_dim
 LATENT_CHANNELS = 4
 MAX_SEQUENCE_LENGTH = 16  # QwenImagePipeline's default 1024 is real work on a CPU
 RESOLUTION = 32  # px: 16x16 latents, 8x8 = 64 image tokens
+VAE_FACTOR = 2  # 2 ** len(temperal_downsample): QwenImagePipeline's vae_scale_factor
 
 
 def tokenizer_dir() -> Path | None:

