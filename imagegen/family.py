@@ -23,6 +23,9 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   cfg_rescale      None, or what the family's pipeline does to the classifier-free-guided prediction:
                    cfg_rescale(v_guided, v_cond) -> v, both [B,C,H,W] (QwenImagePipeline rescales each token's vector
                    to the conditional prediction's norm)
+  text_mask_input  False: the model's third input is a pooled text vector of args.pooled_projection_dim (SD3, FLUX);
+                   True: it is the text mask [B, L] (1: a caption token, 0: padding), which the family's text encoder
+                   gives as its "pooled" output, L wide (Qwen-Image)
   export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
                    LoRA names and the single-file layout are SD3's
   diffusers_forward  the diffusers model called on the model's own arguments (latents [B,C,H,W], text states, pooled,
@@ -67,6 +70,7 @@ class Family:
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
     cfg_rescale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    text_mask_input: bool = False
     export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
     diffusers_forward: Callable[..., Any] | None = None
 

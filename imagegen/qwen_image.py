@@ -455,7 +455,7 @@ FAMILY = Family(
     blocks=lambda model: list(model.transformer_blocks),
     diffusers_class="diffusers:QwenImageTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP + LORA_MODULATION,
     default_lora_targets=LORA_ATTENTION, sigma_grid="linspace",  # QwenImagePipeline: linspace(1, 1/n, n), shifted
-    cfg_rescale=cfg_rescale,
+    cfg_rescale=cfg_rescale, text_mask_input=True,
     export_forms=("diffusers", "merge"), diffusers_forward=diffusers_forward,
     # kept out of FP8, as FLUX's: what runs once per image (the timestep MLP, every AdaLN modulation) and the final
     # projection (4C = 64 outputs, next to the loss)

@@ -232,6 +232,8 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     from atelier_studio.imagegen.autoencoder import SD3VAE
     from atelier_studio.imagegen.flux_text import PIPELINE as FLUX_PIPELINE
     from atelier_studio.imagegen.flux_text import FluxTextEncoders
+    from atelier_studio.imagegen.qwen_image_text import PIPELINE as QWEN_IMAGE_PIPELINE
+    from atelier_studio.imagegen.qwen_image_text import QwenImageTextEncoder
     from atelier_studio.imagegen.sd3_dir import (
         check_pipeline_files,
         default_resolution,
@@ -250,6 +252,8 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
     elif index["_class_name"] == FLUX_PIPELINE:  # a released FLUX pipeline: FluxPipeline's default 512 T5 tokens
         text = FluxTextEncoders(pipeline_dir, device=device)
+    elif index["_class_name"] == QWEN_IMAGE_PIPELINE:  # a released Qwen-Image pipeline: its default 1024 tokens
+        text = QwenImageTextEncoder(pipeline_dir, device=device)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
         text = SD3TextEncoders(pipeline_dir, use_t5=has_part(index, "text_encoder_3"), device=device)
     autoencoder = SD3VAE.from_dir(pipeline_dir)

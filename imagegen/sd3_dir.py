@@ -163,9 +163,11 @@ def transformer_config(path: str | os.PathLike) -> dict:
 
 def default_resolution(path: str | os.PathLike) -> int:
     """The pipeline's default image side, as StableDiffusion3Pipeline computes it: transformer sample_size x the
-    VAE's downsampling 2^(len(block_out_channels) - 1)."""
+    VAE's downsampling 2^(len(block_out_channels) - 1); QwenImagePipeline's: 128 x 2^len(temperal_downsample)."""
     vae_cfg_path = part_dir(path, "vae") / "config.json"
     vae_cfg = read_json(vae_cfg_path, ModelLoadError) if vae_cfg_path.is_file() else None
+    if isinstance(vae_cfg, dict) and isinstance(vae_cfg.get("temperal_downsample"), list):  # AutoencoderKLQwenImage
+        return 128 * 2 ** len(vae_cfg["temperal_downsample"])  # QwenImagePipeline: default_sample_size x its factor
     if not isinstance(vae_cfg, dict) or not isinstance(vae_cfg.get("block_out_channels"), list):
         raise ModelLoadError(f"{vae_cfg_path}: missing, or without a block_out_channels list")
     return int(transformer_config(path).get("sample_size", 128)) * 2 ** (len(vae_cfg["block_out_channels"]) - 1)

@@ -10,6 +10,7 @@ joint_attention_dim 48 = the encoder's width), and Qwen-Image's scheduler (dynam
     tokenizer_dir() -> the tokenizer files' folder, or None (the package is not installed: the tests skip)
     build_pipeline(dir) -> dir (idempotent)
     load_pipeline(dir) -> QwenImagePipeline in fp32
+    config_overrides(pipe, shards, latents, out) -> --set items pointing configs/imagegen/qwen-image-lora.toml at them
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from pathlib import Path
 
 import torch
 
+from tests.imagegen import _sd3
+
 WIDTH = 48  # Qwen2.5-VL hidden size = the transformer's joint_attention_dim
 LATENT_CHANNELS = 4
 MAX_SEQUENCE_LENGTH = 16  # QwenImagePipeline's default 1024 is real work on a CPU
+CONFIG = _sd3.ROOT / "configs" / "imagegen" / "qwen-image-lora.toml"
 RESOLUTION = 32  # px: 16x16 latents, 8x8 = 64 image tokens
 VAE_FACTOR = 2  # 2 ** len(temperal_downsample): QwenImagePipeline's vae_scale_factor
 
@@ -80,3 +84,10 @@ def load_pipeline(path: Path):
     from diffusers import QwenImagePipeline
 
     return QwenImagePipeline.from_pretrained(str(path), dtype=torch.float32)
+
+
+def config_overrides(pipe: Path, shards: Path, latents: Path, out: Path, *extra: str) -> list[str]:
+    """The shipped Qwen-Image config pointed at a tiny pipeline as _sd3's points the SD3 one: fp32, 32 px, 16 text
+    tokens, 3 steps of batch 4, EMA 0.5 (the exported LoRA is the EMA's)."""
+    assert MAX_SEQUENCE_LENGTH == _sd3.MAX_SEQUENCE_LENGTH and RESOLUTION == _sd3.RESOLUTION
+    return _sd3.config_overrides(pipe, shards, latents, out, *extra)

