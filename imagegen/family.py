@@ -113,6 +113,11 @@ class Family:
             return {}
         return {"guidance": torch.full((batch,), float(scale), device=device)}
 
+    def pooled_width(self, args: Any, text_tokens: int) -> int:
+        """The width of the model's third input for `text_tokens` text tokens: the text mask's (text_mask_input), or
+        the pooled vector's, args.pooled_projection_dim."""
+        return text_tokens if self.text_mask_input else args.pooled_projection_dim
+
     def sampling_cfg(self, scale: float) -> float:
         """The classifier-free guidance scale sampling runs at `scale`: itself, or 1 (none) where the scale is a
         model input (guidance_input)."""

@@ -309,9 +309,7 @@ class ImagegenTask(Task):
     def _pooled_input_width(self) -> int:
         """The width of the model's third input: its pooled_projection_dim, or the text length L where the family
         takes the text mask there (Family.text_mask_input)."""
-        if family_of_args(self.model.args).text_mask_input:
-            return self.text.num_tokens
-        return self.model.args.pooled_projection_dim
+        return family_of_args(self.model.args).pooled_width(self.model.args, self.text.num_tokens)
 
     def _check_dims(self) -> None:
         a, d, p = self.model.args, self.text.states_width, self.text.pooled_width
