@@ -162,7 +162,8 @@ class QwenImageVAE(SD3VAE):
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """images [B,3,H,W] in [-1,1] -> (z - mean) * (1 / std), z the mode (or a sample) of q(z|x) of one frame: [B,C,h,w]."""
+        """images [B,3,H,W] in [-1,1] -> (z - mean) * (1 / std), z the mode (or a sample) of q(z|x) of one frame:
+        [B,C,h,w]."""
         _check_images(images, self.downsample_factor, "QwenImageVAE")
         dist = self.vae.encode(images.to(self.vae.dtype)[:, :, None]).latent_dist  # [B, 3, 1, H, W] in
         z = (dist.sample(generator) if self.sample else dist.mode())[:, :, 0]  # [B, C, h, w]

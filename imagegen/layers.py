@@ -1,8 +1,9 @@
 """The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1,
 imagegen/qwen_image.py's Qwen-Image): constants diffusers hard-codes, the SDPA backend choice, the timestep sinusoid
-and its MLP, QK RMSNorm, the AdaLN modulation linear, the GELU feed-forward, the 2x2 latent packing and the RoPE pair
-permutation of FLUX.1 and Qwen-Image (imagegen/flux.py says why), and the linear-FLOP walk each model's FLOP count is
-built from. Names and keys are diffusers'.
+and its MLP, QK RMSNorm, the AdaLN modulation linear, the GELU feed-forward, what FLUX.1 and Qwen-Image share (the
+2x2 latent packing; q/k/v heads RMS-normed and permuted from RoPE's interleaved pairs to the kernel's halves, then
+RoPE and SDPA over the joint sequence: imagegen/flux.py says why), and the linear-FLOP walk each model's FLOP count
+is built from. Names and keys are diffusers'.
 
 Shape legend: B batch, T tokens, D model dim, Dh head dim.
 """
@@ -17,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from atelier_studio.kernels.rmsnorm import rmsnorm
+from atelier_studio.kernels.rope import rope
+from atelier_studio.pipeline.shared_input import shared_input_linears
 
 # diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
 NORM_EPS = 1e-6
@@ -116,6 +119,28 @@ def unpack(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
     """[..., Dh] -> [..., Dh] with the even channels first, then the odd: interleaved pairs become halves."""
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [..., Dh/2, 2] -> [..., 2, Dh/2] -> [..., Dh]
+
+
+def rope_heads(y: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear, norm_q: RMSNorm, norm_k: RMSNorm,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stream [B, T, D] through its q/k/v linears (one read of y) -> q, k, v [B, T, Hn, Dh]: q and k RMS-normed
+    over the head dim, then permuted from RoPE's interleaved pairs to the kernel's halves (FLUX.1, Qwen-Image)."""
+    B, T, _ = y.shape
+    q, k, v = (t.view(B, T, -1, head_dim) for t in shared_input_linears(y, q, k, v))
+    return interleaved_to_half(norm_q(q)), interleaved_to_half(norm_k(k)), v
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   impl: str, backend: str, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k, v [B, S, Hn, Dh] (half layout), cos/sin [S, Dh] -> RoPE (kernels/rope.py), then SDPA over the joint
+    sequence (key_mask [B, S] bool, True = attend, or None) -> [B, S, Hn * Dh]."""
+    B, S, Hn, Dh = q.shape
+    q, k = rope(q, k, cos.expand(B, S, -1), sin.expand(B, S, -1), impl=impl)
+    attn_mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]: keys only
+    with sdpa_backend(backend):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=attn_mask)  # [B, Hn, S, Dh]
+    return o.transpose(1, 2).reshape(B, S, Hn * Dh)
 
 
 def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:

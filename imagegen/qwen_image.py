@@ -42,7 +42,6 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from atelier_studio.imagegen.family import Family
 from atelier_studio.imagegen.layers import (
@@ -55,16 +54,14 @@ from atelier_studio.imagegen.layers import (
     MLPEmbedder,
     Modulation,
     RMSNorm,
-    interleaved_to_half,
     linear_flops,
     pack,
-    sdpa_backend,
+    rope_attention,
+    rope_heads,
     unpack,
 )
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
-from atelier_studio.kernels.rope import rope
-from atelier_studio.pipeline.shared_input import shared_input_linears
 
 ROPE_THETA = 10000  # QwenEmbedRope(theta=10000)
 TIME_SCALE = 1000.0  # QwenTimestepProjEmbeddings: Timesteps(scale=1000) on sigma
@@ -235,26 +232,14 @@ class QwenImageAttention(nn.Module):
         self.norm_added_q = RMSNorm(args.head_dim, args.kernels)
         self.norm_added_k = RMSNorm(args.head_dim, args.kernels)
 
-    def _qkv(self, y: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear, norm_q: RMSNorm, norm_k: RMSNorm):
-        """One stream [B, T, D] -> q, k, v [B, T, Hn, Dh]: q and k RMS-normed, then permuted to the half layout."""
-        B, T, _ = y.shape
-        q, k, v = (t.view(B, T, self.num_heads, self.head_dim) for t in shared_input_linears(y, q, k, v))
-        return interleaved_to_half(norm_q(q)), interleaved_to_half(norm_k(k)), v
-
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, D], ctx [B, L, D], mask [B, S] bool (True: attend) or None, cos/sin [S, Dh] -> (x_out, ctx_out)."""
-        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)  # [B, N, Hn, Dh]
-        cq, ck, cv = self._qkv(ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
-                               self.norm_added_k)
+        q, k, v = rope_heads(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, self.head_dim)  # [B,N,Hn,Dh]
+        cq, ck, cv = rope_heads(ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
+                                self.norm_added_k, self.head_dim)
         q, k, v = torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)  # [B, S, Hn, Dh]
-        B, S = q.shape[:2]
-        q, k = rope(q, k, cos.expand(B, S, -1), sin.expand(B, S, -1), impl=self.impl)
-        attn_mask = None if mask is None else mask[:, None, None, :]  # [B, 1, 1, S]: keys only
-        with sdpa_backend(self.attention):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=attn_mask)  # [B, Hn, S, Dh]
-        o = o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)  # [B, S, D]
+        o = rope_attention(q, k, v, cos, sin, self.impl, self.attention, mask)  # [B, S, D]
         L = ctx.shape[1]
         return self.to_out[0](o[:, L:]), self.to_add_out(o[:, :L])
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from atelier_studio.flows.cli import main
-from atelier_studio.imagegen.autoencoder import QwenImageVAE, SD3VAE
+from atelier_studio.imagegen.autoencoder import SD3VAE, QwenImageVAE
 from atelier_studio.imagegen.config import TextConfig
 from atelier_studio.imagegen.flow import FlowArgs
 from atelier_studio.imagegen.hf import load_pretrained
