@@ -1,9 +1,10 @@
 """Imagegen speed on one GPU: Atelier's MMDiT vs diffusers' SD3Transformer2DModel on the same weights and batches
-(and FLUX.1-dev vs FluxTransformer2DModel: flux-dev-1024, 4096 image + 512 T5 tokens; every model-specific step asks
-the family's record in imagegen/registry.py: the model class, the diffusers peer and its pipeline's call, the FLOPs).
+(and FLUX.1-dev vs FluxTransformer2DModel: flux-dev-1024, 4096 image + 512 T5 tokens; Qwen-Image vs
+QwenImageTransformer2DModel: qwen-image-1024, 4096 image + 512 Qwen2.5-VL tokens; every model-specific step asks the
+family's record in imagegen/registry.py: the model class, the diffusers peer and its pipeline's call, the FLOPs).
 
     python3 -m atelier_studio.bench.imagegen --config sd3-medium-1024|sd3-medium-512|sd3.5-medium-1024|flux-dev-1024
-        --out DIR
+        |qwen-image-1024 --out DIR
         [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
         [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
         [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
@@ -55,6 +56,7 @@ weight gradient); `mfu_6n` is the full fine-tune's count over the same time, wha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import re
@@ -129,6 +131,8 @@ CONFIGS = {
     "sd3.5-medium-1024": BenchConfig("sd3.5-medium", 1024, 333, (8, 16, 24)),
     # FLUX.1-dev: 4096 image tokens at 1024 px and FluxPipeline's 512 T5 tokens; LoRA is what users train on it
     "flux-dev-1024": BenchConfig("flux-dev", 1024, 512, (1, 2, 4)),
+    # Qwen-Image: 4096 image tokens at 1024 px and 512 Qwen2.5-VL tokens (configs/imagegen/qwen-image-lora.toml)
+    "qwen-image-1024": BenchConfig("qwen-image", 1024, 512, (1, 2, 4)),
 }
 
 
@@ -199,6 +203,10 @@ class ImageBatch:
         return self.x0.shape[0]
 
 
+def _pooled_width(cfg: BenchConfig, args: MMDiTArgs) -> int:
+    return family_of_args(args).pooled_width(args, cfg.text_tokens)
+
+
 def make_batches(cfg: BenchConfig, args: MMDiTArgs, batch: int, count: int, device: torch.device, dtype: torch.dtype,
                  seed: int) -> list[ImageBatch]:
     """`count` micro-batches of `batch` images; text states in `dtype` (as a cache holds them), latents fp32."""
@@ -208,7 +216,8 @@ def make_batches(cfg: BenchConfig, args: MMDiTArgs, batch: int, count: int, devi
     for _ in range(count):
         x0 = torch.randn(batch, args.in_channels, side, side, generator=g, device=device)
         text = torch.randn(batch, cfg.text_tokens, args.joint_attention_dim, generator=g, device=device).to(dtype)
-        pooled = torch.randn(batch, args.pooled_projection_dim, generator=g, device=device).to(dtype)
+        # the pooled vector, or where the family takes the text mask there a random one that masks nothing
+        pooled = torch.randn(batch, _pooled_width(cfg, args), generator=g, device=device).to(dtype)
         t = sample_timesteps(batch, g, FLOW, image_tokens(cfg, args), device)
         noise = torch.randn(x0.shape, generator=g, device=device)
         out.append(ImageBatch(x0, text, pooled, t, noise))
@@ -292,6 +301,25 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora
     return Run(model, model, params, v.fused_adamw, autocast=not exact, args=args)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters made inside go to the meta device (no memory: the weights are assigned after); the other tensors a
+    constructor makes stay real (QwenEmbedRope keeps its RoPE tables as plain attributes, which torch.device("meta")
+    would leave without data)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None) -> Run:
     """The family's diffusers model (SD3Transformer2DModel, FluxTransformer2DModel; their default SDPA processors) on
     the same weights, called as its pipeline calls it (the family's diffusers_forward); with `lora`, PEFT adapters on
@@ -299,7 +327,7 @@ def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | N
     family = family_of_args(args)
     reference = family.diffusers_reference()  # ImportError → the peer is reported as skipped
     kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = reference(**kwargs)
     model.load_state_dict(sd if lora is not None else _fp32_copy(sd), assign=True, strict=True)
     model.train().requires_grad_(True)
@@ -384,7 +412,7 @@ def random_latent_samples(cfg: BenchConfig, args: MMDiTArgs, n: int, seed: int) 
     for i in range(n):
         yield {"key": f"s{i:06d}", "latent": torch.randn(args.in_channels, side, side, generator=g).bfloat16(),
                "text_states": torch.randn(cfg.text_tokens, args.joint_attention_dim, generator=g).bfloat16(),
-               "pooled": torch.randn(args.pooled_projection_dim, generator=g).bfloat16(),
+               "pooled": torch.randn(_pooled_width(cfg, args), generator=g).bfloat16(),
                "bucket": (cfg.resolution, cfg.resolution), "caption": f"random sample {i}"}
 
 
@@ -428,7 +456,7 @@ def loader_throughput(cfg: BenchConfig, args: MMDiTArgs, batch: int, workers: in
 
 def _sample_bytes(cfg: BenchConfig, args: MMDiTArgs) -> int:
     return 2 * (args.in_channels * cfg.latent_side**2 + cfg.text_tokens * args.joint_attention_dim
-                + args.pooled_projection_dim)
+                + _pooled_width(cfg, args))
 
 
 # ------------------------------------------------------------------------------------------------ the bench

@@ -17,6 +17,9 @@ Both codecs share one interface: `encode(images [B,3,H,W] in [-1,1]) -> latents 
 - `SD3VAE`: diffusers `AutoencoderKL` from a local directory; scaling and shift come from its config
   (SD3: scaling_factor 1.5305, shift_factor 0.0609). Encoding takes
   the mode of the latent distribution by default, a sample with `sample=True`.
+- `QwenImageVAE` (what `SD3VAE.from_dir` gives for a vae/ of class `AutoencoderKLQwenImage`): Qwen-Image's video
+  VAE on one frame, normalised per channel as QwenImagePipeline does, z_model = (z_raw - latents_mean) /
+  latents_std: its shift_factor and scaling_factor are the lists latents_mean and 1 / latents_std.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atelier_studio.data.textfile import read_json
 from atelier_studio.pipeline.errors import ModelLoadError, one_line
 from atelier_studio.pipeline.hf_files import check_weights_dir
 
@@ -103,16 +107,24 @@ class SD3VAE(nn.Module):
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32, sample: bool = False) -> "SD3VAE":
-        from diffusers import AutoencoderKL  # heavy import, only when a VAE is really used
+        """The VAE of a diffusers VAE directory (or a pipeline's vae/): an SD3VAE, or for an AutoencoderKLQwenImage a
+        QwenImageVAE."""
+        import diffusers  # heavy import, only when a VAE is really used
 
         vae_dir = find_vae_dir(path)
         check_weights_dir(vae_dir, "vae")  # weights there, headers whole: named here, not a diffusers OSError
+        config = read_json(vae_dir / "config.json", ModelLoadError)
+        name = config.get("_class_name", "AutoencoderKL") if isinstance(config, dict) else None
+        codec = {"AutoencoderKL": SD3VAE, "AutoencoderKLQwenImage": QwenImageVAE}.get(name)
+        if codec is None:
+            raise ModelLoadError(f"{vae_dir / 'config.json'}: _class_name {name!r} is not a VAE Atelier reads "
+                                 f"(AutoencoderKL, AutoencoderKLQwenImage)")
         try:
-            vae = AutoencoderKL.from_pretrained(vae_dir, dtype=dtype, local_files_only=True,
-                                                use_safetensors=True)
+            vae = getattr(diffusers, name).from_pretrained(vae_dir, dtype=dtype, local_files_only=True,
+                                                           use_safetensors=True)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"vae {vae_dir}: cannot load it ({type(e).__name__}: {one_line(str(e))})") from e
-        return cls(vae, sample=sample)
+        return codec(vae, sample=sample)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -128,6 +140,41 @@ class SD3VAE(nn.Module):
         _check_latents(latents, self.latent_channels, "SD3VAE")
         z = latents.to(self.vae.dtype) / self.scaling_factor + self.shift_factor
         return self.vae.decode(z).sample
+
+
+class QwenImageVAE(SD3VAE):
+    """Frozen diffusers AutoencoderKLQwenImage (a causal video VAE) on single frames, with QwenImagePipeline's
+    per-channel latent normalisation (see module docstring)."""
+
+    def __init__(self, vae: nn.Module, sample: bool = False):
+        nn.Module.__init__(self)
+        self.vae = vae.eval().requires_grad_(False)
+        self.sample = sample
+        cfg = vae.config
+        self.latent_channels = int(cfg.z_dim)
+        self.downsample_factor = 2 ** len(cfg.temperal_downsample)  # QwenImagePipeline's vae_scale_factor
+        self.shift_factor = [float(m) for m in cfg.latents_mean]  # lists: written to cache.json as they are
+        self.scaling_factor = [1.0 / float(s) for s in cfg.latents_std]
+        self.register_buffer("mean", torch.tensor(cfg.latents_mean).view(1, -1, 1, 1), persistent=False)
+        # 1 / std as QwenImagePipeline computes it: it decodes z / (1 / std) + mean (and diffusers' Qwen-Image
+        # training script encodes (z - mean) * (1 / std)), so the same roundings
+        self.register_buffer("inv_std", 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1), persistent=False)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """images [B,3,H,W] in [-1,1] -> (z - mean) * (1 / std), z the mode (or a sample) of q(z|x) of one frame:
+        [B,C,h,w]."""
+        _check_images(images, self.downsample_factor, "QwenImageVAE")
+        dist = self.vae.encode(images.to(self.vae.dtype)[:, :, None]).latent_dist  # [B, 3, 1, H, W] in
+        z = (dist.sample(generator) if self.sample else dist.mode())[:, :, 0]  # [B, C, h, w]
+        return (z - self.mean.to(z)) * self.inv_std.to(z)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [B,C,h,w] -> images [B,3,hf,wf] (roughly in [-1,1])."""
+        _check_latents(latents, self.latent_channels, "QwenImageVAE")
+        z = latents.to(self.vae.dtype) / self.inv_std.to(self.vae.dtype) + self.mean.to(self.vae.dtype)
+        return self.vae.decode(z[:, :, None]).sample[:, :, 0]
 
 
 def resolve_autoencoder_spec(spec: str, model_path: str = "") -> str:

@@ -26,6 +26,7 @@ from atelier_studio.pipeline.config import MODEL_PATH, ConfigError, OutputConfig
 from atelier_studio.pipeline.config_diff import TRAIN_FREE, TRAIN_REFUSE, TRAIN_WARN, ResumePolicy
 
 FLUX_T5_TOKENS = 512  # FluxPipeline.check_inputs refuses a longer max_sequence_length (imagegen/flux_text.py)
+QWEN_IMAGE_TOKENS = 1024  # QwenImagePipeline's tokenizer_max_length (imagegen/qwen_image_text.py)
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ class TextConfig:
     # "encoder": BERT / T5-encoder / CLIP-text through AutoModel, its last hidden state;
     # "sd3": CLIP-L + CLIP-G + T5 of a diffusers SD3 pipeline directory, encoded as StableDiffusion3Pipeline's
     # encode_prompt does (imagegen/sd3_text.py); "flux": CLIP-L (pooled) + T5 of a FluxPipeline directory, as
-    # FluxPipeline.encode_prompt (imagegen/flux_text.py; L = max_sequence_length); `max_length`, `layer` and `pooled`
-    # do not apply to them
-    kind: Literal["causal-lm", "encoder", "sd3", "flux"] = "encoder"
+    # FluxPipeline.encode_prompt (imagegen/flux_text.py; L = max_sequence_length); "qwen-image": the Qwen2.5-VL of a
+    # QwenImagePipeline directory, as its encode_prompt (imagegen/qwen_image_text.py; L = max_sequence_length, the
+    # "pooled" vector is the text mask); `max_length`, `layer` and `pooled` do not apply to them
+    kind: Literal["causal-lm", "encoder", "sd3", "flux", "qwen-image"] = "encoder"
     max_length: int = 32  # every caption is padded (or truncated) to this many tokens: L is fixed
     # index into hidden_states (0 = embeddings, -1 = last, after the final norm). -1 by default; -2 (the
     # penultimate layer, as SD3 takes from CLIP) is the usual alternative for a causal LM. Encoders use -1.
@@ -109,6 +111,9 @@ class TextConfig:
         if self.kind == "encoder" and self.layer != -1:
             raise ConfigError(f"layer: only -1 (the last hidden state) is supported for kind 'encoder', "
                               f"got {self.layer}")
+        if self.kind == "qwen-image" and not 1 <= self.max_sequence_length <= QWEN_IMAGE_TOKENS:
+            raise ConfigError(f"max_sequence_length: must be in [1, {QWEN_IMAGE_TOKENS}] (QwenImagePipeline's limit), "
+                              f"got {self.max_sequence_length}")
         if self.kind == "flux" and not 1 <= self.max_sequence_length <= FLUX_T5_TOKENS:
             raise ConfigError(f"max_sequence_length: must be in [1, {FLUX_T5_TOKENS}] (diffusers' limit for FLUX), "
                               f"got {self.max_sequence_length}")

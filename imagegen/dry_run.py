@@ -38,8 +38,10 @@ def imagegen_plan(cfg: ImagegenConfig) -> Plan:
     down = int(spec.split(":")[1]) if spec.startswith("pixel:") else (2 if spec == "pixel" else 8)
     resolution = max(cfg.data.all_resolutions) or args.sample_size * down  # the largest bucket sets the peak
     image_tokens = (resolution // down // args.patch_size) ** 2
-    # SD3's encoders: 77 CLIP + T5 tokens; FLUX's: T5's alone (CLIP gives only the pooled vector)
-    text_tokens = {"sd3": 77 + cfg.text.max_sequence_length, "flux": cfg.text.max_sequence_length}.get(
+    # SD3's encoders: 77 CLIP + T5 tokens; FLUX's: T5's alone (CLIP gives only the pooled vector); Qwen-Image's: its
+    # max_sequence_length
+    text_tokens = {"sd3": 77 + cfg.text.max_sequence_length, "flux": cfg.text.max_sequence_length,
+                   "qwen-image": cfg.text.max_sequence_length}.get(
         cfg.text.kind, cfg.text.max_length)
     train = cfg.train
     with torch.device("meta"):

@@ -20,6 +20,12 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
   guidance_input   None: sampling guides by classifier-free guidance (SD3); else a function of the args telling
                    whether the guidance scale is a model input instead (FLUX.1-dev's distilled guidance embedding:
                    the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
+  cfg_rescale      None, or what the family's pipeline does to the classifier-free-guided prediction:
+                   cfg_rescale(v_guided, v_cond) -> v, both [B,C,H,W] (QwenImagePipeline rescales each token's vector
+                   to the conditional prediction's norm)
+  text_mask_input  False: the model's third input is a pooled text vector of args.pooled_projection_dim (SD3, FLUX);
+                   True: it is the text mask [B, L] (1: a caption token, 0: padding), which the family's text encoder
+                   gives as its "pooled" output, L wide (Qwen-Image)
   export_forms     the forms `atelier imagegen export RUN` writes for it (imagegen/export_run.py FORMS): the kohya
                    LoRA names and the single-file layout are SD3's
   diffusers_forward  the diffusers model called on the model's own arguments (latents [B,C,H,W], text states, pooled,
@@ -63,6 +69,8 @@ class Family:
     linear_rows: Callable[[str, int, int, int], int] | None = None
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
+    cfg_rescale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    text_mask_input: bool = False
     export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
     diffusers_forward: Callable[..., Any] | None = None
 
@@ -104,6 +112,11 @@ class Family:
         if self.guidance_input is None or not self.guidance_input(args):
             return {}
         return {"guidance": torch.full((batch,), float(scale), device=device)}
+
+    def pooled_width(self, args: Any, text_tokens: int) -> int:
+        """The width of the model's third input for `text_tokens` text tokens: the text mask's (text_mask_input), or
+        the pooled vector's, args.pooled_projection_dim."""
+        return text_tokens if self.text_mask_input else args.pooled_projection_dim
 
     def sampling_cfg(self, scale: float) -> float:
         """The classifier-free guidance scale sampling runs at `scale`: itself, or 1 (none) where the scale is a

@@ -204,13 +204,15 @@ def euler_sample(model_fn: ModelFn, noise: torch.Tensor, text: torch.Tensor, poo
                  neg_text: torch.Tensor | None = None, neg_pooled: torch.Tensor | None = None,
                  num_steps: int = 28, guidance_scale: float = 7.0, shift: float = 3.0,
                  image_seq_len: int | None = None, args: FlowArgs | None = None, grid: str = "scheduler",
-                 model_kwargs: dict | None = None) -> torch.Tensor:
+                 model_kwargs: dict | None = None,
+                 cfg_rescale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Integrate from ``noise`` (t = 1) to x0 (t = 0) with Euler steps on ``sampler_sigmas`` (``grid``).
 
     model_fn(latents [B,C,H,W], text [B,L,E], pooled [B,P], timestep [B] = t*1000, **model_kwargs) -> v [B,C,H,W]
     (``model_kwargs``: e.g. FLUX.1-dev's embedded guidance [B]).
     With ``guidance_scale != 1`` classifier-free guidance runs one batched call on
-    [uncond; cond] (diffusers' order): v = v_u + g (v_c - v_u). The state stays fp32 between steps
+    [uncond; cond] (diffusers' order): v = v_u + g (v_c - v_u), then ``cfg_rescale(v, v_c)`` where the family's
+    pipeline corrects it (Family.cfg_rescale). The state stays fp32 between steps
     (diffusers' ``step`` adds in fp32 but casts back to the model dtype each step; in fp32 the two
     are identical, in bf16 ours rounds less). The model sees the state in ``noise.dtype``.
     """
@@ -239,5 +241,7 @@ def euler_sample(model_fn: ModelFn, noise: torch.Tensor, text: torch.Tensor, poo
         if cfg:
             v_uncond, v_cond = v.chunk(2)
             v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            if cfg_rescale is not None:
+                v = cfg_rescale(v, v_cond)
         x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
     return x.to(noise.dtype)

@@ -48,21 +48,22 @@ from atelier_studio.imagegen.layers import (
     ATTENTION_BACKENDS,
     KERNEL_IMPLS,
     NORM_EPS,
+    PACK,
     TIME_FREQ_DIM,
     FeedForward,
     MLPEmbedder,
     Modulation,
     RMSNorm,
     linear_flops,
-    sdpa_backend,
+    pack,
+    rope_attention,
+    rope_heads,
     timestep_embedding,
+    unpack,
 )
 from atelier_studio.kernels.adaln import adaln_modulate
 from atelier_studio.kernels.gated_residual import gated_residual
-from atelier_studio.kernels.rope import rope
-from atelier_studio.pipeline.shared_input import shared_input_linears
 
-PACK = 2  # FluxPipeline packs latents into 2x2 patches (diffusers' config says patch_size 1: it sees packed tokens)
 ROPE_THETA = 10000.0  # FluxPosEmbed(theta=10000) in diffusers
 DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size: 128 latents x the VAE's 8 = 1024 px
 
@@ -177,22 +178,7 @@ SIZES: dict[str, FluxArgs] = {
 }
 
 
-# ---------------------------------------------------------------------------------- packing and RoPE
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, N, 4C]: 2x2 patches row-major, channels (c, dy, dx) (FluxPipeline._pack_latents)."""
-    B, C, H, W = latents.shape
-    x = latents.view(B, C, H // PACK, PACK, W // PACK, PACK)  # [B, C, h, 2, w, 2]
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // PACK) * (W // PACK), C * PACK * PACK)  # [B, N, 4C]
-
-
-def unpack(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """[B, N, 4C] -> [B, C, H, W], the inverse of `pack` (FluxPipeline._unpack_latents)."""
-    B, _, packed = x.shape
-    C = packed // (PACK * PACK)
-    x = x.view(B, H // PACK, W // PACK, C, PACK, PACK)  # [B, h, w, C, 2, 2]
-    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
-
+# ---------------------------------------------------------------------------------------------- RoPE
 
 def position_ids(text_tokens: int, h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
     """[L + N, 3] ids of the joint sequence, text first: text (0, 0, 0), image (0, row, col) (FluxPipeline's
@@ -214,11 +200,6 @@ def rope_tables(ids: torch.Tensor, axes_dims: tuple[int, ...]) -> tuple[torch.Te
     a = torch.cat(angles, dim=-1)  # [S, Dh/2]
     a = torch.cat([a, a], dim=-1)  # [S, Dh]
     return a.cos().float(), a.sin().float()
-
-
-def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., Dh] -> [..., Dh] with the even channels first, then the odd: interleaved pairs become halves."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [..., Dh/2, 2] -> [..., 2, Dh/2] -> [..., Dh]
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -243,25 +224,15 @@ class FluxAttention(nn.Module):
             self.norm_added_q = RMSNorm(args.head_dim, args.kernels)
             self.norm_added_k = RMSNorm(args.head_dim, args.kernels)
 
-    def _qkv(self, y: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear, norm_q: RMSNorm, norm_k: RMSNorm):
-        """One stream [B, T, D] -> q, k, v [B, T, Hn, Dh]: q and k RMS-normed, then permuted to the half layout."""
-        B, T, _ = y.shape
-        q, k, v = (t.view(B, T, self.num_heads, self.head_dim) for t in shared_input_linears(y, q, k, v))
-        return interleaved_to_half(norm_q(q)), interleaved_to_half(norm_k(k)), v
-
     def forward(self, x: torch.Tensor, ctx: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """Joint: x [B, N, D], ctx [B, L, D] -> (x_out [B, N, D], ctx_out [B, L, D]). Single: x [B, S, D] (the joint
         sequence), ctx None -> heads [B, S, D]. cos/sin [S, Dh] (rope_tables)."""
-        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)  # [B, T, Hn, Dh]
+        q, k, v = rope_heads(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, self.head_dim)  # [B,T,Hn,Dh]
         if self.joint:
-            cq, ck, cv = self._qkv(ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
-                                   self.norm_added_k)
+            cq, ck, cv = rope_heads(ctx, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
+                                    self.norm_added_k, self.head_dim)
             q, k, v = torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)  # [B, S, Hn, Dh]
-        B, S = q.shape[:2]
-        q, k = rope(q, k, cos.expand(B, S, -1), sin.expand(B, S, -1), impl=self.impl)
-        with sdpa_backend(self.attention):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B,Hn,S,Dh]
-        o = o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)  # [B, S, D]
+        o = rope_attention(q, k, v, cos, sin, self.impl, self.attention)  # [B, S, D]
         if not self.joint:
             return o
         L = ctx.shape[1]

@@ -1,6 +1,9 @@
-"""The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1): constants diffusers
-hard-codes, the SDPA backend choice, the timestep sinusoid and its MLP, QK RMSNorm, the AdaLN modulation linear, the
-GELU feed-forward, and the linear-FLOP walk each model's FLOP count is built from. Names and keys are diffusers'.
+"""The layers the MMDiT families share (imagegen/model.py's SD3 MMDiT, imagegen/flux.py's FLUX.1,
+imagegen/qwen_image.py's Qwen-Image): constants diffusers hard-codes, the SDPA backend choice, the timestep sinusoid
+and its MLP, QK RMSNorm, the AdaLN modulation linear, the GELU feed-forward, what FLUX.1 and Qwen-Image share (the
+2x2 latent packing; q/k/v heads RMS-normed and permuted from RoPE's interleaved pairs to the kernel's halves, then
+RoPE and SDPA over the joint sequence: imagegen/flux.py says why), and the linear-FLOP walk each model's FLOP count
+is built from. Names and keys are diffusers'.
 
 Shape legend: B batch, T tokens, D model dim, Dh head dim.
 """
@@ -15,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from atelier_studio.kernels.rmsnorm import rmsnorm
+from atelier_studio.kernels.rope import rope
+from atelier_studio.pipeline.shared_input import shared_input_linears
 
 # diffusers' SD3 layers hard-code these: LayerNorm/RMSNorm eps and the sinusoidal timestep width.
 NORM_EPS = 1e-6
@@ -23,6 +28,8 @@ KERNEL_IMPLS = ("auto", "triton", "ref")
 # SDPA backends for the joint attention (MMDiTArgs.attention): "auto" leaves the choice to PyTorch; the others
 # pin one, so the fastest exact backend measured on a card (bench/imagegen.py's sdpa_* rows) can be chosen.
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+# FLUX.1 and Qwen-Image pack latents into 2x2 patches (FluxPipeline / QwenImagePipeline._pack_latents).
+PACK = 2  # diffusers' FLUX config says patch_size 1 on packed tokens, Qwen-Image's says 2
 
 
 def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
@@ -91,6 +98,49 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, N, 4C]: 2x2 patches row-major, channels (c, dy, dx) (FluxPipeline's and QwenImagePipeline's
+    _pack_latents)."""
+    B, C, H, W = latents.shape
+    x = latents.view(B, C, H // PACK, PACK, W // PACK, PACK)  # [B, C, h, 2, w, 2]
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // PACK) * (W // PACK), C * PACK * PACK)  # [B, N, 4C]
+
+
+def unpack(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """[B, N, 4C] -> [B, C, H, W], the inverse of `pack` (their _unpack_latents, one frame)."""
+    B, _, packed = x.shape
+    C = packed // (PACK * PACK)
+    x = x.view(B, H // PACK, W // PACK, C, PACK, PACK)  # [B, h, w, C, 2, 2]
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+
+
+def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., Dh] -> [..., Dh] with the even channels first, then the odd: interleaved pairs become halves."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # [..., Dh/2, 2] -> [..., 2, Dh/2] -> [..., Dh]
+
+
+def rope_heads(y: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear, norm_q: RMSNorm, norm_k: RMSNorm,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stream [B, T, D] through its q/k/v linears (one read of y) -> q, k, v [B, T, Hn, Dh]: q and k RMS-normed
+    over the head dim, then permuted from RoPE's interleaved pairs to the kernel's halves (FLUX.1, Qwen-Image)."""
+    B, T, _ = y.shape
+    q, k, v = (t.view(B, T, -1, head_dim) for t in shared_input_linears(y, q, k, v))
+    return interleaved_to_half(norm_q(q)), interleaved_to_half(norm_k(k)), v
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   impl: str, backend: str, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k, v [B, S, Hn, Dh] (half layout), cos/sin [S, Dh] -> RoPE (kernels/rope.py), then SDPA over the joint
+    sequence (key_mask [B, S] bool, True = attend, or None) -> [B, S, Hn * Dh]."""
+    B, S, Hn, Dh = q.shape
+    q, k = rope(q, k, cos.expand(B, S, -1), sin.expand(B, S, -1), impl=impl)
+    attn_mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]: keys only
+    with sdpa_backend(backend):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=attn_mask)  # [B, Hn, S, Dh]
+    return o.transpose(1, 2).reshape(B, S, Hn * Dh)
 
 
 def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = False) -> int:

@@ -9,7 +9,7 @@ line below, or `register(FAMILY)` at run time. An unknown class name or size lis
 """
 from __future__ import annotations
 
-from atelier_studio.imagegen import flux, model
+from atelier_studio.imagegen import flux, model, qwen_image
 from atelier_studio.imagegen.family import Family
 from atelier_studio.pipeline.registry import FamilyRegistry
 
@@ -17,6 +17,7 @@ REGISTRY: FamilyRegistry[Family] = FamilyRegistry("imagegen", "_class_name", lam
 
 REGISTRY.register(model.FAMILY)  # MMDiT (SD3, SD3.5 MMDiT-X): SD3Transformer2DModel
 REGISTRY.register(flux.FAMILY)  # FLUX.1 (dev, schnell): FluxTransformer2DModel
+REGISTRY.register(qwen_image.FAMILY)  # Qwen-Image: QwenImageTransformer2DModel
 
 register = REGISTRY.register
 unregister = REGISTRY.unregister

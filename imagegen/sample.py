@@ -103,7 +103,8 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
                                   neg_pooled.to(device).float().expand(b, -1), num_steps=steps,
                                   guidance_scale=family.sampling_cfg(guidance), shift=flow.shift,
                                   image_seq_len=image_seq_len, args=flow, grid=family.sigma_grid,
-                                  model_kwargs=family.guidance_kwargs(model.args, guidance, b, device))
+                                  model_kwargs=family.guidance_kwargs(model.args, guidance, b, device),
+                                  cfg_rescale=family.cfg_rescale)
             yield x0.float()
     finally:
         model.train(was_training)
@@ -208,6 +209,10 @@ def text_encoder_from_meta(text: dict, device: torch.device, pipeline_dir: Path 
     from atelier_studio.imagegen.text import TextEncoder
 
     dtype = getattr(torch, text.get("dtype", "float32"))
+    if text["kind"] == "qwen-image":
+        from atelier_studio.imagegen.qwen_image_text import QwenImageTextEncoder
+
+        return QwenImageTextEncoder(pipeline_dir or text["encoder"], text["max_sequence_length"], device, dtype)
     if text["kind"] == "flux":
         from atelier_studio.imagegen.flux_text import FluxTextEncoders
 
@@ -227,6 +232,8 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
     from atelier_studio.imagegen.autoencoder import SD3VAE
     from atelier_studio.imagegen.flux_text import PIPELINE as FLUX_PIPELINE
     from atelier_studio.imagegen.flux_text import FluxTextEncoders
+    from atelier_studio.imagegen.qwen_image_text import PIPELINE as QWEN_IMAGE_PIPELINE
+    from atelier_studio.imagegen.qwen_image_text import QwenImageTextEncoder
     from atelier_studio.imagegen.sd3_dir import (
         check_pipeline_files,
         default_resolution,
@@ -245,6 +252,8 @@ def _pipeline_settings(pipeline_dir: Path, meta: dict | None, device: torch.devi
         text = text_encoder_from_meta(meta["text"], device, pipeline_dir)
     elif index["_class_name"] == FLUX_PIPELINE:  # a released FLUX pipeline: FluxPipeline's default 512 T5 tokens
         text = FluxTextEncoders(pipeline_dir, device=device)
+    elif index["_class_name"] == QWEN_IMAGE_PIPELINE:  # a released Qwen-Image pipeline: its default 1024 tokens
+        text = QwenImageTextEncoder(pipeline_dir, device=device)
     else:  # a released pipeline: StableDiffusion3Pipeline's defaults (T5 when the pipeline has it)
         text = SD3TextEncoders(pipeline_dir, use_t5=has_part(index, "text_encoder_3"), device=device)
     autoencoder = SD3VAE.from_dir(pipeline_dir)

@@ -13,7 +13,9 @@ The layout `StableDiffusion3Pipeline.save_pretrained` writes (and the stabilitya
 
 A `FluxPipeline` directory has the same layout with two text encoders: text_encoder/ CLIP-L (CLIPTextModel, its
 pooled output), tokenizer/ CLIPTokenizer, text_encoder_2/ T5EncoderModel (T5-XXL), tokenizer_2/ its T5 tokenizer, and
-a FluxTransformer2DModel in transformer/ (imagegen/flux_text.py encodes its prompts). `PIPELINES` lists each
+a FluxTransformer2DModel in transformer/ (imagegen/flux_text.py encodes its prompts). A `QwenImagePipeline` directory
+has one text encoder: text_encoder/ Qwen2_5_VLForConditionalGeneration, tokenizer/ its Qwen2 tokenizer
+(imagegen/qwen_image_text.py), a QwenImageTransformer2DModel and an AutoencoderKLQwenImage. `PIPELINES` lists each
 pipeline class's required parts and tokenizer kinds; model_index.json's `_class_name` picks the row.
 
 A part saved as None (the pipeline loaded with `text_encoder_3=None`, SD3's T5-less mode) is `[null, null]` in
@@ -52,6 +54,8 @@ PIPELINES = {
     "StableDiffusion3Pipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "clip",
                                                               "tokenizer_3": "t5"}),
     "FluxPipeline": PipelineKind(REQUIRED_PARTS, {"tokenizer": "clip", "tokenizer_2": "t5"}),
+    "QwenImagePipeline": PipelineKind(("transformer", "vae", "scheduler", "text_encoder", "tokenizer"),
+                                      {"tokenizer": "qwen"}),
 }
 
 # FlowMatchEulerDiscreteScheduler options and the value the Euler sampler of imagegen/flow.py implements. A
@@ -159,9 +163,11 @@ def transformer_config(path: str | os.PathLike) -> dict:
 
 def default_resolution(path: str | os.PathLike) -> int:
     """The pipeline's default image side, as StableDiffusion3Pipeline computes it: transformer sample_size x the
-    VAE's downsampling 2^(len(block_out_channels) - 1)."""
+    VAE's downsampling 2^(len(block_out_channels) - 1); QwenImagePipeline's: 128 x 2^len(temperal_downsample)."""
     vae_cfg_path = part_dir(path, "vae") / "config.json"
     vae_cfg = read_json(vae_cfg_path, ModelLoadError) if vae_cfg_path.is_file() else None
+    if isinstance(vae_cfg, dict) and isinstance(vae_cfg.get("temperal_downsample"), list):  # AutoencoderKLQwenImage
+        return 128 * 2 ** len(vae_cfg["temperal_downsample"])  # QwenImagePipeline: default_sample_size x its factor
     if not isinstance(vae_cfg, dict) or not isinstance(vae_cfg.get("block_out_channels"), list):
         raise ModelLoadError(f"{vae_cfg_path}: missing, or without a block_out_channels list")
     return int(transformer_config(path).get("sample_size", 128)) * 2 ** (len(vae_cfg["block_out_channels"]) - 1)

@@ -195,8 +195,13 @@ class SD3TextEncoders(CaptionTokens, nn.Module):
 def load_text_encoder(cfg, device: str | torch.device = "cpu", model_path: str = ""):
     """The text encoder of an `imagegen.config.TextConfig`, any kind: for "sd3" the three encoders of the SD3
     pipeline at text.encoder ("" = `model_path`, the run's model.path), for "flux" the two of a FLUX pipeline
-    (imagegen/flux_text.py), else a TextEncoder (imagegen/text.py)."""
+    (imagegen/flux_text.py), for "qwen-image" the Qwen2.5-VL of a Qwen-Image pipeline (imagegen/qwen_image_text.py),
+    else a TextEncoder (imagegen/text.py)."""
     path = text_encoder_dir(cfg, model_path)
+    if cfg.kind == "qwen-image":
+        from atelier_studio.imagegen.qwen_image_text import QwenImageTextEncoder
+
+        return QwenImageTextEncoder(path, cfg.max_sequence_length, device, getattr(torch, cfg.dtype))
     if cfg.kind == "flux":
         from atelier_studio.imagegen.flux_text import FluxTextEncoders
 

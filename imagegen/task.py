@@ -306,15 +306,20 @@ class ImagegenTask(Task):
 
     # ------------------------------------------------------------------ setup checks
 
+    def _pooled_input_width(self) -> int:
+        """The width of the model's third input: its pooled_projection_dim, or the text length L where the family
+        takes the text mask there (Family.text_mask_input)."""
+        return family_of_args(self.model.args).pooled_width(self.model.args, self.text.num_tokens)
+
     def _check_dims(self) -> None:
         a, d, p = self.model.args, self.text.states_width, self.text.pooled_width
-        if a.joint_attention_dim != d or a.pooled_projection_dim != p:
+        if a.joint_attention_dim != d or self._pooled_input_width() != p:
             what = (f"hidden size {d}" if d == p else
                     f"states {d} wide and a pooled vector of {p} ({self.cfg.text.kind} encoders)")
             raise ConfigError(
                 f"text.encoder {self.text.path} gives {what}, but the MMDiT at model.path {self.cfg.model.path} "
                 f"has joint_attention_dim {a.joint_attention_dim} and pooled_projection_dim "
-                f"{a.pooled_projection_dim}; they must be {d} and {p} (re-init with "
+                f"{self._pooled_input_width()}; they must be {d} and {p} (re-init with "
                 f"joint_attention_dim={d}, pooled_projection_dim={p})")
         if a.in_channels != self.autoencoder.latent_channels:
             raise ConfigError(f"autoencoder.spec {self.cfg.autoencoder.spec!r} gives {self.autoencoder.latent_channels}"
@@ -365,9 +370,10 @@ class ImagegenTask(Task):
         a = self.model.args
         checks = [("latent channels", shapes["latent"][0], a.in_channels, "MMDiT in_channels"),
                   ("text_states width", shapes["text_states"][1], a.joint_attention_dim, "joint_attention_dim"),
-                  ("pooled width", shapes["pooled"][0], a.pooled_projection_dim, "pooled_projection_dim"),
+                  ("pooled width", shapes["pooled"][0], self._pooled_input_width(), "pooled_projection_dim"),
                   ("text tokens", shapes["text_states"][0], self.text.num_tokens,
-                   {"sd3": "text.max_sequence_length + 77", "flux": "text.max_sequence_length"}.get(
+                   {"sd3": "text.max_sequence_length + 77", "flux": "text.max_sequence_length",
+                    "qwen-image": "text.max_sequence_length"}.get(
                        self.cfg.text.kind, "text.max_length"))]
         for what, got, want, of in checks:
             if got != want:

@@ -34,9 +34,10 @@ from atelier_studio.pipeline.errors import AtelierError
 from atelier_studio.pipeline.hf_files import check_vocab_size, check_weights_dir
 
 KINDS = ("causal-lm", "encoder")
-# the kinds that are a diffusers pipeline's own encoders (imagegen/sd3_text.py, imagegen/flux_text.py): text.encoder
+# the kinds that are a diffusers pipeline's own encoders (imagegen/sd3_text.py, imagegen/flux_text.py,
+# imagegen/qwen_image_text.py): text.encoder
 # defaults to the pipeline at model.path, and a run with the pipeline's VAE exports a pipeline directory
-PIPELINE_TEXT_KINDS = ("sd3", "flux")
+PIPELINE_TEXT_KINDS = ("sd3", "flux", "qwen-image")
 POOLINGS = ("mean", "last", "cls")
 
 
@@ -241,8 +242,8 @@ class EncodedPrompts:
 
 
 def text_encoder_dir(cfg, model_path: str = "") -> str:
-    """The directory `TextConfig` points at: text.encoder, or for a pipeline kind ("sd3", "flux") with no encoder the
-    pipeline at model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
+    """The directory `TextConfig` points at: text.encoder, or for a pipeline kind (PIPELINE_TEXT_KINDS) with no
+    encoder the pipeline at model.path; "" = the default MiniLM (kinds "encoder" and "causal-lm")."""
     if cfg.kind in PIPELINE_TEXT_KINDS and not cfg.encoder:
         if not model_path:
             raise TextEncoderError(f"text.kind = {cfg.kind!r} needs text.encoder or model.path to be a pipeline "

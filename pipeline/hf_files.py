@@ -28,7 +28,8 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 # What a tokenizer folder must hold, by kind: any one of the alternatives (each a set of files), as
 # transformers' CLIPTokenizer and T5 tokenizers read them.
 TOKENIZER_FILES = {"clip": (("tokenizer.json",), ("vocab.json", "merges.txt")),
-                   "t5": (("tokenizer.json",), ("spiece.model",))}
+                   "t5": (("tokenizer.json",), ("spiece.model",)),
+                   "qwen": (("tokenizer.json",), ("vocab.json", "merges.txt"))}
 # A tokenizer of fewer tokens than this fraction of its encoder's vocabulary lost its vocabulary file: released
 # pairs differ by padding rows only (T5: 32100 tokens, 32128 embedding rows).
 MIN_VOCAB_FRACTION = 0.9
@@ -103,7 +104,8 @@ def check_weights_dir(folder: str | Path, what: str = "") -> list[Path]:
 
 
 def check_tokenizer_dir(folder: str | Path, kind: str) -> Path:
-    """A tokenizer folder of `kind` ("clip" or "t5") that holds its vocabulary files; ModelLoadError naming it."""
+    """A tokenizer folder of `kind` ("clip", "t5" or "qwen") that holds its vocabulary files; ModelLoadError naming
+    it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: tokenizer folder not found")

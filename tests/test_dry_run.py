@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1]
 SIZES = {"designer/demo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b", "designer/qwen3-8b-qlora.toml": "8b",
          "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b", "imagegen/demo.toml": "demo",
          "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium",
-         "imagegen/flux-dev-lora.toml": "flux-dev"}
+         "imagegen/flux-dev-lora.toml": "flux-dev", "imagegen/qwen-image-lora.toml": "qwen-image"}
 
 
 def config_only(trainer: str, size: str, out: Path) -> Path:
@@ -46,6 +46,16 @@ def test_dry_run_reports_every_shipped_config(name, tmp_path, capsys):
     assert not out.exists()  # nothing written, nothing trained
 
 
+def imagegen_plan(capsys, config: str, model: Path, *sets: str) -> tuple[int, float]:
+    """`imagegen train --dry-run` of `config` on `model` with `--set`s: (parameters, peak GiB) of its report."""
+    assert main(["imagegen", "train", "--config", config, "--dry-run", "--set", f"model.path={model}",
+                 *(a for s in sets for a in ("--set", s))]) == 0
+    report = capsys.readouterr().out
+    total = int(next(l for l in report.splitlines() if l.startswith("parameters: ")).split()[1].replace(",", ""))
+    peak = next(l for l in report.splitlines() if l.startswith("peak GPU memory"))
+    return total, float(peak.split(": ")[1].split()[0])
+
+
 def test_flux_dev_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
     """FLUX.1-dev (11.9B: its 19 double- and 38 single-stream blocks) with the shipped LoRA config: the bf16 base, the
     rank-16 adapters on every attention projection and activation checkpointing fit one 80 GB card; without the
@@ -54,15 +64,25 @@ def test_flux_dev_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
     config = str(ROOT / "configs" / "imagegen" / "flux-dev-lora.toml")
 
     def plan(*sets: str) -> tuple[int, float]:
-        assert main(["imagegen", "train", "--config", config, "--dry-run", "--set", f"model.path={model}",
-                     *(a for s in sets for a in ("--set", s))]) == 0
-        report = capsys.readouterr().out
-        total = int(next(l for l in report.splitlines() if l.startswith("parameters: ")).split()[1].replace(",", ""))
-        peak = next(l for l in report.splitlines() if l.startswith("peak GPU memory"))
-        return total, float(peak.split(": ")[1].split()[0])
+        return imagegen_plan(capsys, config, model, *sets)
 
     total, peak = plan()
     assert total == 11_901_408_320 + 26_148_864 and peak < 80  # FluxTransformer2DModel's count + the adapters
+    assert plan("train.distributed.activation_checkpointing=none")[1] > 80
+
+
+def test_qwen_image_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
+    """Qwen-Image (20.4B: 60 double-stream blocks) with the shipped LoRA config: the bf16 base (38 GiB), the rank-16
+    adapters on every attention projection of both streams and activation checkpointing plan ~42 GiB, one 80 GB card
+    with no FP8 or NF4 base needed; without the checkpointing the plan does not fit."""
+    model = config_only("imagegen", "qwen-image", tmp_path / "model")
+    config = str(ROOT / "configs" / "imagegen" / "qwen-image-lora.toml")
+
+    def plan(*sets: str) -> tuple[int, float]:
+        return imagegen_plan(capsys, config, model, *sets)
+
+    total, peak = plan()
+    assert total == 20_430_401_088 + 47_185_920 and peak < 80  # QwenImageTransformer2DModel's count + the adapters
     assert plan("train.distributed.activation_checkpointing=none")[1] > 80
 
 

@@ -195,6 +195,21 @@ def test_a_spent_budget_skips_the_rest_and_every_run_is_reported():
     assert "time budget" in markdown(r)
 
 
+def test_tiny_qwen_image_lora_run_asks_the_registry(tmp_path):
+    """Qwen-Image's bench config at tiny size: Atelier's and diffusers' QwenImageTransformer2DModel + PEFT (called as
+    QwenImagePipeline calls it, the text mask in the pooled vector's place) on the same weights, adapters and
+    batches."""
+    assert main(["--config", "qwen-image-1024", "--tiny", "--lora", "4", "--out", str(tmp_path), "--peers",
+                 "diffusers", "--steps", "2", "--warmup", "1", "--loader-workers", "0", "--kernels", KERNELS]) == 0
+    (path,) = tmp_path.glob("imagegen-qwen-image-1024-lora4-*.json")
+    r = json.loads(path.read_text())
+    assert r["config"]["model"]["num_layers"] == 2
+    assert r["lora"]["modules"] == 2 * 8  # every attention projection of both streams, in each of the 2 blocks
+    for run in (r["atelier"], r["peers"]["diffusers"]):
+        assert run["images_per_s"] > 0 and 0 < run["mfu"] < run["mfu_6n"]
+    assert r["loss_mean_abs_diff"] < 1e-5  # fp32: two implementations of the same LoRA training
+
+
 def test_tiny_flux_lora_run_asks_the_registry(tmp_path):
     """FLUX.1-dev's bench config at tiny size: Atelier's FLUX and diffusers' FluxTransformer2DModel + PEFT (called as
     FluxPipeline calls it, with dev's guidance input) on the same weights, adapters and batches."""

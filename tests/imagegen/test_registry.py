@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atelier_studio.flows.cli import main
-from atelier_studio.imagegen import flux, registry
+from atelier_studio.imagegen import flux, qwen_image, registry
 from atelier_studio.imagegen.family import Family
 from atelier_studio.imagegen.hf import load_pretrained, read_args
 from atelier_studio.imagegen.model import FAMILY, SIZES, MMDiT, MMDiTArgs
@@ -19,7 +19,7 @@ from atelier_studio.pipeline.errors import ModelLoadError, UsageError
 def test_the_mmdit_family_record():
     from diffusers import SD3Transformer2DModel
 
-    assert registry.families() == (FAMILY, flux.FAMILY)
+    assert registry.families() == (FAMILY, flux.FAMILY, qwen_image.FAMILY)
     assert registry.family_of_size("sd3.5-medium") is FAMILY and registry.family_of_size("sd3-medium") is FAMILY
     assert registry.family_of_class_name("SD3Transformer2DModel", "config.json") is FAMILY
     assert FAMILY.diffusers_reference() is SD3Transformer2DModel
@@ -75,7 +75,8 @@ def test_a_registered_family_goes_through_init_and_the_loader(tmp_path, capsys):
         registry.unregister(FORK)
     with pytest.raises(ModelLoadError, match=r"config.json: _class_name 'ForkTransformer2DModel' is not a registered "
                                              r"imagegen family \(registered _class_names — "
-                                             r"MMDiT: SD3Transformer2DModel; FLUX.1: FluxTransformer2DModel\)"):
+                                             r"MMDiT: SD3Transformer2DModel; FLUX.1: FluxTransformer2DModel; "
+                                             r"Qwen-Image: QwenImageTransformer2DModel\)"):
         load_pretrained(tmp_path / "m")
     assert main(["imagegen", "init", "--size", "fork-tiny", "--out", str(tmp_path / "gone")]) == 2
     assert "unknown imagegen size 'fork-tiny'" in capsys.readouterr().err

@@ -69,7 +69,8 @@ def test_an_index_is_checked_shard_by_shard(tmp_path):
 @pytest.mark.parametrize("kind, files, ok", [
     ("clip", ["tokenizer.json"], True), ("clip", ["vocab.json", "merges.txt"], True),
     ("clip", ["vocab.json"], False), ("clip", ["tokenizer_config.json"], False),
-    ("t5", ["spiece.model"], True), ("t5", ["tokenizer.json"], True), ("t5", ["tokenizer_config.json"], False)])
+    ("t5", ["spiece.model"], True), ("t5", ["tokenizer.json"], True), ("t5", ["tokenizer_config.json"], False),
+    ("qwen", ["tokenizer.json"], True), ("qwen", ["vocab.json", "merges.txt"], True), ("qwen", ["merges.txt"], False)])
 def test_a_tokenizer_folder_needs_its_vocabulary(tmp_path, kind, files, ok):
     for name in files:
         (tmp_path / name).write_text("{}")
