@@ -31,6 +31,9 @@ from atelier_studio.pipeline.errors import AtelierError, UsageError
 DEFAULT_POOL = "atelier-gpu"
 TRAINERS = {"train-designer": "designer", "train-imagegen": "imagegen"}
 WAITING_HINT_S = 30.0  # a run still scheduled after this long: say which pool needs a worker
+# a final run's log lines still arriving: the worker's log handler sends a batch every 2 s (Prefect's default
+# logging.to_api.batch_interval) and its last when the flow's process ends; this long with none means all are in
+LOG_SETTLE_S = 6.0
 
 
 class FrontDoorError(AtelierError):
@@ -199,7 +202,7 @@ def follow(client, flow_run_id, pool: str | None, timeout: float, poll_s: float)
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
-    start, seen, last_state, hinted = time.monotonic(), 0, None, False
+    start, seen, last_state, hinted, settled = time.monotonic(), 0, None, False, None
     while True:
         fr = client.read_flow_run(flow_run_id)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
@@ -212,7 +215,15 @@ def follow(client, flow_run_id, pool: str | None, timeout: float, poll_s: float)
             print(f"state: {state.name}", flush=True)
             last_state = state.name
         if state is not None and state.is_final():
-            if logs:  # a last page may still be arriving
+            # the worker ships its log lines in batches and the last ones when its process ends, after the state
+            # is final: wait for them until none has come for LOG_SETTLE_S (on a busy machine seconds late)
+            if logs:
+                settled = time.monotonic()
+                continue
+            if settled is None:
+                settled = time.monotonic()
+            if time.monotonic() - settled < LOG_SETTLE_S:
+                time.sleep(poll_s)
                 continue
             return 0 if state.is_completed() else 1
         waited = time.monotonic() - start

@@ -188,8 +188,13 @@ def test_two_runs_on_one_gpu_slot_never_overlap(worker, designer_world, tmp_path
         assert all(r.state.is_completed() for r in finished), [r.state for r in finished]
         steps = []  # each run's trainer: (first, last) time of its step lines, the span it held the slot in
         for r in runs:
-            logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id])))
-            times = [e.timestamp for e in logs if e.message.startswith("step ")]
+            while True:  # a worker's last log lines reach the API after its run's final state (flows/front_door.py)
+                logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id])), limit=200)
+                times = [e.timestamp for e in logs if e.message.startswith("step ")]
+                if len(times) >= 4:  # max_steps=4, log_every=1: a line a step
+                    break
+                assert time.monotonic() < deadline, f"{len(times)} step lines of 4 in the run's logs"
+                time.sleep(1)
             steps.append((min(times), max(times)))
         c.update_deployment(dep.id, DeploymentUpdate(concurrency_limit=1))
     assert min(first for first, _ in steps) > released, f"a trainer ran while the slot was taken: {steps}, {released}"
