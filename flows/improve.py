@@ -29,7 +29,6 @@ scores, per-brief table and grid to those same tracker runs, one step after the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -294,21 +293,33 @@ def improve_designer(designer: str, imagegen: str, briefs: str, eval_briefs: str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.improve", description="run improve-designer")
+    from atelier_studio.flows.cli import SEED, Bounds, OneLineParser, check_numbers, number
+    from atelier_studio.pipeline.errors import AtelierError, one_line
+
+    p = OneLineParser(prog="python -m atelier_studio.flows.improve", description="run improve-designer")
     p.add_argument("--designer", required=True, help="the SFT designer: a model, adapter or run directory")
     p.add_argument("--imagegen", required=True, help="what `atelier imagegen sample --model` takes, or a run directory")
     p.add_argument("--briefs", required=True, help="the briefs to sample on (.txt or .jsonl)")
     p.add_argument("--eval-briefs", required=True, help="held-out briefs for the before/after evaluation")
     p.add_argument("--out", default="runs/improve")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--margin", type=float, default=0.0)
+    number(p, "--rounds", type=int, bounds=Bounds(1, 1000, meaning="improvement rounds"), default=1)
+    number(p, "--k", type=int, bounds=Bounds(2, 1024, meaning="captions sampled per brief"), default=4)
+    number(p, "--temperature", type=float, bounds=Bounds(0, 100, low_open=True, meaning="sampling temperature"),
+           default=1.0)
+    number(p, "--seed", type=int, bounds=SEED, default=0)
+    number(p, "--margin", type=float, bounds=Bounds(0, 1e6, meaning="the score gap a pair's best must exceed"),
+           default=0.0)
     p.add_argument("--dpo-config", default="designer/demo")
-    p.add_argument("--dpo-steps", type=int, default=100)
+    number(p, "--dpo-steps", type=int, bounds=Bounds(1, 10**9, meaning="DPO steps per round"), default=100)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DPO run config override")
     args = p.parse_args(argv)
+    try:  # bad values and missing files are one line each, before a server is needed or anything runs
+        check_numbers(p, args)
+        check_params(args.designer, args.imagegen, args.briefs, args.eval_briefs, args.k, args.margin, args.rounds,
+                     args.temperature)
+    except AtelierError as e:
+        sys.stderr.write(f"atelier: error: {one_line(str(e))}\n")
+        return 2
     from atelier_studio.flows.local_server import require_server
 
     require_server("python -m atelier_studio.flows.improve")
@@ -317,7 +328,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                               dpo_overrides=args.set)
     print(Path(result["summary"]).read_text())
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ random renders still differ)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -162,3 +163,21 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     assert {k: v for k, v in again["rounds"][0]["costs"].items() if k not in timed} == \
         {k: v for k, v in r1["costs"].items() if k not in timed} and (rdir / "round.json").is_file()
     assert len((dpo / "metrics.jsonl").read_text().splitlines()) == len(metrics)  # no step trained twice
+
+
+@pytest.mark.parametrize("arg, value", [("--k", "1"), ("--k", "-3"), ("--k", "1" + "0" * 30), ("--k", "abc"),
+                                        ("--rounds", "0"), ("--rounds", "99999999999"), ("--temperature", "0"),
+                                        ("--temperature", "1e400"), ("--margin", "-1"), ("--dpo-steps", "0"),
+                                        ("--seed", "-1")])
+def test_the_module_command_refuses_bad_numbers_in_one_line(tmp_path, capsys, arg, value):
+    from atelier_studio.flows.improve import main as improve_main
+
+    briefs = tmp_path / "b.txt"
+    briefs.write_text("a red circle\n")
+    with pytest.raises(SystemExit) if value.isalpha() else contextlib.nullcontext() as stopped:
+        code = improve_main(["--designer", "d", "--imagegen", "i", "--briefs", str(briefs), "--eval-briefs",
+                             str(briefs), arg, value])
+    code = stopped.value.code if value.isalpha() else code
+    err = capsys.readouterr()
+    assert code == 2 and err.out == "" and err.err.count("\n") == 1, err
+    assert err.err.startswith("atelier: error:") and arg in err.err and "Traceback" not in err.err
