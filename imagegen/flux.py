@@ -55,6 +55,7 @@ from atelier_studio.imagegen.layers import (
     Modulation,
     RMSNorm,
     linear_flops,
+    merged_diffusers_config,
     pack,
     rope_attention,
     rope_heads,
@@ -131,13 +132,7 @@ class FluxArgs:
     def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto",
                               attention: str = "auto") -> FluxArgs:
         """Build from a diffusers ``FluxTransformer2DModel`` config dict; ``source`` names it in errors."""
-        name = config.get("_class_name", "FluxTransformer2DModel")
-        if name != "FluxTransformer2DModel":
-            raise ValueError(f"{source}: _class_name is {name!r}, expected 'FluxTransformer2DModel'")
-        unknown = sorted(k for k in config if not k.startswith("_") and k not in cls._DIFFUSERS_DEFAULTS)
-        if unknown:
-            raise ValueError(f"{source}: unknown FluxTransformer2DModel field(s) {unknown}")
-        merged = {**cls._DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+        merged = merged_diffusers_config(config, "FluxTransformer2DModel", cls._DIFFUSERS_DEFAULTS, source)
         if merged.pop("patch_size") != 1:
             raise ValueError(f"{source}: patch_size {config['patch_size']!r}: only 1 (FLUX.1's, on 2x2-packed "
                              f"latents) is supported")

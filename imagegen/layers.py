@@ -150,3 +150,15 @@ def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = Fals
         return 0
     return sum(2 * tokens * m.in_features * m.out_features for m in module.modules()
                if isinstance(m, nn.Linear) and (not weight_grad or m.weight.requires_grad))
+
+
+def merged_diffusers_config(config: dict, class_name: str, defaults: dict, source: str) -> dict:
+    """A diffusers transformer's config.json over its class's __init__ defaults (private `_` keys dropped), after
+    checking it names `class_name` and has no field `defaults` lacks; ``source`` names the config in errors."""
+    name = config.get("_class_name", class_name)
+    if name != class_name:
+        raise ValueError(f"{source}: _class_name is {name!r}, expected {class_name!r}")
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in defaults)
+    if unknown:
+        raise ValueError(f"{source}: unknown {class_name} field(s) {unknown}")
+    return {**defaults, **{k: v for k, v in config.items() if not k.startswith("_")}}

@@ -42,6 +42,7 @@ from atelier_studio.imagegen.layers import (
     Modulation,
     RMSNorm,
     linear_flops,
+    merged_diffusers_config,
     sdpa_backend,
     timestep_embedding,
 )
@@ -124,13 +125,7 @@ class MMDiTArgs:
     def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto",
                               attention: str = "auto") -> MMDiTArgs:
         """Build from a diffusers ``SD3Transformer2DModel`` config dict; ``source`` names it in errors."""
-        name = config.get("_class_name", "SD3Transformer2DModel")
-        if name != "SD3Transformer2DModel":
-            raise ValueError(f"{source}: _class_name is {name!r}, expected 'SD3Transformer2DModel'")
-        unknown = sorted(k for k in config if not k.startswith("_") and k not in cls._DIFFUSERS_DEFAULTS)
-        if unknown:
-            raise ValueError(f"{source}: unknown SD3Transformer2DModel field(s) {unknown}")
-        merged = {**cls._DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+        merged = merged_diffusers_config(config, "SD3Transformer2DModel", cls._DIFFUSERS_DEFAULTS, source)
         if merged["out_channels"] is None:  # diffusers: None means "same as in_channels"
             merged["out_channels"] = merged["in_channels"]
         kwargs = {cls._RENAME.get(k, k): v for k, v in merged.items()}

@@ -55,6 +55,7 @@ from atelier_studio.imagegen.layers import (
     Modulation,
     RMSNorm,
     linear_flops,
+    merged_diffusers_config,
     pack,
     rope_attention,
     rope_heads,
@@ -130,13 +131,7 @@ class QwenImageArgs:
     def from_diffusers_config(cls, config: dict, source: str = "config", kernels: str = "auto",
                               attention: str = "auto") -> QwenImageArgs:
         """Build from a diffusers ``QwenImageTransformer2DModel`` config dict; ``source`` names it in errors."""
-        name = config.get("_class_name", "QwenImageTransformer2DModel")
-        if name != "QwenImageTransformer2DModel":
-            raise ValueError(f"{source}: _class_name is {name!r}, expected 'QwenImageTransformer2DModel'")
-        unknown = sorted(k for k in config if not k.startswith("_") and k not in cls._DIFFUSERS_DEFAULTS)
-        if unknown:
-            raise ValueError(f"{source}: unknown QwenImageTransformer2DModel field(s) {unknown}")
-        merged = {**cls._DIFFUSERS_DEFAULTS, **{k: v for k, v in config.items() if not k.startswith("_")}}
+        merged = merged_diffusers_config(config, "QwenImageTransformer2DModel", cls._DIFFUSERS_DEFAULTS, source)
         on = [k for k in cls._UNSUPPORTED if merged.pop(k)]
         if on:
             raise ValueError(f"{source}: {on} must be false: only the Qwen-Image text-to-image transformer is "
