@@ -293,7 +293,7 @@ def improve_designer(designer: str, imagegen: str, briefs: str, eval_briefs: str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from atelier_studio.flows.cli import SEED, Bounds, OneLineParser, check_numbers, number
+    from atelier_studio.flows.cli_args import SEED, Bounds, OneLineParser, check_numbers, number
     from atelier_studio.pipeline.errors import AtelierError, one_line
 
     p = OneLineParser(prog="python -m atelier_studio.flows.improve", description="run improve-designer")
