@@ -2,7 +2,7 @@
 a held-out split where the SFT designer is weak, and on the normal eval set (which must not lose).
 
     python -m atelier_studio.bench.improve_shapes --designer runs/d1 --imagegen runs/i1 \
-        --world runs/world --out runs/improve-bench [--per-axis 40 --k 4 --rounds 3]
+        --world runs/world --out runs/improve-bench [--per-axis 80 --k 8 --rounds 3]
 
 Needs the demo's trained designer and imagegen (`make demo`, docs/demo.md) and a running Prefect server
 (`atelier serve`). Steps:
@@ -59,6 +59,17 @@ def normal_eval(designer: str, imagegen: str, briefs: Path, out: Path, steps: in
     return per_axis(out / "scores.json", {})
 
 
+def dpo_settings(run_dir: Path) -> str:
+    """The DPO run's settings that decide the result, from its resolved config.toml."""
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.pipeline.config import load_config
+
+    cfg = load_config(DesignerConfig, run_dir / "config.toml")
+    t = cfg.train
+    return (f"LoRA rank {cfg.lora.rank}, lr {t.lr:g} ({t.schedule}), {t.max_steps} steps of {t.micro_batch} rows, "
+            f"{t.dpo.loss_type} β {t.dpo.beta:g}, sft_weight {t.dpo.sft_weight:g}")
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     cols = ["before", *[f"round {r}" for r in report["rounds_reported"]]]
     lines = ["# improve-designer on the shapes world", "", f"Command: `{report['command']}`", "",
@@ -73,6 +84,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     for r in report["costs"]:
         lines.append(f"| {r['round']} | {r['samples']} | {r['renders']} | {r['sample_s']:.0f} | {r['render_s']:.0f} | "
                      f"{r['judge_s']:.0f} | {r['dpo_s']:.0f} | {r['pairs']} | {r['ties']} |")
+    if report.get("dpo"):
+        lines += ["", f"DPO each round: {report['dpo']}."]
     lines += ["", "Grids (held-out briefs, before on top): " + ", ".join(f"`{g}`" for g in report["grids"] if g)]
     return "\n".join(lines) + "\n"
 
@@ -84,10 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--imagegen", required=True)
     p.add_argument("--world", required=True, help="the shapes world the demo trained on (its briefs_eval.txt)")
     p.add_argument("--out", required=True)
-    p.add_argument("--per-axis", type=int, default=40)
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--per-axis", type=int, default=80)
+    p.add_argument("--k", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dpo-steps", type=int, default=100)
+    p.add_argument("--dpo-config", default="designer/demo-dpo")
+    p.add_argument("--dpo-steps", type=int, default=0, help="0: the DPO config's train.max_steps")
     p.add_argument("--steps", type=int, default=20, help="sampler steps per image")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DPO run config override")
     args = p.parse_args(argv)
@@ -99,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     briefs, heldout, axes = write_split(out / "split", args.per_axis)
     t0 = time.perf_counter()
     result = improve_designer(args.designer, args.imagegen, str(briefs), str(heldout), str(out / "improve"),
-                              rounds=args.rounds, k=args.k, dpo_steps=args.dpo_steps, steps=args.steps,
-                              dpo_overrides=args.set)
+                              rounds=args.rounds, k=args.k, dpo_config=args.dpo_config, dpo_steps=args.dpo_steps,
+                              steps=args.steps, dpo_overrides=args.set)
     flow_s = time.perf_counter() - t0
     rounds = result["rounds"]
     reported = sorted({1, args.rounds})
@@ -128,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "weakest_change": table[weakest][last] - table[weakest]["before"],
               "normal_change": table["normal eval set"][last] - table["normal eval set"]["before"],
               "costs": [{"round": r["round"], **r["costs"]} for r in rounds], "grids": [r["grid"] for r in rounds],
-              "flow_seconds": round(flow_s, 1)}
+              "flow_seconds": round(flow_s, 1), "dpo": dpo_settings(Path(rounds[0]["designer_after"]))}
     atomic_write_text(out / "improve-shapes.json", json.dumps(report, indent=1), what="report")
     atomic_write_text(out / "improve-shapes.md", report_markdown(report), what="report")
     print(report_markdown(report))

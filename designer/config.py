@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -140,14 +141,20 @@ class DpoConfig:
     loss_type, as TRL's DPOTrainer names them: "sigmoid" is DPO (Rafailov et al. 2023), -log σ(β·margin) with
     margin = (log π(chosen) - log π_ref(chosen)) - (log π(rejected) - log π_ref(rejected)), log-probabilities summed
     over each caption's tokens; "ipo" is IPO (Azar et al. 2023), (margin' - 1/(2β))², on the log-ratios averaged
-    over each caption's tokens (the length-normalised form TRL uses)."""
+    over each caption's tokens (the length-normalised form TRL uses).
+
+    sft_weight w adds w × the chosen captions' mean NLL per token to the loss (RPO's anchor; TRL's
+    loss_type = [loss_type, "sft"] with loss_weights = [1, w]): 0 is plain DPO / IPO."""
 
     beta: float = 0.1
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    sft_weight: float = 0.0
 
     def validate(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError(f"beta: must be > 0, got {self.beta}")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ConfigError(f"beta: must be a finite number > 0, got {self.beta}")
+        if not (self.sft_weight >= 0 and math.isfinite(self.sft_weight)):
+            raise ConfigError(f"sft_weight: must be a finite number >= 0 (0 = plain DPO), got {self.sft_weight}")
 
 
 @dataclass(frozen=True)

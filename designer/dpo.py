@@ -10,7 +10,14 @@ With the reference model's log π_ref, the log-ratios ρc = log π(c) − log π
     ipo     (IPO, Azar et al. 2023, eq. 17):      loss_i = (ρc / |c| − ρr / |r| − 1 / (2β))²
 
 IPO on log-ratios averaged over each caption's tokens (|c| tokens) is TRL's DPOTrainer's `loss_type="ipo"` (the
-IPO authors' normalised form); the names are TRL's. The rewards TRL logs are β·ρc and β·ρr; accuracy is the
+IPO authors' normalised form); the names are TRL's. With `sft_weight` w > 0 every pair's loss also gets
+
+    w · (−Σ_i log π(c_i)) / Σ_i |c_i|   (the micro-batch's chosen captions' mean NLL per token)
+
+the anchor RPO adds (Pang et al. 2024): TRL's `loss_type=[<type>, "sft"]`, `loss_weights=[1, w]`. DPO alone only
+asks that the chosen caption gain on the rejected one, and on a small model both may fall while the margin grows
+(a sampled caption's every token, its size and background words too, is pushed); the NLL term keeps the chosen
+captions likely. The rewards TRL logs are β·ρc and β·ρr; accuracy is the
 share of pairs with β·ρc > β·ρr, the margin their difference.
 
 `token_logps` runs the LM head in chunks of tokens, each under activation checkpointing, so the [N, V] logits
@@ -65,8 +72,9 @@ class PairTerms:
 
 def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                     ref_rejected: torch.Tensor, chosen_len: torch.Tensor, rejected_len: torch.Tensor,
-                    beta: float, loss_type: str) -> PairTerms:
-    """The per-pair loss of `loss_type` (module docstring) from summed log-probabilities [P] and caption lengths [P]."""
+                    beta: float, loss_type: str, sft_weight: float = 0.0) -> PairTerms:
+    """The per-pair loss of `loss_type` (+ the NLL anchor at `sft_weight`; module docstring) from summed
+    log-probabilities [P] and caption lengths [P]."""
     rho_c, rho_r = chosen - ref_chosen, rejected - ref_rejected
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * (rho_c - rho_r))
@@ -74,6 +82,8 @@ def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: to
         losses = (rho_c / chosen_len.clamp(min=1) - rho_r / rejected_len.clamp(min=1) - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"preference_loss: unknown loss_type {loss_type!r} (expected one of {', '.join(LOSS_TYPES)})")
+    if sft_weight:
+        losses = losses + sft_weight * (-chosen.sum() / chosen_len.sum().clamp(min=1))
     return PairTerms(losses, beta * rho_c.detach(), beta * rho_r.detach(), chosen.detach(), rejected.detach())
 
 

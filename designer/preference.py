@@ -89,7 +89,8 @@ class PreferenceTask(DesignerTask):
         self.ref_tables: dict[str, torch.Tensor] = {}  # "train" / "eval" -> [pairs, 2] fp32, when precomputed
         self.metrics = PairMetrics()
         self._last_step: tuple[torch.Tensor | None, int] = (None, 0)
-        log(f"dpo: loss_type {self.dpo.loss_type}, beta {self.dpo.beta}, reference: the starting model, "
+        log(f"dpo: loss_type {self.dpo.loss_type}, beta {self.dpo.beta}"
+            f"{f', sft_weight {self.dpo.sft_weight}' if self.dpo.sft_weight else ''}, reference: the starting model, "
             f"{self.reference}")
 
     # ------------------------------------------------------------------ data
@@ -206,7 +207,7 @@ class PreferenceTask(DesignerTask):
         ref_c, ref_r = self._reference_logps(b, split)
         docs = self._doc_logps(b)
         return preference_loss(docs[b.chosen], docs[b.rejected], ref_c, ref_r, b.chosen_len, b.rejected_len,
-                               self.dpo.beta, self.dpo.loss_type)
+                               self.dpo.beta, self.dpo.loss_type, self.dpo.sft_weight)
 
     def batch_weight(self, b: PairBatch) -> int:
         return b.num_pairs

@@ -10,9 +10,11 @@ One round, in <out>/round-<r>/ (flows pass paths, never tensors):
                   rendered and judged (flows/judged_pairs.py: brief-to-image-eval's own steps)
     2. pairs/     best vs worst of each brief beyond `margin` (ties dropped): pairs.jsonl in the `brief_pair`
                   format, scores.jsonl, the images; written whole or not at all
-    3. dpo/       `train-designer` as a subflow with train.objective = "dpo" on pairs.jsonl: LoRA on the round's
-                  designer (a model directory: fresh adapters of `lora_rank`; an adapter: lora.init_adapter, so
-                  the reference is that adapter's model); `dpo_config` and `dpo_params` / `dpo_overrides` set the rest
+    3. dpo/       `train-designer` as a subflow with train.objective = "dpo" on pairs.jsonl, from `dpo_config`
+                  (default designer/demo-dpo: LoRA rank 16, lr 3e-4, 200 steps, the NLL anchor sft_weight 1;
+                  `dpo_steps` / `lora_rank` override it when not 0, `dpo_params` / `dpo_overrides` set the rest):
+                  LoRA on the round's designer (a model directory: fresh adapters; an adapter: lora.init_adapter,
+                  so the reference is that adapter's model)
     4. eval-after/ `brief-to-image-eval` of the new designer on the held-out `eval_briefs` (greedy); the designer
                   it starts from was evaluated the same way before (round 1: <out>/eval-before/, then the previous
                   round's eval-after/)
@@ -75,10 +77,15 @@ def check_params(designer: str, imagegen: str, briefs: str, eval_briefs: str, k:
 
 def dpo_run_sets(designer: str | Path, pairs: Path, out: Path, steps: int, lora_rank: int,
                   user: Sequence[str]) -> list[str]:
-    """The DPO run's --set items: LoRA defaults, then the user's, then what this round fixes (model, data, output)."""
+    """The DPO run's --set items: the flow's `dpo_steps` / `lora_rank` when not 0 (0: the config's), then the user's,
+    then what this round fixes (model, data, output)."""
     model_dir, adapter_dir = resolve_designer(designer)
-    items = [f"lora.rank={lora_rank}", f"lora.alpha={2.0 * lora_rank}", f"train.max_steps={steps}",
-             f"train.warmup_steps={min(10, steps // 10)}", f"train.save_every={steps}", "train.eval_every=0"]
+    items = ["train.eval_every=0"]
+    if lora_rank:
+        items += [f"lora.rank={lora_rank}", f"lora.alpha={2.0 * lora_rank}"]
+    if steps:
+        items += [f"train.max_steps={steps}", f"train.warmup_steps={min(10, steps // 10)}",
+                  f"train.save_every={steps}"]
     items += list(user)
     items += [f"model.path={model_dir}", f"data.train={pairs}", "data.format=brief_pair", "data.eval=",
               "train.objective=dpo", f"output.dir={out}", "train.resume=auto"]
@@ -252,7 +259,7 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
 @flow(name="improve-designer", on_cancellation=[kill_trainers_hook], on_crashed=[kill_trainers_hook])
 def improve_designer(designer: str, imagegen: str, briefs: str, eval_briefs: str, out_dir: str = "runs/improve",
                      rounds: int = 1, k: int = 4, temperature: float = 1.0, seed: int = 0, margin: float = 0.0,
-                     dpo_config: str = "designer/demo", dpo_steps: int = 100, lora_rank: int = 16,
+                     dpo_config: str = "designer/demo-dpo", dpo_steps: int = 0, lora_rank: int = 0,
                      dpo_params: DesignerParams | None = None, dpo_overrides: list[str] | None = None,
                      max_new_tokens: int = 64, steps: int = 20, guidance: float = 4.0,
                      clip: str = "") -> dict[str, Any]:
@@ -309,8 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     number(p, "--seed", type=int, bounds=SEED, default=0)
     number(p, "--margin", type=float, bounds=Bounds(0, 1e6, meaning="the score gap a pair's best must exceed"),
            default=0.0)
-    p.add_argument("--dpo-config", default="designer/demo")
-    number(p, "--dpo-steps", type=int, bounds=Bounds(1, 10**9, meaning="DPO steps per round"), default=100)
+    p.add_argument("--dpo-config", default="designer/demo-dpo",
+                   help="the DPO run's config (a name from `atelier config list`, or a file)")
+    number(p, "--dpo-steps", type=int, bounds=Bounds(0, 10**9, meaning="DPO steps per round (0: the config's)"),
+           default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DPO run config override")
     args = p.parse_args(argv)
     try:  # bad values and missing files are one line each, before a server is needed or anything runs

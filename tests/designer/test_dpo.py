@@ -40,11 +40,13 @@ def _first_pairs(tmp_path: Path, n: int) -> Path:
     return path
 
 
-def _trl_trainer(policy, ref_model, tokenizer, beta: float, loss_type: str, out: Path):
+def _trl_trainer(policy, ref_model, tokenizer, beta: float, loss_type: str, sft_weight: float, out: Path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(out), beta=beta, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
+    losses = {"loss_type": [loss_type, "sft"], "loss_weights": [1.0, sft_weight]} if sft_weight else \
+        {"loss_type": [loss_type]}
+    args = DPOConfig(output_dir=str(out), beta=beta, **losses, report_to=[], use_cpu=True, bf16=False,
                      per_device_train_batch_size=8, dataset_num_proc=None, logging_steps=1)
     dummy = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}])  # the inputs are given below
     return DPOTrainer(model=policy, ref_model=ref_model, args=args, train_dataset=dummy, processing_class=tokenizer)
@@ -63,19 +65,22 @@ def _trl_inputs(task: PreferenceTask) -> dict:
     return DataCollatorForPreference(pad_token_id=task.tokenizer.pad_token_id or 0)(rows)
 
 
-@pytest.mark.parametrize("mode,loss_type", [("lora", "sigmoid"), ("lora", "ipo"), ("full", "sigmoid"),
-                                            ("lora-init", "sigmoid")])
-def test_loss_and_gradients_equal_trl(world, tmp_path, mode, loss_type):
+@pytest.mark.parametrize("mode,loss_type,sft_weight", [("lora", "sigmoid", 0.0), ("lora", "ipo", 0.0),
+                                                       ("full", "sigmoid", 0.0), ("lora-init", "sigmoid", 0.0),
+                                                       ("lora", "sigmoid", 0.7), ("full", "ipo", 0.7)])
+def test_loss_and_gradients_equal_trl(world, tmp_path, mode, loss_type, sft_weight):
     """The same 4 pairs in one micro-batch: Atelier's packed rows vs TRL's padded batch, fp32, the policy moved off
     the reference first: fresh LoRA adapters (reference: adapters off) with B random; full FT (reference: the pass
     before training) with every weight nudged after it; LoRA from lora.init_adapter (reference: the loaded adapter,
-    TRL's "ref" copy and Atelier's pass before training) with the adapters nudged after it."""
+    TRL's "ref" copy and Atelier's pass before training) with the adapters nudged after it. sft_weight w: TRL's
+    loss_type [type, "sft"] with loss_weights [1, w]."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     beta = 0.3
     data = _first_pairs(tmp_path, 4)
-    settings = (f"lora.rank={0 if mode == 'full' else 4}", f"train.dpo.beta={beta}", f"train.dpo.loss_type={loss_type}")
+    settings = (f"lora.rank={0 if mode == 'full' else 4}", f"train.dpo.beta={beta}", f"train.dpo.loss_type={loss_type}",
+                f"train.dpo.sft_weight={sft_weight}")
     gen = torch.Generator().manual_seed(0)
 
     def randomise_b(model) -> None:
@@ -102,7 +107,7 @@ def test_loss_and_gradients_equal_trl(world, tmp_path, mode, loss_type):
         policy = PeftModel.from_pretrained(hf, tmp_path / "init", is_trainable=True)
     else:
         policy, ref_model = hf, AutoModelForCausalLM.from_pretrained(world / "model", torch_dtype=torch.float32)
-    trainer = _trl_trainer(policy, ref_model, task.tokenizer, beta, loss_type, tmp_path / "trl")
+    trainer = _trl_trainer(policy, ref_model, task.tokenizer, beta, loss_type, sft_weight, tmp_path / "trl")
     if mode == "lora":
         # TRL keeps a loaded adapter's copy as its reference ("ref", Atelier's choice too, for lora.init_adapter); this
         # run's adapters are fresh ones moved off zero to make the test non-trivial, whose reference is the base:

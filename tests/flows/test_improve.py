@@ -54,6 +54,33 @@ def test_bad_parameters_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+def test_the_dpo_run_takes_the_configs_steps_and_rank_unless_the_flow_sets_them(tmp_path):
+    """dpo_steps / lora_rank 0: the DPO config's own (the shipped designer/demo-dpo: its rank, steps, lr and NLL
+    anchor); set: they replace the config's; the user's overrides come after, what the round fixes last."""
+    from atelier_studio.designer.config import DesignerConfig
+    from atelier_studio.flows.improve import dpo_run_sets
+    from atelier_studio.flows.shipped import resolve_config
+    from atelier_studio.pipeline.config import load_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    pairs = tmp_path / "pairs.jsonl"
+    config = resolve_config("designer/demo-dpo")
+
+    def resolved(steps: int, rank: int, user: list[str]) -> DesignerConfig:
+        return load_config(DesignerConfig, config, dpo_run_sets(model, pairs, tmp_path / "dpo", steps, rank, user))
+
+    shipped = resolved(0, 0, [])
+    assert (shipped.lora.rank, shipped.train.max_steps, shipped.train.lr) == (16, 200, 3e-4)
+    assert (shipped.train.objective, shipped.train.dpo.sft_weight) == ("dpo", 1.0)
+    assert (shipped.model.path, shipped.data.train) == (str(model), str(pairs))
+    assert shipped.output.dir == str(tmp_path / "dpo")
+    flow_set = resolved(40, 8, ["train.lr=1e-4", f"output.dir={tmp_path}/mine"])
+    assert (flow_set.lora.rank, flow_set.lora.alpha, flow_set.train.max_steps) == (8, 16.0, 40)
+    assert flow_set.train.lr == 1e-4 and flow_set.output.dir == str(tmp_path / "dpo")  # the round's folder wins
+
+
 # ----------------------------------------------------------------------------- end to end under Prefect
 
 
@@ -167,7 +194,7 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
 
 @pytest.mark.parametrize("arg, value", [("--k", "1"), ("--k", "-3"), ("--k", "1" + "0" * 30), ("--k", "abc"),
                                         ("--rounds", "0"), ("--rounds", "99999999999"), ("--temperature", "0"),
-                                        ("--temperature", "1e400"), ("--margin", "-1"), ("--dpo-steps", "0"),
+                                        ("--temperature", "1e400"), ("--margin", "-1"), ("--dpo-steps", "-1"),
                                         ("--seed", "-1")])
 def test_the_module_command_refuses_bad_numbers_in_one_line(tmp_path, capsys, arg, value):
     from atelier_studio.flows.improve import main as improve_main
