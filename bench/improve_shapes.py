@@ -28,26 +28,39 @@ from typing import Any, Sequence
 from atelier_studio.pipeline.atomic import atomic_write_text
 
 
-def write_split(out: Path, per_axis: int) -> tuple[Path, Path, dict[str, str]]:
-    """briefs.txt (seed 1) and heldout.txt (seed 2); returns their paths and each held-out brief's axis."""
+def write_split(out: Path, per_axis: int, normal: Sequence[str] = ()) -> tuple[Path, Path, dict[str, str]]:
+    """briefs.txt (seed 1, then the `normal` briefs) and heldout.txt (seed 2); returns their paths and each held-out
+    brief's axis."""
     from atelier_studio.data.weak_briefs import weak_briefs
 
     out.mkdir(parents=True, exist_ok=True)
     train, held = weak_briefs(per_axis, seed=1), weak_briefs(per_axis, seed=2)
-    briefs = atomic_write_text(out / "briefs.txt", "".join(r["brief"] + "\n" for r in train), what="briefs")
+    lines = [r["brief"] for r in train] + list(normal)
+    briefs = atomic_write_text(out / "briefs.txt", "".join(b + "\n" for b in lines), what="briefs")
     heldout = atomic_write_text(out / "heldout.txt", "".join(r["brief"] + "\n" for r in held), what="briefs")
     atomic_write_text(out / "heldout_axes.json", json.dumps(held, indent=0), what="axes")
     return briefs, heldout, {r["brief"]: r["axis"] for r in held}
 
 
+def world_train_briefs(world: Path, n: int) -> list[str]:
+    """The first n briefs of the world's image training split (<world>/train.jsonl): briefs in the SFT designer's own
+    frames, never the normal eval set's."""
+    rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line.strip()]
+    return [r["brief"] for r in rows[:n]]
+
+
 def per_axis(scores_json: Path, axes: dict[str, str]) -> dict[str, float]:
-    """Mean judged score per axis and overall ("all"), in points."""
+    """Mean judged score per axis and overall ("all"), in points; "captions": the captions judged against the briefs
+    as text (caption_score), when the scores have it: a drop in "all" that "captions" does not share is the
+    renderer's, not the designer's."""
     rows = json.loads(scores_json.read_text())["per_brief"]
     groups: dict[str, list[float]] = {}
     for r in rows:
         score = float(r["score"] or 0.0)
         groups.setdefault(axes.get(r["brief"], "normal"), []).append(score)
         groups.setdefault("all", []).append(score)
+        if r.get("caption_score") is not None:
+            groups.setdefault("captions", []).append(float(r["caption_score"]))
     return {k: round(100 * statistics.fmean(v), 1) for k, v in groups.items()}
 
 
@@ -99,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--per-axis", type=int, default=80)
     p.add_argument("--k", type=int, default=8)
+    p.add_argument("--normal-briefs", type=int, default=0,
+                   help="also sample on this many of the world's training briefs (the frames the SFT designer knows), "
+                        "so the pairs also teach what renders well there")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dpo-config", default="designer/demo-dpo")
     p.add_argument("--dpo-steps", type=int, default=0, help="0: the DPO config's train.max_steps")
@@ -110,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     require_server("python -m atelier_studio.bench.improve_shapes")
     out = Path(args.out)
-    briefs, heldout, axes = write_split(out / "split", args.per_axis)
+    normal = world_train_briefs(Path(args.world), args.normal_briefs) if args.normal_briefs else []
+    briefs, heldout, axes = write_split(out / "split", args.per_axis, normal)
     t0 = time.perf_counter()
     result = improve_designer(args.designer, args.imagegen, str(briefs), str(heldout), str(out / "improve"),
                               rounds=args.rounds, k=args.k, dpo_config=args.dpo_config, dpo_steps=args.dpo_steps,
@@ -122,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def put(column: str, scores: dict[str, float]) -> None:
         for name, value in scores.items():
-            table.setdefault(name, {})[column] = value
+            table.setdefault(name if name != "captions" else "held-out: caption vs brief", {})[column] = value
 
     put("before", per_axis(out / "improve" / "eval-before" / "scores.json", axes))
     for r in reported:
@@ -134,8 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            out / f"normal-round-{r}", args.steps)
     for column, scores in normal.items():
         table.setdefault("normal eval set", {})[column] = scores["all"]
+        if "captions" in scores:
+            table.setdefault("normal eval set: caption vs brief", {})[column] = scores["captions"]
     last = f"round {reported[-1]}"
-    weakest = min((a for a in table if a not in ("all", "normal eval set")), key=lambda a: table[a]["before"])
+    weakest = min(set(axes.values()), key=lambda a: table[a]["before"])
     report = {"command": "python -m atelier_studio.bench.improve_shapes " + " ".join(sys.argv[1:] if argv is None
                                                                                      else argv),
               "rounds_reported": reported, "table": table, "weakest_axis": weakest,

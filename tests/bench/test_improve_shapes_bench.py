@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from atelier_studio.bench.improve_shapes import per_axis, report_markdown, write_split
+from atelier_studio.bench.improve_shapes import per_axis, report_markdown, world_train_briefs, write_split
 from atelier_studio.data.weak_briefs import AXES
 
 
@@ -26,3 +26,23 @@ def test_split_per_axis_scores_and_report(tmp_path):
     md = report_markdown(report)
     assert "| all | 30.0 | 40.0 | 50.0 |" in md and "+12.5 points (target ≥ +10)" in md
     assert "-0.5 points (target ≥ 0)" in md and "| 1 | 36 | 35 |" in md
+
+
+def test_the_sampling_set_can_add_the_worlds_training_briefs(tmp_path):
+    world = tmp_path / "world"
+    world.mkdir()
+    (world / "train.jsonl").write_text("".join(json.dumps({"brief": f"a circle, calm {i}", "caption": "c"}) + "\n"
+                                               for i in range(5)))
+    normal = world_train_briefs(world, 3)
+    assert normal == ["a circle, calm 0", "a circle, calm 1", "a circle, calm 2"]
+    briefs, heldout, _ = write_split(tmp_path / "split", per_axis=2, normal=normal)
+    lines = briefs.read_text().splitlines()
+    assert len(lines) == 2 * len(AXES) + 3 and lines[-3:] == normal
+    assert not set(normal) & set(heldout.read_text().splitlines())
+
+
+def test_caption_scores_are_reported_beside_the_judged_ones(tmp_path):
+    rows = [{"brief": "a", "score": 2 / 3, "caption_score": 1.0}, {"brief": "b", "score": 1.0, "caption_score": 0.5}]
+    (tmp_path / "scores.json").write_text(json.dumps({"per_brief": rows}))
+    assert per_axis(tmp_path / "scores.json", {"a": "order"}) == {"order": 66.7, "normal": 100.0, "all": 83.3,
+                                                                  "captions": 75.0}
