@@ -64,8 +64,10 @@ test-portable: $(STAMP)
 PREFECT_ENV := DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME=$(CURDIR)/.prefect
 
 # The whole product on the shapes world, through Prefect; leaves the server running (`make stop`). See docs/demo.md.
+# `make demo IMAGEGEN=flux` renders with a FLUX.1-shaped model instead of the SD3-shaped MMDiT.
+IMAGEGEN ?= mmdit
 demo: $(STAMP)
-	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.demo
+	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.demo --imagegen $(IMAGEGEN)
 
 serve: $(STAMP)
 	$(PREFECT_ENV) $(PY) -m atelier_studio.flows.serve start

@@ -1,6 +1,9 @@
 """`make demo`: the whole product on the shapes world, from a fresh clone, on a CPU, through Prefect.
 
-    python -m atelier_studio.flows.demo [--skip-eval]
+    python -m atelier_studio.flows.demo [--skip-eval] [--imagegen mmdit|flux]
+
+`--imagegen flux` renders with a FLUX.1-shaped model instead of the SD3-shaped MMDiT (models/imagegen-flux-demo,
+configs/imagegen/flux-demo.toml, runs/i1-flux, runs/eval-flux); the world, designer and latent cache are shared.
 
 Steps (each skipped when its output exists, so a re-run continues where the last one stopped):
     1. runs/world            the shapes world (`atelier data synth --n 2000 --image-size 32 --n-text 8000`)
@@ -23,6 +26,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -32,10 +36,25 @@ from atelier_studio.flows.serve import start
 WORLD = Path("runs/world")
 TOKENIZER = Path("runs/tokenizer")
 DESIGNER_MODEL = Path("models/designer-tiny")
-IMAGEGEN_MODEL = Path("models/imagegen-demo")
 SHARDS, EVAL_SHARDS = Path("runs/world-shards"), Path("runs/world-shards-eval")
-DESIGNER_CONFIG, IMAGEGEN_CONFIG = "configs/designer/demo.toml", "configs/imagegen/demo.toml"
-EVAL_OUT = Path("runs/eval")
+DESIGNER_CONFIG = "configs/designer/demo.toml"
+
+
+@dataclass(frozen=True)
+class DemoImagegen:
+    """One renderer the demo can train: its init size, model folder, config and evaluation folder."""
+
+    size: str
+    model: Path
+    config: str
+    eval_out: Path
+
+
+IMAGEGENS = {
+    "mmdit": DemoImagegen("demo", Path("models/imagegen-demo"), "configs/imagegen/demo.toml", Path("runs/eval")),
+    "flux": DemoImagegen("flux-demo", Path("models/imagegen-flux-demo"), "configs/imagegen/flux-demo.toml",
+                         Path("runs/eval-flux")),
+}
 LIVE_STATES = ("SCHEDULED", "PENDING", "RUNNING")  # a flow run in one of these still owns its output folder
 
 
@@ -52,7 +71,7 @@ def atelier(*argv: str) -> None:
         raise SystemExit(f"[demo] `atelier {' '.join(argv)}` failed with exit code {code}")
 
 
-def prepare() -> None:
+def prepare(imagegen: DemoImagegen) -> None:
     # designer_train.jsonl: a world written before text-only briefs existed is rewritten (its images stay the same)
     if step("shapes world", (WORLD / "world.json").is_file() and (WORLD / "designer_train.jsonl").is_file()):
         # 2000 images (1800 train, 200 eval); the designer also learns from 8000 text-only briefs (data/synthetic.py)
@@ -63,9 +82,9 @@ def prepare() -> None:
     if step("tiny designer", (DESIGNER_MODEL / "config.json").is_file()):
         atelier("designer", "init", "--size", "tiny", "--tokenizer", str(TOKENIZER), "--out", str(DESIGNER_MODEL),
                 "--dtype", "float32")
-    if step("demo imagegen", (IMAGEGEN_MODEL / "config.json").is_file()):
-        # the "demo" size has MiniLM's text width (384) and the pixel codec's 12 channels
-        atelier("imagegen", "init", "--size", "demo", "--out", str(IMAGEGEN_MODEL), "--dtype", "float32")
+    if step(f"{imagegen.size} imagegen", (imagegen.model / "config.json").is_file()):
+        # the demo sizes have MiniLM's text width (384) and the pixel codec's 12 channels
+        atelier("imagegen", "init", "--size", imagegen.size, "--out", str(imagegen.model), "--dtype", "float32")
     for out, captions in ((SHARDS, "captions.jsonl"), (EVAL_SHARDS, "eval.jsonl")):
         if step(f"image shards {out}", any(out.glob("*.tar"))):
             atelier("data", "shards", "--images", str(WORLD), "--captions", str(WORLD / captions), "--out", str(out),
@@ -137,11 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.demo",
                                 description="the brief-to-image demo on a CPU")
     p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("--imagegen", choices=sorted(IMAGEGENS), default="mmdit",
+                   help="the renderer: the SD3-shaped MMDiT (default) or a FLUX.1-shaped model")
     args = p.parse_args(argv)
     import os
 
+    imagegen = IMAGEGENS[args.imagegen]
     os.chdir(REPO)  # the configs' relative paths (runs/, models/) are relative to the repo root
-    prepare()
+    prepare(imagegen)
     ep = start()
     env = child_env(ep)
     from atelier_studio.designer.config import DesignerConfig
@@ -149,20 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from atelier_studio.pipeline.config import load_config
 
     d_dir = Path(load_config(DesignerConfig, DESIGNER_CONFIG, []).output.dir)
-    i_cfg = load_config(ImagegenConfig, IMAGEGEN_CONFIG, [])
+    i_cfg = load_config(ImagegenConfig, imagegen.config, [])
     i_dir = Path(i_cfg.output.dir)
     if step(f"train-designer -> {d_dir}", finished(d_dir)):
         deployment_run("train-designer/default", {"config": DESIGNER_CONFIG}, env)
     if step(f"train-imagegen -> {i_dir}", finished(i_dir)):
-        deployment_run("train-imagegen/default", {"config": IMAGEGEN_CONFIG}, env)
+        deployment_run("train-imagegen/default", {"config": imagegen.config}, env)
     if not args.skip_eval:
-        if step(f"brief-to-image-eval -> {EVAL_OUT}", (EVAL_OUT / "scores.json").is_file()):
+        eval_out = imagegen.eval_out
+        if step(f"brief-to-image-eval -> {eval_out}", (eval_out / "scores.json").is_file()):
             # the images are sampled as the imagegen config's [sample] says (its grids use the same settings)
             deployment_run("brief-to-image-eval/default",
                            {"designer": str(d_dir), "imagegen": str(i_dir), "briefs": str(WORLD / "briefs_eval.txt"),
-                            "out_dir": str(EVAL_OUT), "steps": i_cfg.sample.steps,
+                            "out_dir": str(eval_out), "steps": i_cfg.sample.steps,
                             "guidance": i_cfg.sample.guidance}, env)
-        scores = json.loads((EVAL_OUT / "scores.json").read_text())
+        scores = json.loads((eval_out / "scores.json").read_text())
         agg = scores["aggregate"]
         print("\n[demo] judged scores (image against brief):")
         for k in ("score", "color_ok", "shape_ok", "position_ok", "caption_score", "image_caption_score"):

@@ -19,7 +19,10 @@ imagegen/registry.py lists the families, and the diffusers I/O, the task, the be
                    sampler_sigmas): "scheduler" (StableDiffusion3Pipeline) or "linspace" (FluxPipeline)
   guidance_input   None: sampling guides by classifier-free guidance (SD3); else a function of the args telling
                    whether the guidance scale is a model input instead (FLUX.1-dev's distilled guidance embedding:
-                   the scale goes into the model in training and sampling and no CFG runs; schnell: no guidance)
+                   the scale goes into the model in training and sampling and no CFG runs)
+  cfg_above_one    True: where the scale is not a model input, classifier-free guidance runs only for a scale above
+                   1 (FluxPipeline's true_cfg_scale with the empty negative prompt: a FLUX model without the guidance
+                   embedding, e.g. schnell at its usual 0 or 1, samples unguided); False: at any scale but 1 (SD3)
   cfg_rescale      None, or what the family's pipeline does to the classifier-free-guided prediction:
                    cfg_rescale(v_guided, v_cond) -> v, both [B,C,H,W] (QwenImagePipeline rescales each token's vector
                    to the conditional prediction's norm)
@@ -69,6 +72,7 @@ class Family:
     linear_rows: Callable[[str, int, int, int], int] | None = None
     sigma_grid: str = "scheduler"
     guidance_input: Callable[[Any], bool] | None = None
+    cfg_above_one: bool = False
     cfg_rescale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     text_mask_input: bool = False
     export_forms: tuple[str, ...] = ("diffusers", "kohya", "merge", "single-file")
@@ -118,10 +122,12 @@ class Family:
         the pooled vector's, args.pooled_projection_dim."""
         return text_tokens if self.text_mask_input else args.pooled_projection_dim
 
-    def sampling_cfg(self, scale: float) -> float:
-        """The classifier-free guidance scale sampling runs at `scale`: itself, or 1 (none) where the scale is a
-        model input (guidance_input)."""
-        return 1.0 if self.guidance_input is not None else scale
+    def sampling_cfg(self, scale: float, args: Any) -> float:
+        """The classifier-free guidance scale sampling runs at `scale` for a model of `args`: 1 (none) where the scale
+        is a model input (guidance_input) or, for a cfg_above_one family, at most 1; else the scale itself."""
+        if self.guidance_input is not None and self.guidance_input(args):
+            return 1.0
+        return 1.0 if self.cfg_above_one and scale <= 1 else scale
 
     def args_of_size(self, size: str, **overrides: Any) -> Any:
         """The args of a named size with field `overrides` (e.g. in_channels=4)."""

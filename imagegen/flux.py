@@ -168,6 +168,13 @@ _FLUX1 = dict(num_layers=19, num_single_layers=38, num_heads=24, head_dim=128, i
               joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
 SIZES: dict[str, FluxArgs] = {
     "flux-tiny": FluxArgs(),
+    # The shapes-world demo at FLUX's shape (configs/imagegen/flux-demo.toml): the demo MMDiT's width (4 heads of 32),
+    # double then single blocks in FLUX.1's 1:2 ratio, the pixel codec's 12 channels, MiniLM's 384-wide text for the
+    # states and the pooled vector; no guidance embedding (a model trained from scratch with caption dropout guides
+    # by CFG, as schnell-shaped FLUX models sample above 1)
+    "flux-demo": FluxArgs(num_layers=2, num_single_layers=4, num_heads=4, head_dim=32, in_channels=12,
+                          out_channels=12, joint_attention_dim=384, pooled_projection_dim=384, guidance_embeds=False,
+                          axes_dims_rope=(8, 12, 12)),
     "flux-dev": FluxArgs(guidance_embeds=True, **_FLUX1),
     "flux-schnell": FluxArgs(guidance_embeds=False, **_FLUX1),
 }
@@ -448,6 +455,7 @@ FAMILY = Family(
     blocks=lambda model: [*model.transformer_blocks, *model.single_transformer_blocks],
     diffusers_class="diffusers:FluxTransformer2DModel", lora_targets=LORA_ATTENTION + LORA_MLP,
     default_lora_targets=LORA_ATTENTION, sigma_grid="linspace", guidance_input=lambda args: args.guidance_embeds,
+    cfg_above_one=True,
     # BFL's original layout (fused qkv, double_blocks.*) and its kohya LoRA names are not written yet
     export_forms=("diffusers", "merge"), diffusers_forward=diffusers_forward,
     # kept out of FP8, as the MMDiT's: what runs once per image (the conditioning MLPs, every AdaLN modulation) and

@@ -1,7 +1,8 @@
 """Render captions with a trained MMDiT: Euler + classifier-free guidance (`imagegen.flow.euler_sample`); for a
 family whose guidance is a model input (FLUX.1-dev's embedding: imagegen/family.py guidance_input) the guidance
 scale goes into the model and no CFG runs, on its pipeline's sigma grid (FluxPipeline's linspace), as its diffusers
-pipeline renders.
+pipeline renders; a FLUX model without the embedding (schnell) runs CFG only above 1 (FluxPipeline's
+true_cfg_scale against the empty prompt).
 
 Shape legend: B captions, C latent channels, h/w latent size, H/W pixels, L text tokens, D text width.
 
@@ -101,7 +102,7 @@ def _sample_chunks(model, text_encoder, captions: Sequence[str], latent_hw: tupl
                 x0 = euler_sample(model, noise_all[i:i + b].to(device), states.to(device).float(),
                                   pooled.to(device).float(), neg_states.to(device).float().expand(b, -1, -1),
                                   neg_pooled.to(device).float().expand(b, -1), num_steps=steps,
-                                  guidance_scale=family.sampling_cfg(guidance), shift=flow.shift,
+                                  guidance_scale=family.sampling_cfg(guidance, model.args), shift=flow.shift,
                                   image_seq_len=image_seq_len, args=flow, grid=family.sigma_grid,
                                   model_kwargs=family.guidance_kwargs(model.args, guidance, b, device),
                                   cfg_rescale=family.cfg_rescale)

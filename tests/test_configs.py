@@ -30,3 +30,20 @@ def test_designer_config_header_names_real_sizes(path):
 
     for size in re.findall(r"designer init --size (\S+)", path.read_text()):
         args_from_size(size, vocab_size=1024)  # raises on an unknown size
+
+
+def test_each_demo_renderer_names_its_own_model_size_and_folders():
+    """`python -m atelier_studio.flows.demo --imagegen NAME`: the config trains the model folder the demo initialises,
+    at a size of the family the config's header names, into an output and an evaluation folder of its own."""
+    from atelier_studio.flows.demo import IMAGEGENS
+    from atelier_studio.imagegen.registry import family_of_size
+
+    outputs = set()
+    for name, demo in IMAGEGENS.items():
+        cfg = load_config(ImagegenConfig, ROOT / demo.config)
+        assert cfg.model.path == str(demo.model), name
+        assert f"--size {demo.size} " in (ROOT / demo.config).read_text(), name
+        args = family_of_size(demo.size).sizes[demo.size]
+        assert (args.in_channels, args.joint_attention_dim, args.pooled_projection_dim) == (12, 384, 384), name
+        outputs |= {cfg.output.dir, str(demo.eval_out)}
+    assert len(outputs) == 2 * len(IMAGEGENS)

@@ -59,11 +59,12 @@ def within(got: torch.Tensor, want: torch.Tensor, roundings: int) -> None:
     assert err <= bound, f"max difference {err:.3e} > {bound:.3e} ({roundings} fp32 roundings at the output's scale)"
 
 
-def pipeline_render(pipe_dir: Path, output_type: str, lora: bool = False):
+def pipeline_render(pipe_dir: Path, output_type: str, lora: bool = False, true_cfg: float = 1.0):
     pipe = load_pipeline(pipe_dir)
     if lora:
         pipe.load_lora_weights(str(pipe_dir))
-    out = pipe(PROMPTS, height=RESOLUTION, width=RESOLUTION, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+    cfg = {"true_cfg_scale": true_cfg, "negative_prompt": ""} if true_cfg != 1.0 else {}
+    out = pipe(PROMPTS, height=RESOLUTION, width=RESOLUTION, num_inference_steps=STEPS, guidance_scale=GUIDANCE, **cfg,
                max_sequence_length=MAX_SEQUENCE_LENGTH, generator=torch.Generator().manual_seed(SEED),
                output_type=output_type).images
     if output_type == "latent":  # FluxPipeline returns the packed latents
@@ -88,18 +89,24 @@ def test_text_encoding_is_encode_prompt(dev):
     within(empty_pooled, want_pooled[0].detach(), 16)
 
 
-@pytest.mark.parametrize("schnell", [False, True], ids=["dev", "schnell"])
-def test_sampling_matches_flux_pipeline(schnell, dev, tmp_path_factory):
-    """The same seed gives FluxPipeline's latents: dev with its embedded guidance and dynamic shift, schnell with
-    neither (and no CFG: the guidance scale is ignored)."""
+@pytest.mark.parametrize("schnell,guidance", [(False, GUIDANCE), (True, 1.0), (True, 0.0), (True, GUIDANCE)],
+                         ids=["dev", "schnell-1", "schnell-0", "schnell-cfg"])
+def test_sampling_matches_flux_pipeline(schnell, guidance, dev, tmp_path_factory):
+    """The same seed gives FluxPipeline's latents: dev with its embedded guidance (no CFG) and dynamic shift; schnell
+    (no guidance embedding) unguided at a scale of at most 1 and, above 1, with true CFG against the empty prompt
+    (FluxPipeline's true_cfg_scale and negative_prompt = "")."""
     pipe_dir = build_pipeline(tmp_path_factory.getbasetemp() / "flux-schnell-pipe", schnell=True) if schnell else dev
     model = load_pretrained(pipe_dir)
     assert type(model) is Flux and model.args.guidance_embeds is not schnell
     text, vae = FluxTextEncoders(pipe_dir, MAX_SEQUENCE_LENGTH), SD3VAE.from_dir(pipe_dir)
     assert (vae.shift_factor, vae.scaling_factor) == (0.1159, 0.3611)
-    got = sample_latents(model, text, vae, PROMPTS, RESOLUTION, STEPS, GUIDANCE, SEED,
+    got = sample_latents(model, text, vae, PROMPTS, RESOLUTION, STEPS, guidance, SEED,
                          FlowArgs(**scheduler_flow(pipe_dir)))
-    within(got, pipeline_render(pipe_dir, "latent"), 128)
+    true_cfg = guidance if schnell and guidance > 1 else 1.0
+    want = pipeline_render(pipe_dir, "latent", true_cfg=true_cfg)
+    within(got, want, 128)
+    if true_cfg > 1:  # the guided render is not the unguided one
+        assert (want - pipeline_render(pipe_dir, "latent")).abs().max() > 1e-3
 
 
 def test_init_flux_tiny_through_the_cli(tmp_path, capsys):

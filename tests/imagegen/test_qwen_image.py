@@ -257,7 +257,7 @@ def test_the_family_is_registered_and_init_writes_each_size(tmp_path, capsys):
     assert registry.family_of_args(model.args) is FAMILY
     assert FAMILY.blocks(model) == list(model.transformer_blocks)
     assert FAMILY.train_flops(model, 2, 16, 7) == model.train_flops(2, 16, 7)
-    assert FAMILY.guidance_kwargs(TINY, 4.0, 2, torch.device("cpu")) == {} and FAMILY.sampling_cfg(4.0) == 4.0
+    assert FAMILY.guidance_kwargs(TINY, 4.0, 2, torch.device("cpu")) == {} and FAMILY.sampling_cfg(4.0, TINY) == 4.0
     assert main(["imagegen", "init", "--size", "qwen-image-tiny", "--out", str(tmp_path / "m"),
                  "--dtype", "float32"]) == 0
     assert "Qwen-Image qwen-image-tiny" in capsys.readouterr().out
