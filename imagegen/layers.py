@@ -152,6 +152,29 @@ def linear_flops(module: nn.Module | None, tokens: int, weight_grad: bool = Fals
                if isinstance(m, nn.Linear) and (not weight_grad or m.weight.requires_grad))
 
 
+def check_rope_args(args: object, positive: tuple[str, ...], axes_meaning: str) -> None:
+    """The checks FluxArgs and QwenImageArgs share, from their __post_init__: the `positive` fields are positive ints,
+    axes_dims_rope is 3 positive even ints summing to head_dim (stored as a tuple; `axes_meaning` names the axes),
+    kernels and attention are known names. Raises ValueError naming the class, the field and its value."""
+    def bad(name: str, why: str) -> ValueError:
+        return ValueError(f"{type(args).__name__}.{name}={getattr(args, name)!r}: {why}")
+
+    for name in positive:
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise bad(name, "must be a positive int")
+    object.__setattr__(args, "axes_dims_rope", tuple(args.axes_dims_rope))
+    axes = args.axes_dims_rope
+    if len(axes) != 3 or any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 or d % 2 for d in axes):
+        raise bad("axes_dims_rope", f"must be 3 positive even ints (the id axes: {axes_meaning})")
+    if sum(axes) != args.head_dim:
+        raise bad("axes_dims_rope", f"must sum to head_dim = {args.head_dim}")
+    if args.kernels not in KERNEL_IMPLS:
+        raise bad("kernels", f"must be one of {KERNEL_IMPLS}")
+    if args.attention not in ATTENTION_BACKENDS:
+        raise bad("attention", f"must be one of {ATTENTION_BACKENDS}")
+
+
 def merged_diffusers_config(config: dict, class_name: str, defaults: dict, source: str) -> dict:
     """A diffusers transformer's config.json over its class's __init__ defaults (private `_` keys dropped), after
     checking it names `class_name` and has no field `defaults` lacks; ``source`` names the config in errors."""

@@ -45,8 +45,6 @@ import torch.nn as nn
 
 from atelier_studio.imagegen.family import Family
 from atelier_studio.imagegen.layers import (
-    ATTENTION_BACKENDS,
-    KERNEL_IMPLS,
     NORM_EPS,
     PACK,
     TIME_FREQ_DIM,
@@ -54,6 +52,7 @@ from atelier_studio.imagegen.layers import (
     MLPEmbedder,
     Modulation,
     RMSNorm,
+    check_rope_args,
     linear_flops,
     merged_diffusers_config,
     pack,
@@ -86,22 +85,8 @@ class QwenImageArgs:
     attention: str = "auto"  # SDPA backend (ATTENTION_BACKENDS), like kernels
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"QwenImageArgs.{name}={getattr(self, name)!r}: {why}")
-
-        for name in ("num_layers", "num_heads", "head_dim", "in_channels", "out_channels", "joint_attention_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise bad(name, "must be a positive int")
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
-        if len(self.axes_dims_rope) != 3 or any(not isinstance(d, int) or d <= 0 or d % 2 for d in self.axes_dims_rope):
-            raise bad("axes_dims_rope", "must be 3 positive even ints (the position axes: frame, row, column)")
-        if sum(self.axes_dims_rope) != self.head_dim:
-            raise bad("axes_dims_rope", f"must sum to head_dim = {self.head_dim}")
-        if self.kernels not in KERNEL_IMPLS:
-            raise bad("kernels", f"must be one of {KERNEL_IMPLS}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise bad("attention", f"must be one of {ATTENTION_BACKENDS}")
+        check_rope_args(self, ("num_layers", "num_heads", "head_dim", "in_channels", "out_channels",
+                               "joint_attention_dim"), "frame, row, column")
 
     @property
     def dim(self) -> int:

@@ -5,6 +5,7 @@ FluxPipeline.load_lora_weights reads."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -290,3 +291,20 @@ def test_the_familys_diffusers_call_is_flux_pipelines():
     x = inputs(DEV, 6, 10)
     with torch.no_grad():
         assert torch.equal(FAMILY.diffusers_forward(ref, *x[:4], guidance=x[4]), reference_forward(ref, *x))
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("num_heads", 0, "0: must be a positive int"), ("joint_attention_dim", True, "must be a positive int"),
+    ("axes_dims_rope", (4, 6), "must be 3 positive even ints"), ("axes_dims_rope", (5, 5, 6), "positive even ints"),
+    ("kernels", "cuda", "'cuda': must be one of"), ("attention", "sdpa", "must be one of"),
+])
+def test_both_rope_families_check_their_args_alike(field, value, words):
+    """FLUX.1 and Qwen-Image share their args' checks (imagegen/layers.py check_rope_args): one message, the class
+    named."""
+    from atelier_studio.imagegen.qwen_image import QwenImageArgs
+
+    for cls in (FluxArgs, QwenImageArgs):
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{field}=.*{re.escape(words)}"):
+            cls(**{field: value})
+    with pytest.raises(ValueError, match="FluxArgs.guidance_embeds=1: must be true or false"):
+        FluxArgs(guidance_embeds=1)
