@@ -19,13 +19,12 @@ owns the pooled vector, T5 the states, so caption dropout can drop them independ
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from atelier_studio.imagegen.config import FLUX_T5_TOKENS as MAX_T5_TOKENS
-from atelier_studio.imagegen.sd3_dir import check_pipeline_files, part_dir, read_model_index
+from atelier_studio.imagegen.pipeline_text import load_text_part, open_text_pipeline
 from atelier_studio.imagegen.text import CaptionTokens, TextEncoderError, TextPart
 from atelier_studio.pipeline.hf_files import check_vocab_size
 
@@ -43,29 +42,19 @@ class FluxTextEncoders(CaptionTokens, nn.Module):
         super().__init__()
         from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise TextEncoderError(f"text.encoder: FLUX pipeline directory not found: {self.path}")
-        if not 1 <= max_sequence_length <= MAX_T5_TOKENS:
-            raise TextEncoderError(f"text.max_sequence_length: must be in [1, {MAX_T5_TOKENS}] (diffusers' limit for "
-                                   f"FLUX), got {max_sequence_length}")
-        read_model_index(self.path, PIPELINE)
-        check_pipeline_files(self.path)  # every part's files, before the first is loaded
+        self.path, _ = open_text_pipeline(path, PIPELINE, "FLUX", max_sequence_length, MAX_T5_TOKENS,
+                                          "diffusers' limit for FLUX")
         self.max_sequence_length, self.device, self.dtype = max_sequence_length, torch.device(device), dtype
-
-        def load(what: str, fn):
-            folder = part_dir(self.path, what)
-            try:
-                return fn(str(folder))
-            except (OSError, ValueError) as e:
-                raise TextEncoderError(f"{folder}: cannot load it ({type(e).__name__}: {e})") from e
 
         def encoder(cls):
             return lambda p: cls.from_pretrained(p, local_files_only=True, dtype=dtype, use_safetensors=True)
 
-        self.clip_tokenizer = load("tokenizer", lambda p: CLIPTokenizer.from_pretrained(p, local_files_only=True))
-        self.t5_tokenizer = load("tokenizer_2", lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True))
-        clip, t5 = load("text_encoder", encoder(CLIPTextModel)), load("text_encoder_2", encoder(T5EncoderModel))
+        self.clip_tokenizer = load_text_part(self.path, "tokenizer",
+                                             lambda p: CLIPTokenizer.from_pretrained(p, local_files_only=True), "clip")
+        self.t5_tokenizer = load_text_part(self.path, "tokenizer_2",
+                                           lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True), "t5")
+        clip = load_text_part(self.path, "text_encoder", encoder(CLIPTextModel))
+        t5 = load_text_part(self.path, "text_encoder_2", encoder(T5EncoderModel))
         check_vocab_size(self.clip_tokenizer, self.path / "tokenizer", int(clip.config.vocab_size),
                          self.path / "text_encoder")
         check_vocab_size(self.t5_tokenizer, self.path / "tokenizer_2", int(t5.config.vocab_size),

@@ -24,13 +24,13 @@ tokens are real states: QwenImagePipeline encodes a negative prompt as any other
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from atelier_studio.imagegen.config import QWEN_IMAGE_TOKENS as MAX_TOKENS
-from atelier_studio.imagegen.sd3_dir import check_pipeline_files, part_dir, read_model_index
+from atelier_studio.imagegen.pipeline_text import open_text_pipeline
+from atelier_studio.imagegen.sd3_dir import part_dir
 from atelier_studio.imagegen.text import TextEncoderError, TextPart
 from atelier_studio.pipeline.hf_files import check_vocab_size
 
@@ -54,14 +54,8 @@ class QwenImageTextEncoder(nn.Module):
         super().__init__()
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise TextEncoderError(f"text.encoder: Qwen-Image pipeline directory not found: {self.path}")
-        if not 1 <= max_sequence_length <= MAX_TOKENS:
-            raise TextEncoderError(f"text.max_sequence_length: must be in [1, {MAX_TOKENS}] (QwenImagePipeline's "
-                                   f"limit), got {max_sequence_length}")
-        read_model_index(self.path, PIPELINE)
-        check_pipeline_files(self.path)  # every part's files, before the first is loaded
+        self.path, _ = open_text_pipeline(path, PIPELINE, "Qwen-Image", max_sequence_length, MAX_TOKENS,
+                                          "QwenImagePipeline's limit")
         self.max_sequence_length, self.device, self.dtype = max_sequence_length, torch.device(device), dtype
         tok_dir, enc_dir = part_dir(self.path, "tokenizer"), part_dir(self.path, "text_encoder")
         try:

@@ -26,21 +26,14 @@ so caption dropout can drop the encoders independently (imagegen/task.py).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from atelier_studio.imagegen.sd3_dir import (
-    MAX_T5_TOKENS,
-    check_pipeline_files,
-    has_part,
-    part_dir,
-    read_model_index,
-    transformer_config,
-)
+from atelier_studio.imagegen.pipeline_text import load_text_part, open_text_pipeline
+from atelier_studio.imagegen.sd3_dir import MAX_T5_TOKENS, check_pipeline_files, has_part, transformer_config
 from atelier_studio.imagegen.text import CaptionTokens, TextEncoder, TextEncoderError, TextPart, text_encoder_dir
-from atelier_studio.pipeline.hf_files import check_tokenizer_dir, check_vocab_size, check_weights_dir
+from atelier_studio.pipeline.hf_files import check_vocab_size
 
 
 def join_prompt_embeds(clip_l: torch.Tensor, clip_g: torch.Tensor, t5: torch.Tensor) -> torch.Tensor:
@@ -62,15 +55,10 @@ class SD3TextEncoders(CaptionTokens, nn.Module):
         super().__init__()
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
 
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise TextEncoderError(f"text.encoder: SD3 pipeline directory not found: {self.path}")
-        if not 1 <= max_sequence_length <= MAX_T5_TOKENS:
-            raise TextEncoderError(f"text.max_sequence_length: must be in [1, {MAX_T5_TOKENS}] (diffusers' limit), "
-                                   f"got {max_sequence_length}")
         if clip_skip < 0:
             raise TextEncoderError(f"text.clip_skip: must be >= 0, got {clip_skip}")
-        index = read_model_index(self.path, "StableDiffusion3Pipeline")
+        self.path, index = open_text_pipeline(path, "StableDiffusion3Pipeline", "SD3", max_sequence_length,
+                                              MAX_T5_TOKENS, "diffusers' limit", check_files=False)
         if use_t5 and not has_part(index, "text_encoder_3"):
             raise TextEncoderError(f"{self.path}: this pipeline has no text_encoder_3 (T5); set text.use_t5 = false "
                                    f"to train with T5's part as zeros")
@@ -79,17 +67,7 @@ class SD3TextEncoders(CaptionTokens, nn.Module):
         self.device, self.dtype = torch.device(device), dtype
 
         def load(what: str, fn, tokenizer: str = ""):
-            """Part `what` through `fn`, its files checked first (pipeline/hf_files.py): a tokenizer folder of kind
-            `tokenizer` holds its vocabulary, an encoder folder whole safetensors files."""
-            folder = part_dir(self.path, what)  # a missing part is named by sd3_dir
-            if tokenizer:
-                check_tokenizer_dir(folder, tokenizer)
-            else:
-                check_weights_dir(folder, what)
-            try:
-                return fn(str(folder))
-            except (OSError, ValueError) as e:
-                raise TextEncoderError(f"{folder}: cannot load it ({type(e).__name__}: {e})") from e
+            return load_text_part(self.path, what, fn, tokenizer)
 
         def encoder(cls):
             return lambda p: cls.from_pretrained(p, local_files_only=True, dtype=dtype, use_safetensors=True)
