@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--per-axis", type=int, default=80)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--normal-briefs", type=int, default=0,
-                   help="also sample on this many of the world's training briefs (the frames the SFT designer knows), "
-                        "so the pairs also teach what renders well there")
+                   help="also sample on this many of the world's training briefs (the frames the SFT designer knows); "
+                        "measured on 2026-12-05 to hurt: most of their pairs are render noise (docs/improve.md)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dpo-config", default="designer/demo-dpo")
     p.add_argument("--dpo-steps", type=int, default=0, help="0: the DPO config's train.max_steps")
