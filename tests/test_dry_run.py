@@ -12,10 +12,11 @@ from atelier_studio.flows.cli import main
 
 ROOT = Path(__file__).parents[1]
 # each shipped config and the registered size its model.path holds (the init command in its header comment)
-SIZES = {"designer/demo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b", "designer/qwen3-8b-qlora.toml": "8b",
-         "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b", "imagegen/demo.toml": "demo",
-         "imagegen/sd3-medium.toml": "sd3-medium", "imagegen/sd3-medium-lora.toml": "sd3-medium",
-         "imagegen/flux-dev-lora.toml": "flux-dev", "imagegen/qwen-image-lora.toml": "qwen-image"}
+SIZES = {"designer/demo.toml": "tiny", "designer/demo-dpo.toml": "tiny", "designer/qwen3-8b-lora.toml": "8b",
+         "designer/qwen3-8b-qlora.toml": "8b", "designer/qwen3.5-9b-lora.toml": "qwen3.5-9b",
+         "imagegen/demo.toml": "demo", "imagegen/flux-demo.toml": "flux-demo", "imagegen/sd3-medium.toml": "sd3-medium",
+         "imagegen/sd3-medium-lora.toml": "sd3-medium", "imagegen/flux-dev-lora.toml": "flux-dev",
+         "imagegen/qwen-image-lora.toml": "qwen-image"}
 
 
 def config_only(trainer: str, size: str, out: Path) -> Path:
