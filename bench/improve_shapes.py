@@ -17,7 +17,6 @@ Needs the demo's trained designer and imagegen (`make demo`, docs/demo.md) and a
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -104,27 +103,39 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.bench.improve_shapes",
-                                description=__doc__.split("\n")[0])
+    from atelier_studio.flows.cli_args import STEPS, Bounds, OneLineParser, check_numbers, number
+    from atelier_studio.pipeline.errors import AtelierError, UsageError, one_line
+
+    p = OneLineParser(prog="python -m atelier_studio.bench.improve_shapes", description=__doc__.split("\n")[0])
     p.add_argument("--designer", required=True)
     p.add_argument("--imagegen", required=True)
     p.add_argument("--world", required=True, help="the shapes world the demo trained on (its briefs_eval.txt)")
     p.add_argument("--out", required=True)
-    p.add_argument("--per-axis", type=int, default=80)
-    p.add_argument("--k", type=int, default=8)
-    p.add_argument("--normal-briefs", type=int, default=0,
-                   help="also sample on this many of the world's training briefs (the frames the SFT designer knows); "
-                        "measured on 2026-12-05 to hurt: most of their pairs are render noise (docs/improve.md)")
-    p.add_argument("--rounds", type=int, default=3)
+    number(p, "--per-axis", type=int, bounds=Bounds(1, 10**6, meaning="weak briefs per axis"), default=80)
+    number(p, "--k", type=int, bounds=Bounds(2, 1024, meaning="captions sampled per brief"), default=8)
+    number(p, "--normal-briefs", type=int, bounds=Bounds(0, 10**6, meaning="the world's training briefs added"),
+           default=0, help="also sample on this many of the world's training briefs (the frames the SFT designer "
+                           "knows); measured on 2026-12-05 to hurt: most of their pairs are render noise "
+                           "(docs/improve.md)")
+    number(p, "--rounds", type=int, bounds=Bounds(1, 1000, meaning="improvement rounds"), default=3)
     p.add_argument("--dpo-config", default="designer/demo-dpo")
-    p.add_argument("--dpo-steps", type=int, default=0, help="0: the DPO config's train.max_steps")
-    p.add_argument("--steps", type=int, default=20, help="sampler steps per image")
+    number(p, "--dpo-steps", type=int, bounds=Bounds(0, 10**9, meaning="DPO steps per round (0: the config's)"),
+           default=0)
+    number(p, "--steps", type=int, bounds=STEPS, default=20, help="sampler steps per image")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DPO run config override")
     args = p.parse_args(argv)
     from atelier_studio.flows.improve import improve_designer
-    from atelier_studio.flows.local_server import require_server
+    from atelier_studio.flows.local_server import ServerNotRunning, require_server
 
-    require_server("python -m atelier_studio.bench.improve_shapes")
+    try:  # bad numbers, a world without its files and no server are one line each, before anything is written
+        check_numbers(p, args)
+        for name in ("train.jsonl", "briefs_eval.txt"):
+            if not (Path(args.world) / name).is_file():
+                raise UsageError(f"--world {args.world}: no {name} (the shapes world `make demo` writes, runs/world)")
+        require_server("python -m atelier_studio.bench.improve_shapes")
+    except (AtelierError, ServerNotRunning) as e:
+        sys.stderr.write(f"atelier: error: {one_line(str(e))}\n")
+        return 2
     out = Path(args.out)
     normal = world_train_briefs(Path(args.world), args.normal_briefs) if args.normal_briefs else []
     briefs, heldout, axes = write_split(out / "split", args.per_axis, normal)

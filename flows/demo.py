@@ -22,7 +22,6 @@ The server and serve process stay up afterwards so the runs can be browsed; `mak
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -153,8 +152,9 @@ def deployment_run(name: str, params: dict, env: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atelier_studio.flows.demo",
-                                description="the brief-to-image demo on a CPU")
+    from atelier_studio.flows.cli_args import OneLineParser
+
+    p = OneLineParser(prog="python -m atelier_studio.flows.demo", description="the brief-to-image demo on a CPU")
     p.add_argument("--skip-eval", action="store_true")
     p.add_argument("--imagegen", choices=sorted(IMAGEGENS), default="mmdit",
                    help="the renderer: the SD3-shaped MMDiT (default) or a FLUX.1-shaped model")

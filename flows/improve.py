@@ -322,16 +322,16 @@ def main(argv: Sequence[str] | None = None) -> int:
            default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DPO run config override")
     args = p.parse_args(argv)
-    try:  # bad values and missing files are one line each, before a server is needed or anything runs
+    from atelier_studio.flows.local_server import ServerNotRunning, require_server
+
+    try:  # bad values, missing files and no server are one line each, before anything runs
         check_numbers(p, args)
         check_params(args.designer, args.imagegen, args.briefs, args.eval_briefs, args.k, args.margin, args.rounds,
                      args.temperature)
-    except AtelierError as e:
+        require_server("python -m atelier_studio.flows.improve")
+    except (AtelierError, ServerNotRunning) as e:
         sys.stderr.write(f"atelier: error: {one_line(str(e))}\n")
         return 2
-    from atelier_studio.flows.local_server import require_server
-
-    require_server("python -m atelier_studio.flows.improve")
     result = improve_designer(args.designer, args.imagegen, args.briefs, args.eval_briefs, args.out, args.rounds,
                               args.k, args.temperature, args.seed, args.margin, args.dpo_config, args.dpo_steps,
                               dpo_overrides=args.set)

@@ -57,34 +57,21 @@ def imagegen_plan(capsys, config: str, model: Path, *sets: str) -> tuple[int, fl
     return total, float(peak.split(": ")[1].split()[0])
 
 
-def test_flux_dev_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
-    """FLUX.1-dev (11.9B: its 19 double- and 38 single-stream blocks) with the shipped LoRA config: the bf16 base, the
-    rank-16 adapters on every attention projection and activation checkpointing fit one 80 GB card; without the
-    checkpointing the plan does not."""
-    model = config_only("imagegen", "flux-dev", tmp_path / "model")
-    config = str(ROOT / "configs" / "imagegen" / "flux-dev-lora.toml")
-
-    def plan(*sets: str) -> tuple[int, float]:
-        return imagegen_plan(capsys, config, model, *sets)
-
-    total, peak = plan()
-    assert total == 11_901_408_320 + 26_148_864 and peak < 80  # FluxTransformer2DModel's count + the adapters
-    assert plan("train.distributed.activation_checkpointing=none")[1] > 80
-
-
-def test_qwen_image_lora_at_1024_px_plans_one_80_gb_card(tmp_path, capsys):
-    """Qwen-Image (20.4B: 60 double-stream blocks) with the shipped LoRA config: the bf16 base (38 GiB), the rank-16
-    adapters on every attention projection of both streams and activation checkpointing plan ~42 GiB, one 80 GB card
-    with no FP8 or NF4 base needed; without the checkpointing the plan does not fit."""
-    model = config_only("imagegen", "qwen-image", tmp_path / "model")
-    config = str(ROOT / "configs" / "imagegen" / "qwen-image-lora.toml")
-
-    def plan(*sets: str) -> tuple[int, float]:
-        return imagegen_plan(capsys, config, model, *sets)
-
-    total, peak = plan()
-    assert total == 20_430_401_088 + 47_185_920 and peak < 80  # QwenImageTransformer2DModel's count + the adapters
-    assert plan("train.distributed.activation_checkpointing=none")[1] > 80
+@pytest.mark.parametrize("size, config, base, adapters", [
+    # FLUX.1-dev (11.9B: its 19 double- and 38 single-stream blocks): FluxTransformer2DModel's count + the adapters
+    ("flux-dev", "flux-dev-lora.toml", 11_901_408_320, 26_148_864),
+    # Qwen-Image (20.4B: 60 double-stream blocks; the bf16 base is 38 GiB, the plan ~42 GiB: no FP8 or NF4 base
+    # needed): QwenImageTransformer2DModel's count + the adapters on both streams' attention projections
+    ("qwen-image", "qwen-image-lora.toml", 20_430_401_088, 47_185_920),
+], ids=["flux-dev", "qwen-image"])
+def test_lora_at_1024_px_plans_one_80_gb_card(size, config, base, adapters, tmp_path, capsys):
+    """The shipped 1024 px LoRA config of each family: the bf16 base, rank-16 adapters on every attention projection
+    and activation checkpointing fit one 80 GB card; without the checkpointing the plan does not."""
+    model = config_only("imagegen", size, tmp_path / "model")
+    path = str(ROOT / "configs" / "imagegen" / config)
+    total, peak = imagegen_plan(capsys, path, model)
+    assert total == base + adapters and peak < 80
+    assert imagegen_plan(capsys, path, model, "train.distributed.activation_checkpointing=none")[1] > 80
 
 
 def test_dry_run_of_the_8b_lora_counts_what_the_bench_reports(tmp_path, capsys):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+
+import pytest
 
 from atelier_studio.bench.improve_shapes import per_axis, report_markdown, world_train_briefs, write_split
 from atelier_studio.data.weak_briefs import AXES
@@ -46,3 +49,22 @@ def test_caption_scores_are_reported_beside_the_judged_ones(tmp_path):
     (tmp_path / "scores.json").write_text(json.dumps({"per_brief": rows}))
     assert per_axis(tmp_path / "scores.json", {"a": "order"}) == {"order": 66.7, "normal": 100.0, "all": 83.3,
                                                                   "captions": 75.0}
+
+
+@pytest.mark.parametrize("arg, value", [("--per-axis", "0"), ("--k", "1"), ("--normal-briefs", "-1"),
+                                        ("--rounds", "1" + "0" * 30), ("--dpo-steps", "-3"), ("--steps", "0"),
+                                        ("--k", "abc"), ("--world", "missing")])
+def test_bad_options_are_one_line_before_anything_runs(tmp_path, capsys, arg, value):
+    from atelier_studio.bench.improve_shapes import main
+
+    argv = ["--designer", "d", "--imagegen", "i", "--world", str(tmp_path), "--out", str(tmp_path / "out")]
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "briefs_eval.txt").write_text("")
+    if arg == "--world":
+        argv[5], value, arg = str(tmp_path / value), "", ""
+    with pytest.raises(SystemExit) if value.isalpha() else contextlib.nullcontext() as stopped:
+        code = main(argv + ([arg, value] if arg else []))
+    code = stopped.value.code if value.isalpha() else code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err.count("\n") == 1 and err.startswith("atelier: error: ") and (arg or "--world") in err, err
