@@ -8,7 +8,8 @@ family's record in imagegen/registry.py: the model class, the diffusers peer and
         [--peers diffusers,diffusers-compiled] [--lora RANK] [--batches 8,16] [--peer-batches 8,12]
         [--fp8 rowwise,tensorwise] [--fp8-batches 8] [--fp8-compile on|off|both] [--steps 10 --warmup 3]
         [--ablation [no_compile,reference_kernels,...]] [--loader-workers 4] [--no-loader]
-        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--profile] [--budget-s 200] [--tiny]
+        [--kernels auto|triton|ref] [--attention auto|flash|cudnn|efficient] [--checkpointing none|full|selective]
+        [--profile] [--budget-s 200] [--tiny]
         [--loader-only]
 
 Shapes: B images per micro-batch, C = 16 latent channels, h = w latent side (px / 8), N = (h/2)² image tokens,
@@ -99,7 +100,7 @@ from atelier_studio.imagegen.registry import family_of_args, family_of_size
 from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 from atelier_studio.pipeline.float8 import apply_fp8
 from atelier_studio.pipeline.lora import LoraArgs, lora_layers
-from atelier_studio.pipeline.policies import compile_blocks
+from atelier_studio.pipeline.policies import AC_MODES, checkpoint_blocks, compile_block_list
 
 PEERS = ("diffusers", "diffusers-compiled")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
@@ -146,6 +147,7 @@ class Variant:
     attention: str = "auto"       # MMDiTArgs.attention: "auto" (PyTorch's SDPA choice) or one of SDPA_BACKENDS
     precision: str = "bf16"       # train.precision: "bf16" or "fp8"
     fp8_recipe: str = "rowwise"   # train.fp8_recipe, with precision "fp8"
+    checkpointing: str = "none"   # train.distributed.activation_checkpointing: "none" | "full" | "selective"
 
 
 def tiny_config(cfg: BenchConfig) -> BenchConfig:
@@ -295,8 +297,10 @@ def build_atelier(args: MMDiTArgs, sd: dict, v: Variant, exact: bool, lora: Lora
             for m in (block.attn.add_q_proj, getattr(block.attn, "norm_added_q", None)):
                 if m is not None:
                     m.requires_grad_(False)
+    blocks = family_of_args(args).blocks(model)  # FLUX: the double- and the single-stream blocks
+    checkpoint_blocks(blocks, v.checkpointing)  # the trainer's order: checkpointing, then compile
     if v.compile:
-        compile_blocks(model)
+        compile_block_list(blocks)
     params = [p for p in model.parameters() if p.requires_grad]
     return Run(model, model, params, v.fused_adamw, autocast=not exact, args=args)
 
@@ -320,10 +324,13 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None) -> Run:
+def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | None = None,
+               checkpointing: bool = False) -> Run:
     """The family's diffusers model (SD3Transformer2DModel, FluxTransformer2DModel; their default SDPA processors) on
     the same weights, called as its pipeline calls it (the family's diffusers_forward); with `lora`, PEFT adapters on
-    the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B."""
+    the same modules (diffusers' `add_adapter`) holding fp32 copies of the same A and B; `checkpointing`: diffusers'
+    own `enable_gradient_checkpointing()` (every block recomputed, what its training scripts'
+    --gradient_checkpointing turns on)."""
     family = family_of_args(args)
     reference = family.diffusers_reference()  # ImportError → the peer is reported as skipped
     kwargs = {k: val for k, val in args.to_diffusers_config().items() if not k.startswith("_")}
@@ -341,8 +348,10 @@ def build_peer(name: str, args: MMDiTArgs, sd: dict, exact: bool, lora: Lora | N
         for key, value in lora.weights.items():  # fp32 adapters (diffusers' cast_training_params), the same values
             module, ab = key.rsplit(".lora_", 1)
             named[f"{module}.lora_{ab.split('.')[0]}.default.weight"].data = value.float().clone()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
     if name == "diffusers-compiled" and not exact:
-        compile_blocks(model)
+        compile_block_list([*model.transformer_blocks, *getattr(model, "single_transformer_blocks", ())])
     dev = next(model.parameters()).device
 
     def forward(x_t, text, pooled, timestep, **guidance):
@@ -492,14 +501,17 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
           fp8_batches: list[int] | None = None, fp8_compile_modes: tuple[bool, ...] | None = None,
           peer_batches: list[int] | None = None, loader: bool = True, budget: Budget | None = None,
           on_result: Callable[[dict[str, Any]], Any] | None = None,
-          compile_modes: tuple[bool, ...] = (True,), lora_rank: int = 0) -> dict[str, Any]:
+          compile_modes: tuple[bool, ...] = (True,), lora_rank: int = 0,
+          checkpointing: str = "none") -> dict[str, Any]:
     """One config, in this order: Atelier's bf16 batch sweep (each batch in each of `compile_modes`), the FP8 rows
     (each recipe of `fp8` at `fp8_batches`, default the best bf16 batch, compiled as `fp8_compile_modes`, default as
     the best bf16 run), the peers (at `peer_batches`,
     default the sweep's), the ablation and attention backends, a profile, the EMA and loader timings. A run that
     would start once `budget` is spent is recorded as skipped; `on_result(report)` gets the summarised report after
     every run. `lora_rank` > 0: LoRA of that rank on the frozen base instead of full fine-tuning (module docstring);
-    the FP8 rows are full fine-tuning's only (the trainer refuses FP8 with an MMDiT LoRA)."""
+    the FP8 rows are full fine-tuning's only (the trainer refuses FP8 with an MMDiT LoRA). `checkpointing`: every
+    Atelier run's activation checkpointing mode; the peers get diffusers' gradient checkpointing when it is not
+    "none"."""
     if lora_rank and fp8:
         raise ValueError("bench: --fp8 measures full fine-tuning; drop --lora or --fp8")
     args = model_args(cfg)
@@ -530,7 +542,11 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
             apply_lora(meta_model, lora.args, list(lora.modules))
     # tiny (CPU, exact): no compile (Inductor's C++ build takes minutes on a CPU)
     modes = (False,) if exact else tuple(compile_modes)
-    base = Variant(kernels=kernels, attention=attention)
+    base = Variant(kernels=kernels, attention=attention, checkpointing=checkpointing)
+    report["run"]["activation_checkpointing"] = checkpointing
+    if checkpointing != "none":
+        report["notes"]["checkpointing"] = (f"Atelier: activation checkpointing {checkpointing!r} on every block "
+                                            "(the trainer's policy); peers: diffusers' enable_gradient_checkpointing()")
     data: dict[int, tuple[list[ImageBatch], int]] = {}
     if lora is not None:
         report["notes"]["weights"] = ("random, every tensor, drawn once; the frozen base shared by every run in its "
@@ -584,7 +600,8 @@ def bench(name: str, cfg: BenchConfig, peers: list[str], batches: list[int], ste
     for p in peers:
         for bs in peer_batches or batches:
             try:
-                report["peer_runs"][p][str(bs)] = measured(lambda: build_peer(p, args, sd, exact, lora), bs, p)
+                report["peer_runs"][p][str(bs)] = measured(
+                    lambda: build_peer(p, args, sd, exact, lora, checkpointing != "none"), bs, p)
             except ImportError as e:
                 report["peer_runs"][p] = {"skipped": f"import failed: {e}"}
                 emit()
@@ -708,6 +725,8 @@ def markdown(report: dict[str, Any]) -> str:
     ablation, attention, loader, EMA."""
     c, lora = report["config"], report.get("lora")
     what = f", LoRA r{lora['rank']} on {lora['modules']} linears (MFU: 4·N + 6·N_lora)" if lora else ""
+    ac = report["run"].get("activation_checkpointing", "none")
+    what += f", activation checkpointing {ac} (peers: diffusers' gradient checkpointing)" if ac != "none" else ""
     top = report["peers"].get(report.get("strongest_peer") or "", {}).get("images_per_s")
     lines = [f"## imagegen {c['name']} ({c['image_tokens']} image + {c['text_tokens']} text tokens{what}) — "
              f"{report['gpu'].get('name') or 'cpu'}, measured matmul bf16 {fmt(report['matmul_tflops'], '.0f')} / "
@@ -775,7 +794,8 @@ def ablation_chart(report: dict[str, Any], path: Path) -> Path | None:
 
 def report_name(report: dict[str, Any]) -> str:
     lora = report.get("lora")
-    return f"imagegen-{report['config']['name']}" + (f"-lora{lora['rank']}" if lora else "")
+    ac = report["run"].get("activation_checkpointing", "none") != "none"
+    return f"imagegen-{report['config']['name']}" + (f"-lora{lora['rank']}" if lora else "") + ("-ac" if ac else "")
 
 
 def write(report: dict[str, Any], out: Path) -> Path:
@@ -825,6 +845,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of Atelier's best run")
     p.add_argument("--compile", choices=("on", "off", "both"), default="on",
                    help="per-block torch.compile for Atelier; both: each batch both ways, the faster kept")
+    p.add_argument("--checkpointing", choices=AC_MODES, default="none",
+                   help="activation checkpointing of every Atelier block (the trainer's policy); not none: the peers "
+                        "get diffusers' gradient checkpointing")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn PyTorch's cuDNN SDPA backend off for every run, Atelier's and the peers' (its backward "
+                        "fails at FLUX.1-dev's 1024 px shape on the device's torch 2.11 / H100: docs/performance.md)")
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU: the same code path for tests")
     p.add_argument("--loader-only", action="store_true",
                    help="only the loader figure, at the config's real sample shapes, on any machine (its CPU's rate)")
@@ -862,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tiny_config(cfg)
     elif device.type != "cuda":
         p.error("a real-size run needs a CUDA GPU; use --tiny on a CPU")
+    if a.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(a.out)
     modes = {"on": (True,), "off": (False,), "both": (True, False)}
     report = bench(a.config, cfg, peers, a.batches or list(cfg.batches), a.steps, a.warmup, ablation,
@@ -870,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
                    if a.profile else None, attention=a.attention, fp8=recipes, fp8_batches=a.fp8_batches,
                    fp8_compile_modes=modes[a.fp8_compile] if a.fp8_compile else None, peer_batches=a.peer_batches,
                    loader=not a.no_loader, budget=Budget(a.budget_s), on_result=lambda r: write(r, out),
-                   compile_modes=modes[a.compile], lora_rank=a.lora)
+                   compile_modes=modes[a.compile], lora_rank=a.lora, checkpointing=a.checkpointing)
     path = write(report, out)
     print(markdown(report))
     print(f"wrote {path}")

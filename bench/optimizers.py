@@ -17,9 +17,10 @@ Each optimizer runs with what it needs beside `train.optimizer`: Prodigy `train.
 estimate), schedule-free `train.schedule = "constant"`; the others `--lr` with the cosine schedule. Every stage is
 skipped when its output exists under --work, so an interrupted command picks up where it stopped.
 
-Report: OUT/optimizers-<date>.json and .md (the memory and speed table per part, the designer's final losses and
-mean |Δloss| against AdamW on the same steps) and -curves.png (the designer's curves). `--tiny` runs the same path on
-the CPU at the tiny sizes (12 designer steps, 3 imagegen steps, fp32) for the test.
+Report: OUT/optimizers[-<part> when one part]-<date>.json and .md, rewritten after every run (the memory and speed
+table per part, the designer's final losses and mean |Δloss| against AdamW on the same steps) and -curves.png (the
+designer's curves). `--tiny` runs the same path on the CPU at the tiny sizes (12 designer steps, 3 imagegen steps,
+fp32) for the test.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def _sets(optimizer: str, base: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _failure(code: int, log: Path) -> dict[str, Any]:
+    """A failed CLI run: its exit status and the last line it printed (the CLI's one-line error, e.g. a missing
+    optimizer package)."""
+    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.is_file() else []
+    said = [l for l in lines if l.startswith("atelier: error")] or lines[-1:]
+    return {"code": code, "error": said[-1][:300] if said else None}
+
+
 def designer_run(work: Path, model: Path, optimizer: str, a: argparse.Namespace, log: Path) -> dict[str, Any]:
     out = work / f"designer-{a.size}-{optimizer}"
     if not (out / "summary.json").is_file():
@@ -63,7 +72,7 @@ def designer_run(work: Path, model: Path, optimizer: str, a: argparse.Namespace,
         config = ROOT / "configs" / "designer" / "qwen3-8b-lora.toml"
         code, _ = atelier("designer", "train", "--config", str(config), *_sets(optimizer, base), log=log)
         if code != 0:
-            return {"code": code}
+            return _failure(code, log)
     run = read_run(out)
     return {"code": 0, "curves": curves(run), "summary": run.get("summary", {})}
 
@@ -77,7 +86,7 @@ def imagegen_run(work: Path, config: Path, optimizer: str, a: argparse.Namespace
                 "train.device": a.device}
         code, _ = atelier("imagegen", "train", "--config", str(config), *_sets(optimizer, base), log=log)
         if code != 0:
-            return {"code": code}
+            return _failure(code, log)
     run = read_run(out)
     for name in ("checkpoints", "transformer"):  # 2B random weights each: disk for the next optimizer's run
         shutil.rmtree(out / name, ignore_errors=True)
@@ -99,8 +108,13 @@ def compare_designer(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                      "mean_abs_diff_vs_adamw": statistics.fmean(abs(mine[s] - ref[s]) for s in common)
                      if common and name != "adamw" else None,
                      "tokens_per_s": run.get("summary", {}).get("units_per_s"),
-                     "peak_gb": run.get("summary", {}).get("peak_gb"), "code": run.get("code")}
+                     "peak_gb": run.get("summary", {}).get("peak_gb"), "code": run.get("code"),
+                     "error": run.get("error")}
     return out
+
+
+def _exit(r: dict[str, Any]) -> str:
+    return "" if not r.get("code") else f" exit {r['code']}: {r.get('error') or 'see the log'}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -114,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
         for name, r in report["parts"]["designer"]["comparison"].items():
             lines.append(f"| {name} | {fmt(r['final_loss'], '.4f')} | {fmt(r['final_eval_loss'], '.4f')} | "
                          f"{fmt(r['mean_abs_diff_vs_adamw'], '.4f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
-                         f"{fmt(r['peak_gb'], '.1f')} |" + ("" if not r["code"] else f" exit {r['code']}"))
+                         f"{fmt(r['peak_gb'], '.1f')} |" + _exit(r))
         lines.append("")
     if "imagegen" in report["parts"]:
         lines += ["### imagegen SD3-medium MMDiT full fine-tuning, 1024 px, micro-batch 1, activation checkpointing, "
@@ -122,7 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
         for name, r in report["parts"]["imagegen"]["runs"].items():
             s = r.get("summary", {})
             lines.append(f"| {name} | {fmt(s.get('peak_gb'), '.1f')} | {fmt(r.get('median_step_time'), '.3f')} | "
-                         f"{fmt(s.get('units_per_s'), '.2f')} |" + ("" if not r["code"] else f" exit {r['code']}"))
+                         f"{fmt(s.get('units_per_s'), '.2f')} |" + _exit(r))
     return "\n".join(lines) + "\n"
 
 
@@ -183,19 +197,32 @@ def main(argv: list[str] | None = None) -> int:
                                                                      *(argv if argv is not None else sys.argv[1:])]),
                               "config": {k: v for k, v in vars(a).items() if k not in ("out", "work")},
                               "clocks": {"before": clocks()}, "parts": {}}
+    stem = f"optimizers{'-' + '-'.join(parts) if parts != ['designer', 'imagegen'] else ''}" \
+        f"{'-tiny' if a.tiny else ''}-{time.strftime('%Y-%m-%d')}"
+
+    def save() -> Path:  # after every run: a step killed at its time limit still leaves what it finished
+        report["clocks"]["after"] = clocks()
+        report["seconds"] = time.time() - start
+        path = atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
+        atomic_write_text(out / f"{stem}.md", markdown(report), what="benchmark report")
+        return path
+
     if "designer" in parts:
         model = prepare(work, a.size, a.tokenizer, a.docs, a.dtype, log)
-        runs = {name: designer_run(work, model, name, a, log) for name in optimizers}
-        report["parts"]["designer"] = {"runs": runs, "comparison": compare_designer(runs)}
+        runs: dict[str, dict[str, Any]] = {}
+        report["parts"]["designer"] = {"runs": runs, "comparison": {}}
+        for name in optimizers:
+            runs[name] = designer_run(work, model, name, a, log)
+            report["parts"]["designer"]["comparison"] = compare_designer(runs)
+            save()
     if "imagegen" in parts:
         # bench/scaling.py's model, stand-in encoders (bench/first_runs_imagegen.py) and random latents
         config = imagegen_setup(work, ScalingRun("imagegen", "tiny" if a.tiny else "sd3m", micro_batch=1), log, a.dtype)
-        report["parts"]["imagegen"] = {"runs": {name: imagegen_run(work, config, name, a, log) for name in optimizers}}
-    report["clocks"]["after"] = clocks()
-    report["seconds"] = time.time() - start
-    stem = f"optimizers{'-tiny' if a.tiny else ''}-{time.strftime('%Y-%m-%d')}"
-    path = atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1), what="benchmark report")
-    atomic_write_text(out / f"{stem}.md", markdown(report), what="benchmark report")
+        report["parts"]["imagegen"] = {"runs": {}}
+        for name in optimizers:
+            report["parts"]["imagegen"]["runs"][name] = imagegen_run(work, config, name, a, log)
+            save()
+    path = save()
     chart(report, out / f"{stem}-curves.png")
     print(markdown(report))
     print(f"wrote {path}")

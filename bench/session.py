@@ -14,15 +14,15 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
                          and tensorwise, against transformers+PEFT+Liger with bf16 adapters on one-document rows
                          (token budgets 4 and 8 × 2048), on Atelier's packed rows (exact packing), and compiled per
                          layer on one-document rows
-  b  designer-1.7b-full  Qwen3-1.7B full fine-tuning: Atelier bf16 (compiled and eager) and FP8 (eager), against
-                         transformers+Liger on one-document rows (budgets 16, 32 × 2048) and packed, and transformers
-                         compiled per layer on one-document rows
-  c  imagegen-1024       SD3-medium MMDiT at 1024 px, batch 8: Atelier bf16 (compiled and eager) and FP8 (eager)
-                         against diffusers (batches 8, 12)
+  b  designer-1.7b-full  Qwen3-1.7B full fine-tuning, micro-batch 8: Atelier bf16 (compiled and eager) and FP8
+                         (eager), against transformers+Liger on one-document rows (budgets 8, 16 × 2048) and packed,
+                         and transformers compiled per layer on one-document rows
+  c  imagegen-1024       SD3-medium MMDiT at 1024 px, batch 8: Atelier bf16 (compiled) and FP8 rowwise (eager)
+                         against diffusers at the same batch
   d  fp8-quality         300 steps bf16 vs FP8 from the same init and batches: designer (Qwen3-0.6B shape, full
                          fine-tuning, shapes-world documents through the Qwen3 tokenizer) and imagegen (SD3-medium
                          width, 6 joint layers, SD3-shaped latents); both curves and the drift
-  e  designer-9b-fp8     Qwen3.5-9B LoRA (fp32 adapters computed in bf16), micro-batch 8: bf16 and FP8
+  e  designer-9b-fp8     Qwen3.5-9B LoRA (fp32 adapters computed in bf16), micro-batch 4: bf16 and FP8
   f  kernels             joint attention at head dim 64 (cuDNN and flash SDPA vs FlashAttention-4); fla's delta
                          rule with the tilelang backend vs its Triton kernels under the lifted Hopper guard
   g  imagegen-512        SD3-medium at 512 px, batch 32: bf16 and FP8 against diffusers
@@ -43,7 +43,16 @@ Parts, in priority order (--parts picks and orders them; the defaults are what t
                          groups (bench/fp8_linear.py, 5 repeats)
   l  moe-30b-80gb        Qwen3-30B-A3B LoRA with activation checkpointing at micro-batches 1 and 2 (the 80 GB card's
                          setting: peak memory and speed) against transformers + PEFT under checkpointing at 1
-Parts h, i, j, k and l run only when --parts names them.
+  m  optimizers-imagegen SD3-medium full fine-tuning at 1024 px, micro-batch 1, activation checkpointing: peak memory
+                         and step time for every train.optimizer, 12 steps each, through the CLI (bench/optimizers.py)
+  n  flux-dev-lora       FLUX.1-dev LoRA r16 at 1024 px, batch 2, activation checkpointing: Atelier against
+                         diffusers + PEFT with gradient checkpointing, cuDNN SDPA off for both (its backward fails at
+                         this shape)
+  o  qwen-image-lora     Qwen-Image LoRA r16 at 1024 px, batch 2, the same way
+  p  optimizers-designer Qwen3-1.7B full fine-tuning, 300 steps of 4 x 1024 tokens per train.optimizer from the same
+                         init: loss curves, tokens/s, peak memory (bench/optimizers.py)
+Parts h to p run only when --parts names them. Micro-batches are the 80 GB card's (b: 8, e: 4; 16 and 8 do not fit
+it): the H200's larger ones are named with the bench's own --micro-batches.
 
 Time: each step gets min(time left − a 10 s reserve, 1.5 × its estimate); a step whose minimum no longer fits is
 skipped (the summary says so, with its command, for a later session). A bench is told to start no run after its
@@ -165,6 +174,18 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             Part("l", "moe-30b-80gb", (
                 Step("designer", _designer("--config", "qwen3-30b-a3b-lora-ac", *run, "--micro-batches", "1",
                                            "--lora-dtype", "bfloat16", "--peers", "hf-amp-gc@1"), 60, 5, 20),)),
+            Part("m", "optimizers-imagegen", (Step("optimizers", (
+                "-m", "atelier_studio.bench.optimizers", "--tiny", "--parts", "imagegen", "--optimizers",
+                "adamw,adamw8bit"), 120, 5, 20, takes_budget=False),)),
+            Part("n", "flux-dev-lora", (Step("imagegen", _imagegen(
+                "--config", "flux-dev-1024", "--lora", "4", "--checkpointing", "full", *run, "--batches", "1",
+                "--peers", "diffusers", "--no-loader", "--kernels", "ref"), 60, 5, 20),)),
+            Part("o", "qwen-image-lora", (Step("imagegen", _imagegen(
+                "--config", "qwen-image-1024", "--lora", "4", "--checkpointing", "full", *run, "--batches", "1",
+                "--peers", "diffusers", "--no-loader", "--kernels", "ref"), 60, 5, 20),)),
+            Part("p", "optimizers-designer", (Step("optimizers", (
+                "-m", "atelier_studio.bench.optimizers", "--tiny", "--parts", "designer", "--optimizers",
+                "adamw,muon"), 120, 5, 20, takes_budget=False),)),
         ]
     run = ("--steps", "6", "--warmup", "3")
     return [
@@ -173,19 +194,19 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
             "--peers", "hf-liger-bf16lora-1doc@4+8,hf-liger-bf16lora@4,hf-liger-bf16lora-compiled-1doc@4", *run,
             *tok), 140, 60, 60, ("liger_kernel", "peft")),)),
         Part("b", "designer-1.7b-full", (Step("designer", _designer(
-            "--config", "qwen3-1.7b-full", "--compile", "both", "--micro-batches", "16", "--fp8", "rowwise,tensorwise",
-            "--fp8-compile", "off", "--peers", "hf-liger-1doc@16+32,hf-liger@16,hf-compiled-1doc@16", *run, *tok),
-            150, 80, 90, ("liger_kernel",)),)),
+            "--config", "qwen3-1.7b-full", "--compile", "both", "--micro-batches", "8", "--fp8", "rowwise,tensorwise",
+            "--fp8-compile", "off", "--peers", "hf-liger-1doc@8+16,hf-liger@8,hf-compiled-1doc@8", *run, *tok),
+            200, 80, 90, ("liger_kernel",)),)),
         Part("c", "imagegen-1024", (Step("imagegen", _imagegen(
-            "--config", "sd3-medium-1024", "--batches", "8", "--compile", "both", "--fp8", "rowwise,tensorwise",
-            "--fp8-compile", "off", "--peers", "diffusers", "--peer-batches", "8,12", "--no-loader", *run),
-            110, 60, 60, ("diffusers",)),)),
+            "--config", "sd3-medium-1024", "--batches", "8", "--compile", "on", "--fp8", "rowwise",
+            "--fp8-compile", "off", "--peers", "diffusers", "--peer-batches", "8", "--no-loader", *run),
+            150, 60, 60, ("diffusers",)),)),
         Part("d", "fp8-quality", (Step("quality", ("-m", "atelier_studio.bench.fp8_quality", "--steps", "300",
                                                    "--parts", "imagegen,designer", "--designer-size", "0.6b", *tok),
                                        300, 120, 150),)),
         Part("e", "designer-9b-fp8", (Step("designer", _designer(
-            "--config", "qwen3.5-9b-lora", "--compile", "off", "--micro-batches", "4,8", "--lora-dtype", "mixed",
-            "--fp8", "rowwise,tensorwise", "--peers", "", *run, *tok), 150, 60, 80, ("fla",)),)),
+            "--config", "qwen3.5-9b-lora", "--compile", "off", "--micro-batches", "4", "--lora-dtype", "mixed",
+            "--fp8", "rowwise,tensorwise", "--peers", "", *run, *tok), 240, 60, 80, ("fla",)),)),
         Part("f", "kernels", (
             Step("joint-attention", ("-m", "atelier_studio.bench.joint_attention", "--paths",
                                      "sdpa_cudnn,sdpa_flash,fa4", "--repeats", "5"), 40, 15, 20, ("flash_attn.cute",),
@@ -226,6 +247,21 @@ def plan(tokenizer: str | None, tiny: bool = False) -> list[Part]:
                 "--config", "qwen3-30b-a3b-lora-ac", "--compile", "off", "--micro-batches", "1,2", "--lora-dtype",
                 "bfloat16", "--peers", "hf-amp-gc@1", "--steps", "4", "--warmup", "3", *tok), 240, 120, 100,
                 ("peft",)),)),
+        Part("m", "optimizers-imagegen", (Step("optimizers", (
+            "-m", "atelier_studio.bench.optimizers", "--parts", "imagegen", "--imagegen-steps", "12"), 450, 120, 80,
+            takes_budget=False),)),
+        Part("n", "flux-dev-lora", (Step("imagegen", _imagegen(
+            "--config", "flux-dev-1024", "--lora", "16", "--checkpointing", "full", "--batches", "2",
+            "--no-cudnn-attention", "--peers", "diffusers", "--peer-batches", "2", "--no-loader", *run), 160, 90, 70,
+            ("diffusers", "peft")),)),
+        Part("o", "qwen-image-lora", (Step("imagegen", _imagegen(
+            "--config", "qwen-image-1024", "--lora", "16", "--checkpointing", "full", "--batches", "2",
+            "--peers", "diffusers", "--peer-batches", "2", "--no-loader", *run), 300, 120, 140,
+            ("diffusers", "peft")),)),
+        Part("p", "optimizers-designer", (Step("optimizers", (
+            "-m", "atelier_studio.bench.optimizers", "--parts", "designer", "--seq-len", "1024", "--optimizers",
+            "adamw,adamw8bit,adamw4bit,adafactor,muon", *tok), 400, 150, 80,
+            takes_budget=False),)),
     ]
 
 
@@ -493,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python3 bench/session.py", description=__doc__.split("\n")[0])
     p.add_argument("--budget-s", type=float, required=True, help="seconds for the whole session (set-up included)")
-    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..l)")
+    p.add_argument("--parts", default="a,b,c,d,e,f,g", help="which parts, in this order (a..p)")
     p.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="folder of *.whl and packed *.tar.xz")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where the results go (default: $OUT)")

@@ -32,12 +32,15 @@ ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 PACK = 2  # diffusers' FLUX config says patch_size 1 on packed tokens, Qwen-Image's says 2
 
 
-def sdpa_backend(name: str) -> contextlib.AbstractContextManager:
-    """The SDPA backend context for MMDiTArgs.attention ("auto": none, PyTorch chooses). Traced by torch.compile."""
-    if name == "auto":
+def sdpa_backend(name: str, cudnn_in_auto: bool = True) -> contextlib.AbstractContextManager:
+    """The SDPA backend context for MMDiTArgs.attention ("auto": none, PyTorch chooses; with `cudnn_in_auto` False,
+    PyTorch chooses among the others). Traced by torch.compile."""
+    if name == "auto" and cudnn_in_auto:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if name == "auto":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]])
 
@@ -137,7 +140,12 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     B, S, Hn, Dh = q.shape
     q, k = rope(q, k, cos.expand(B, S, -1), sin.expand(B, S, -1), impl=impl)
     attn_mask = None if key_mask is None else key_mask[:, None, None, :]  # [B, 1, 1, S]: keys only
-    with sdpa_backend(backend):
+    # "auto" without a mask (FLUX.1) on a GPU leaves cuDNN out: its backward fails at FLUX.1-dev's 1024 px shape
+    # ([B, 24, 4608, 128], bf16; torch 2.11 + CUDA 13 on an H100): "mha_graph.execute(...).is_good()", or an illegal
+    # memory access without CUDA_LAUNCH_BLOCKING; diffusers' FluxTransformer2DModel as well (docs/performance.md).
+    # Masked (Qwen-Image's padded text) it ran; attention = "cudnn" still pins it. On the CPU nothing changes (an
+    # outer sdpa_kernel choice stays in force there).
+    with sdpa_backend(backend, cudnn_in_auto=key_mask is not None or q.device.type == "cpu"):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=attn_mask)  # [B, Hn, S, Dh]
     return o.transpose(1, 2).reshape(B, S, Hn * Dh)

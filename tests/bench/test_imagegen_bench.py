@@ -212,11 +212,15 @@ def test_tiny_qwen_image_lora_run_asks_the_registry(tmp_path):
 
 def test_tiny_flux_lora_run_asks_the_registry(tmp_path):
     """FLUX.1-dev's bench config at tiny size: Atelier's FLUX and diffusers' FluxTransformer2DModel + PEFT (called as
-    FluxPipeline calls it, with dev's guidance input) on the same weights, adapters and batches."""
+    FluxPipeline calls it, with dev's guidance input) on the same weights, adapters and batches, both under activation
+    checkpointing (Atelier's policy on the double- and single-stream blocks, diffusers' own): the same losses."""
     assert main(["--config", "flux-dev-1024", "--tiny", "--lora", "4", "--out", str(tmp_path), "--peers", "diffusers",
-                 "--steps", "2", "--warmup", "1", "--loader-workers", "0", "--kernels", KERNELS]) == 0
-    (path,) = tmp_path.glob("imagegen-flux-dev-1024-lora4-*.json")
+                 "--steps", "2", "--warmup", "1", "--loader-workers", "0", "--kernels", KERNELS,
+                 "--checkpointing", "full"]) == 0
+    (path,) = tmp_path.glob("imagegen-flux-dev-1024-lora4-ac-*.json")
     r = json.loads(path.read_text())
+    assert r["run"]["activation_checkpointing"] == "full"
+    assert "checkpointing full" in path.with_suffix(".md").read_text()
     assert r["config"]["model"]["guidance_embeds"] and r["config"]["model"]["num_single_layers"] == 2
     # every attention projection: each double block both streams' 8, each single block its q, k, v
     assert r["lora"]["modules"] == 2 * 8 + 2 * 3

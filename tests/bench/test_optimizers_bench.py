@@ -17,7 +17,7 @@ def test_tiny_report_for_two_optimizers(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     argv = ["--tiny", "--out", str(out), "--work", str(work), "--optimizers", "adamw,muon", "--parts", "designer"]
     assert main(argv) == 0
-    (path,) = out.glob("optimizers-tiny-*.json")
+    (path,) = out.glob("optimizers-designer-tiny-*.json")
     r = json.loads(path.read_text())
     designer = r["parts"]["designer"]
     assert "imagegen" not in r["parts"]
@@ -31,3 +31,17 @@ def test_tiny_report_for_two_optimizers(tmp_path):
     stamp = (work / "designer-tiny-muon" / "summary.json").stat().st_mtime
     assert main(argv) == 0  # every run found finished: read again, not repeated
     assert (work / "designer-tiny-muon" / "summary.json").stat().st_mtime == stamp
+
+
+def test_a_failed_run_reports_the_clis_error_line(tmp_path):
+    """A run the CLI refused (here: an optimizer whose package is missing) shows its one-line error in the table."""
+    from atelier_studio.bench.optimizers import _failure, compare_designer, markdown
+
+    log = tmp_path / "optimizers.log"
+    log.write_text("$ atelier designer train ...\natelier: error: train.optimizer = 'prodigy' needs prodigyopt\n\n")
+    failed = _failure(2, log)
+    assert failed == {"code": 2, "error": "atelier: error: train.optimizer = 'prodigy' needs prodigyopt"}
+    report = {"gpu": {}, "config": {"size": "tiny", "steps": 1, "micro_batch": 1, "seq_len": 8},
+              "parts": {"designer": {"comparison": compare_designer({"prodigy": failed})}}}
+    assert "| prodigy | — | — | — | — | — | exit 2: atelier: error: train.optimizer = 'prodigy' needs prodigyopt" \
+        in markdown(report)

@@ -137,7 +137,7 @@ def test_every_step_of_the_gpu_plan_is_a_valid_command_of_its_bench():
     from atelier_studio.kernels.fp8_linear import TRAIN_RECIPES
 
     steps = [s for part in plan("/tok") for s in part.steps]
-    assert [p.key for p in plan(None)] == list("abcdefghijkl") and len(steps) == 17
+    assert [p.key for p in plan(None)] == list("abcdefghijklmnop") and len(steps) == 21
     for s in steps:
         assert s.command[0] == "-m" and s.min_s <= s.estimate_s and s.tail_s < s.estimate_s
         module = importlib.import_module(s.command[1])

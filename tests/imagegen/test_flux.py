@@ -308,3 +308,28 @@ def test_both_rope_families_check_their_args_alike(field, value, words):
             cls(**{field: value})
     with pytest.raises(ValueError, match="FluxArgs.guidance_embeds=1: must be true or false"):
         FluxArgs(guidance_embeds=1)
+
+
+@pytest.mark.parametrize("attention, masked, device, cudnn", [
+    ("auto", False, "meta", False), ("auto", True, "meta", True), ("cudnn", False, "meta", True),
+    ("auto", False, "cpu", True)], ids=["auto-unmasked", "auto-masked", "pinned-cudnn", "cpu"])
+def test_auto_attention_leaves_cudnn_out_only_without_a_mask(monkeypatch, attention, masked, device, cudnn):
+    """FLUX.1's unmasked joint attention under attention = "auto" off the CPU (meta stands in for the GPU) runs with
+    PyTorch's cuDNN SDPA backend switched off (its backward fails at FLUX.1-dev's 1024 px shape on the GPU); a masked
+    call (Qwen-Image's padded text), a pinned "cudnn" and the CPU keep it. The flags are read inside the SDPA call."""
+    from atelier_studio.imagegen.layers import rope_attention
+
+    seen = []
+
+    def spy(q, k, v, attn_mask=None):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    B, S, Hn, Dh = 2, 5, 2, 8
+    q, k, v = (torch.randn(B, S, Hn, Dh, device=device) for _ in range(3))
+    cos, sin = torch.ones(S, Dh, device=device), torch.zeros(S, Dh, device=device)
+    mask = torch.ones(B, S, dtype=torch.bool, device=device) if masked else None
+    assert rope_attention(q, k, v, cos, sin, "ref", attention, mask).shape == (B, S, Hn * Dh)
+    assert seen == [(cudnn, attention == "auto")]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
