@@ -16,7 +16,14 @@ The reference model π_ref is the model the run starts from:
 
 The loss unit is the pair: loss_sum is Σ per-pair loss and batch_weight the micro-batch's pairs, so the step loss
 is the mean over the accumulated batch's pairs (TRL's mean over its batch). The metrics TRL logs (rewards/*,
-logps/*; designer/dpo.py PairMetrics) go with each logged step and each evaluation. One process for now.
+logps/*; designer/dpo.py PairMetrics) go with each logged step and each evaluation.
+
+Under torchrun (FSDP2) every rank packs the same pairs and takes its own rows, as SFT does (data/balance.py); the
+step's pair count, the logged metrics and the evaluation's sums are summed over ranks. Every rank runs the same
+forwards, an all-padding row set included (the evaluation's and the reference pass's last batch), so no rank waits
+on a collective the others skip. The precomputed reference: each rank computes the rows of its own batches, and
+the table is summed over ranks (each pair on exactly one rank), so every rank holds the whole table and the
+sharded checkpoint keeps it once.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from atelier_studio.designer.dpo import PairMetrics, PairTerms, doc_sums, prefer
 from atelier_studio.designer.lora import adapters_disabled
 from atelier_studio.designer.task import DesignerTask
 from atelier_studio.pipeline.config import ConfigError
-from atelier_studio.pipeline.distributed import DistContext
+from atelier_studio.pipeline.distributed import DistContext, all_reduce_sum
 from atelier_studio.pipeline.progress import log
 
 
@@ -81,8 +88,6 @@ class PreferenceTask(DesignerTask):
     """DesignerTask with preference pairs and the DPO / IPO loss (module docstring)."""
 
     def __init__(self, cfg: DesignerConfig, device: torch.device, dist: DistContext | None = None):
-        if dist is not None and dist.enabled:
-            raise ConfigError('train.objective = "dpo" runs on one process for now; run it with --nproc 1')
         self.dpo = cfg.train.dpo
         super().__init__(cfg, device, dist)
         self.reference = "precomputed" if (self.lora_args is None or cfg.lora.init_adapter) else "adapters off"
@@ -134,7 +139,7 @@ class PreferenceTask(DesignerTask):
         chosen, rejected = [side[2 * i] for i in pair_ids], [side[2 * i + 1] for i in pair_ids]
         move = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
         return PairBatch(batch.to(self.device), move(loss_index), move(doc_of[loss_index]),
-                         move(torch.tensor(chosen)), move(torch.tensor(rejected)),
+                         move(torch.tensor(chosen, dtype=torch.long)), move(torch.tensor(rejected, dtype=torch.long)),
                          move(torch.tensor([counts[k] for k in chosen], dtype=torch.float32)),
                          move(torch.tensor([counts[k] for k in rejected], dtype=torch.float32)),
                          torch.tensor(pair_ids, dtype=torch.long), len(batch.doc_ids))
@@ -154,21 +159,34 @@ class PreferenceTask(DesignerTask):
             if loader is None:
                 continue
             table = torch.full((_pair_count(loader), 2), float("nan"))  # [pairs, (chosen, rejected)]
-            for batch in loader.iter_eval_batches():
-                if not batch.doc_ids:
-                    continue
+            for batch in loader.iter_eval_batches():  # an empty batch too: every rank runs the same forwards
                 pb = self._to_device(batch)
                 with self._reference_mode():
                     docs = self._doc_logps(pb).cpu()
                 table[pb.pair_ids, 0] = docs[pb.chosen.cpu()]
                 table[pb.pair_ids, 1] = docs[pb.rejected.cpu()]
                 flops += self.model.forward_flops(batch.doc_lens, batch.num_loss_tokens)
+            table = self._whole_table(table)
             if torch.isnan(table).any():
                 raise RuntimeError(f"dpo: the reference pass missed {int(torch.isnan(table).any(1).sum())} {name} "
                                    f"pairs")
             self.ref_tables[name] = table
         log(f"dpo: reference log-probabilities of {sum(len(t) for t in self.ref_tables.values())} pairs computed "
             f"once in {time.perf_counter() - start:.1f} s ({flops / 1e12:.3g} TFLOP); checkpoints keep them")
+
+    def _whole_table(self, table: torch.Tensor) -> torch.Tensor:
+        """Under torchrun: each rank filled the rows of its own pairs (NaN elsewhere); the sum over ranks of the
+        filled values, NaN where no rank filled a row. Adding zeros is exact, so every rank gets the same table."""
+        if not self.dist.enabled:
+            return table
+        import torch.distributed as tdist
+
+        filled = ~torch.isnan(table)
+        values = torch.where(filled, table, 0.0).to(self.dist.device)
+        counts = filled.float().to(self.dist.device)
+        tdist.all_reduce(values)
+        tdist.all_reduce(counts)
+        return torch.where(counts.cpu() > 0, values.cpu(), float("nan"))
 
     @contextlib.contextmanager
     def _reference_mode(self) -> Iterator[None]:
@@ -232,8 +250,11 @@ class PreferenceTask(DesignerTask):
         self._last_step = self.metrics.take()
 
     def step_metrics(self) -> dict[str, float]:
+        """The last step's pair metrics, over every rank's pairs (every rank logs each step: log_step)."""
         sums, pairs = self._last_step
-        return PairMetrics.means(sums.tolist(), pairs) if sums is not None else {}
+        values = sums.tolist() if sums is not None else [0.0] * len(PairMetrics.NAMES)
+        *values, pairs = all_reduce_sum(self.dist, [*values, pairs])
+        return PairMetrics.means(values, int(pairs))
 
     def evaluate(self) -> dict[str, float]:
         if self.eval_loader is None:
@@ -244,20 +265,27 @@ class PreferenceTask(DesignerTask):
         for i, batch in enumerate(self.eval_loader.iter_eval_batches()):
             if self.cfg.data.max_eval_batches and i >= self.cfg.data.max_eval_batches:
                 break
-            if not batch.doc_ids:  # an all-padding row set (the last batch's filling)
-                continue
+            # no skipping of an all-padding batch (the last one's filling): under FSDP every rank runs each forward
             terms = self._terms(self._to_device(batch), "eval")
             metrics.add(terms)
             total += terms.losses.double().sum()
         sums, pairs = metrics.take()
+        values = sums.tolist() if sums is not None else [0.0] * len(PairMetrics.NAMES)
+        *values, pairs, total_all = all_reduce_sum(self.dist, [*values, pairs, float(total)])  # over ranks
         if not pairs:
             return {}
-        return {"loss": float(total) / pairs, **PairMetrics.means(sums.tolist(), pairs)}
+        return {"loss": total_all / pairs, **PairMetrics.means(values, int(pairs))}
 
     # ------------------------------------------------------------------ state
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"dpo.reference.{name}": t for name, t in self.ref_tables.items()}
+        """The precomputed reference tables. Not computed yet (a resumed run, before it loads): NaN tables of this
+        run's pair counts, the shapes a sharded checkpoint loads into (DCP fills what the template names)."""
+        if self.reference != "precomputed":
+            return {}
+        loaders = {"train": self.train_loader, "eval": self.eval_loader}
+        return {f"dpo.reference.{name}": self.ref_tables.get(name, torch.full((_pair_count(loader), 2), float("nan")))
+                for name, loader in loaders.items() if loader is not None}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """The loader's position, and the precomputed reference tables: the model loaded now is a trained one, so a
@@ -272,6 +300,9 @@ class PreferenceTask(DesignerTask):
                 continue
             key = "data.train" if name == "train" else "data.eval"
             table = self.ref_tables.get(name)
+            if table is not None and torch.isnan(table).any():  # a template no checkpoint filled
+                self.ref_tables.pop(name)
+                table = None
             if table is None or len(table) != _pair_count(loader):
                 raise ConfigError(f"{key}: the checkpoint holds no reference log-probabilities for these "
                                   f"{_pair_count(loader)} pairs (it has {'none' if table is None else len(table)}), "

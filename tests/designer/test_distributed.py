@@ -7,6 +7,10 @@ One torchrun launch (the `two_process_runs` fixture) trains, with 2 ranks x micr
   lora_full_init  as lora, but every rank loads the whole model before sharding (init = "full")
   qlora     LoRA over NF4 bases, sharded
   full_fp8  full fine-tuning with train.precision = "fp8" (rowwise), sharded init
+  dpo_lora  DPO on preference pairs, LoRA (the reference: adapters off, a forward beside each step's)
+  dpo_full  DPO, full fine-tuning (the reference precomputed: each rank its pairs, the table summed over ranks)
+  dpo_full_cut  dpo_full stopped at step 2, then resumed with 2 processes (the table read back from the sharded
+            checkpoint)
 and the tests run the one-process twins here (1 rank x micro_batch 2: the same rows each step) and compare
 losses (fp32, 1e-5), exports, and resumes of the 2-process checkpoint with 1 and with 2 processes.
 
@@ -75,6 +79,11 @@ QLORA = ("--set", "lora.base_dtype=nf4")
 FULL = ("--set", "lora.rank=0")
 FP8 = ("--set", "train.precision=fp8", "--set", "train.fp8_recipe=rowwise")
 CAPTIONS = ("--set", "sample.briefs=3", "--set", "sample.max_new_tokens=6")  # caption samples at the final eval
+PAIRS = ROOT / "tests" / "fixtures" / "designer" / "pairs.jsonl"
+# DPO on the pairs, evaluated on them at the end; no NLL anchor (train.dpo.sft_weight = 0): the anchor is a mean
+# over each micro-batch's chosen tokens, so 2 ranks x 1 row and 1 rank x 2 rows weigh it differently, by design
+DPO = ("--set", "train.objective=dpo", "--set", f"data.train={PAIRS}", "--set", f"data.eval={PAIRS}",
+       "--set", "data.seq_len=512")
 
 
 def launch_two(runs: dict[str, list[str]], tmp: Path) -> str:
@@ -105,6 +114,10 @@ def two(world, tmp_path_factory) -> Path:
                                "--set", "train.distributed.balance=false"),
         "qlora": args(world, d / "qlora", *LORA, *QLORA, *two1),
         "full_fp8": args(world, d / "full_fp8", *FULL, *FP8, *two1),
+        "dpo_lora": args(world, d / "dpo_lora", *LORA, *DPO, *two1),
+        "dpo_full": args(world, d / "dpo_full", *FULL, *DPO, *two1),
+        "dpo_full_cut": args(world, d / "dpo_full_cut", *FULL, *DPO, *two1, "--set", "train.max_steps=2"),
+        "dpo_full_cut_resumed": args(world, d / "dpo_full_cut", *FULL, *DPO, *two1),
     }, d)
     (d / "launch.log").write_text(out)
     return d
@@ -259,3 +272,36 @@ def test_async_checkpoint_resumes_exactly_with_one_process(world, two, tmp_path)
     shutil.copytree(two / "full", out, ignore=shutil.ignore_patterns("step-4", "model"))
     assert main(args(world, out, *FULL, "--set", "train.micro_batch=2")) == 0
     assert_same_losses(two / "full", out, range(3, 5))
+
+
+def assert_same_pair_metrics(a: Path, b: Path, kind: str, steps: range) -> None:
+    """DPO's logged rewards and log-probabilities (means over the step's pairs, summed over ranks) equal up to
+    rounding: log-probabilities are sums over a caption's tokens (|logp| ~ 100), so the bound scales with them."""
+    ra, rb = records(a, kind), records(b, kind)
+    for s in steps:
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+                     "rewards/accuracies"):
+            assert abs(ra[s][name] - rb[s][name]) <= TOL * max(1.0, abs(ra[s][name])), (kind, s, name)
+
+
+@pytest.mark.parametrize("run, mode", [("dpo_lora", LORA), ("dpo_full", FULL)])
+def test_dpo_two_processes_equal_one(world, two, tmp_path, run, mode):
+    """DPO under torchrun: the same global batch of pairs, the same losses, pair metrics and final evaluation as one
+    process with the same rows per step; for full fine-tuning the reference table is computed by shards and summed
+    over ranks, for LoRA the adapters-off forward runs on every rank beside the policy's."""
+    one = tmp_path / f"{run}1"
+    assert main(args(world, one, *mode, *DPO, "--set", "train.micro_batch=2")) == 0
+    assert_same_losses(one, two / run, range(1, 5))
+    assert_same_pair_metrics(one, two / run, "train", range(1, 5))
+    assert_same_pair_metrics(one, two / run, "eval", range(4, 5))
+    assert abs(records(one, "eval")[4]["loss"] - records(two / run, "eval")[4]["loss"]) <= TOL
+    assert records(two / run)[1]["rewards/margins"] != 0  # a real preference step, not an empty one
+
+
+def test_dpo_precomputed_reference_resumes_from_a_sharded_checkpoint(two):
+    """The full-FT reference table goes into the 2-process checkpoint once and is read back by the resumed run (which
+    cannot compute it from its trained weights): the resumed steps equal the uninterrupted run's."""
+    assert_same_losses(two / "dpo_full", two / "dpo_full_cut", range(1, 5))
+    assert_same_pair_metrics(two / "dpo_full", two / "dpo_full_cut", "train", range(3, 5))
+    log = (two / "launch.log").read_text()
+    assert log.count("reference log-probabilities of") == 2  # dpo_full, dpo_full_cut; not the resumed run

@@ -181,6 +181,22 @@ def test_packed_pairs_equal_each_document_alone_and_adapters_off_is_the_base(wor
         torch.testing.assert_close(packed_off, base._doc_logps(base._to_device(batch)), rtol=0, atol=0)
 
 
+def test_an_all_padding_batch_runs_its_forward_and_holds_no_pair(world, tmp_path):
+    """The last evaluation / reference batch a rank gets under torchrun can be all padding; the rank still runs the
+    forward (FSDP's collectives), and it gives no pair, no loss and no metric."""
+    cfg = dpo_config(world, tmp_path / "run", _first_pairs(tmp_path, 4), "lora.rank=4")
+    task = PreferenceTask(cfg, torch.device("cpu"))
+    pb = task._to_device(make_batch(task.train_loader.packed, [-1]))
+    assert pb.num_pairs == 0 and pb.chosen.dtype == torch.long
+    calls = []
+    hook = task.model.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        terms = task._terms(pb, "train")
+    hook.remove()
+    assert len(calls) == 2  # the reference (adapters off) and the policy
+    assert terms.losses.shape == (0,) and float(terms.losses.sum()) == 0.0
+
+
 def test_doc_sums_and_token_logps_match_the_logits():
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(7, 5, generator=g, requires_grad=True), torch.randn(11, 5, generator=g)
