@@ -295,7 +295,7 @@ def test_dpo_two_processes_equal_one(world, two, tmp_path, run, mode):
     assert_same_pair_metrics(one, two / run, "train", range(1, 5))
     assert_same_pair_metrics(one, two / run, "eval", range(4, 5))
     assert abs(records(one, "eval")[4]["loss"] - records(two / run, "eval")[4]["loss"]) <= TOL
-    assert records(two / run)[1]["rewards/margins"] != 0  # a real preference step, not an empty one
+    assert records(two / run)[4]["rewards/margins"] != 0  # real preference steps (step 1 of LoRA: policy = reference)
 
 
 def test_dpo_precomputed_reference_resumes_from_a_sharded_checkpoint(two):
