@@ -118,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "knows); measured on 2026-12-05 to hurt: most of their pairs are render noise "
                            "(docs/improve.md)")
     number(p, "--rounds", type=int, bounds=Bounds(1, 1000, meaning="improvement rounds"), default=3)
+    number(p, "--renders", type=int, bounds=Bounds(1, 64, meaning="renders judged per caption (its score: their "
+                                                                     "mean)"), default=1)
     p.add_argument("--dpo-config", default="designer/demo-dpo")
     number(p, "--dpo-steps", type=int, bounds=Bounds(0, 10**9, meaning="DPO steps per round (0: the config's)"),
            default=0)
@@ -142,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     result = improve_designer(args.designer, args.imagegen, str(briefs), str(heldout), str(out / "improve"),
                               rounds=args.rounds, k=args.k, dpo_config=args.dpo_config, dpo_steps=args.dpo_steps,
-                              steps=args.steps, dpo_overrides=args.set)
+                              steps=args.steps, dpo_overrides=args.set, renders=args.renders)
     flow_s = time.perf_counter() - t0
     rounds = result["rounds"]
     reported = sorted({1, args.rounds})

@@ -223,6 +223,8 @@ def read_image(image: ImageLike) -> ImageReading:
     # positive bias (clipping at 0 inflates a small shape's area by ~10% at noise sigma 0.08).
     alpha = np.where(_dilate(comp, 2), alpha, 0.0)
     area = alpha.sum()
+    if not area > 0:  # the region leans away from its own colour (a noisy render): no shape to read, not a crash
+        return dataclasses.replace(nothing, fg_rgb=_floats(fg))
     ys, xs = np.mgrid[0:s, 0:s] + 0.5  # pixel centres; pixel i covers [i, i+1)
     cx, cy = (alpha * xs).sum() / area, (alpha * ys).sum() / area
 

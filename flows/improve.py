@@ -7,7 +7,8 @@
 
 One round, in <out>/round-<r>/ (flows pass paths, never tensors):
     1. samples/   the designer samples k captions per brief at `temperature`, seed `seed + r`, and each is
-                  rendered and judged (flows/judged_pairs.py: brief-to-image-eval's own steps)
+                  rendered and judged (flows/judged_pairs.py: brief-to-image-eval's own steps), `renders` times
+                  from other noise when `renders` > 1 (a caption's score: the mean over its renders)
     2. pairs/     best vs worst of each brief beyond `margin` (ties dropped): pairs.jsonl in the `brief_pair`
                   format, scores.jsonl, the images; written whole or not at all
     3. dpo/       `train-designer` as a subflow with train.objective = "dpo" on pairs.jsonl, from `dpo_config`
@@ -57,7 +58,7 @@ SCORE_KEYS = ("score", "color_ok", "shape_ok", "position_ok", "detected", "capti
 
 
 def check_params(designer: str, imagegen: str, briefs: str, eval_briefs: str, k: int, margin: float, rounds: int,
-                 temperature: float) -> None:
+                 temperature: float, renders: int = 1) -> None:
     """One line naming the first parameter that cannot work, before anything runs."""
     if k < 2:
         raise FlowInputError(f"k: a pair needs at least 2 sampled captions per brief, got k = {k}")
@@ -65,6 +66,8 @@ def check_params(designer: str, imagegen: str, briefs: str, eval_briefs: str, k:
         raise FlowInputError(f"margin: must be >= 0 (the score gap a pair's best must exceed), got {margin}")
     if rounds < 1:
         raise FlowInputError(f"rounds: must be >= 1, got {rounds}")
+    if renders < 1:
+        raise FlowInputError(f"renders: each caption needs at least one render, got renders = {renders}")
     if temperature <= 0:
         raise FlowInputError(f"temperature: k samples at temperature {temperature} are all the greedy caption; "
                              f"use > 0 (e.g. 1.0)")
@@ -202,9 +205,10 @@ def report_to_trackers(run_dir: str | Path, r: dict[str, Any]) -> list[str]:
 
 @task(name="sample-and-judge")
 def sample_task(designer: str, imagegen: str, briefs: list[str], k: int, out_dir: str, temperature: float, seed: int,
-                max_new_tokens: int, steps: int, guidance: float, clip: str) -> tuple[list, dict[str, Any]]:
+                max_new_tokens: int, steps: int, guidance: float, clip: str, renders: int = 1
+                ) -> tuple[list, dict[str, Any]]:
     groups, costs = sample_and_judge(designer, imagegen, briefs, k, out_dir, temperature, seed, max_new_tokens,
-                                     steps, guidance, clip or None)
+                                     steps, guidance, clip or None, renders)
     return groups, costs
 
 
@@ -224,7 +228,7 @@ def pairs_task(groups: list, margin: float, out_dir: str, costs: dict[str, Any])
 def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_briefs: str, out: Path,
               before_dir: Path, before: dict[str, Any], k: int, temperature: float, seed: int, margin: float,
               dpo_config: str, dpo_steps: int, lora_rank: int, user_sets: list[str], max_new_tokens: int, steps: int,
-              guidance: float, clip: str) -> dict[str, Any]:
+              guidance: float, clip: str, renders: int = 1) -> dict[str, Any]:
     import time
 
     rdir = out / f"round-{r}"
@@ -232,7 +236,7 @@ def run_round(r: int, designer: str, imagegen: str, briefs: list[str], eval_brie
         pairs, costs = str(rdir / "pairs" / "pairs.jsonl"), json.loads((rdir / "pairs" / "costs.json").read_text())
     else:
         groups, costs = sample_task(designer, imagegen, briefs, k, str(rdir / "samples"), temperature, seed + r,
-                                    max_new_tokens, steps, guidance, clip)
+                                    max_new_tokens, steps, guidance, clip, renders)
         pairs, costs = pairs_task(groups, margin, str(rdir / "pairs"), costs)
     t0 = time.perf_counter()
     dpo_dir = train_designer(dpo_config, overrides=dpo_run_sets(designer, Path(pairs), rdir / "dpo", dpo_steps,
@@ -262,10 +266,10 @@ def improve_designer(designer: str, imagegen: str, briefs: str, eval_briefs: str
                      dpo_config: str = "designer/demo-dpo", dpo_steps: int = 0, lora_rank: int = 0,
                      dpo_params: DesignerParams | None = None, dpo_overrides: list[str] | None = None,
                      max_new_tokens: int = 64, steps: int = 20, guidance: float = 4.0,
-                     clip: str = "") -> dict[str, Any]:
+                     clip: str = "", renders: int = 1) -> dict[str, Any]:
     """`rounds` rounds of sample k captions per brief → render → judge → pairs → DPO → held-out evaluation (module
     docstring); returns every round's summary and the final designer."""
-    check_params(designer, imagegen, briefs, eval_briefs, k, margin, rounds, temperature)
+    check_params(designer, imagegen, briefs, eval_briefs, k, margin, rounds, temperature, renders)
     brief_list = [b for _, b in read_brief_lines(briefs)]
     user_sets = to_overrides(dpo_params) + list(dpo_overrides or [])
     out = Path(out_dir)
@@ -283,7 +287,7 @@ def improve_designer(designer: str, imagegen: str, briefs: str, eval_briefs: str
         else:
             result = run_round(r, current, imagegen, brief_list, eval_briefs, out, before_dir, before, k, temperature,
                                seed, margin, dpo_config, dpo_steps, lora_rank, user_sets, max_new_tokens, steps,
-                               guidance, clip)
+                               guidance, clip, renders)
         publish_round(result)
         results.append(result)
         current, before_dir = result["designer_after"], Path(result["eval_after"])
@@ -316,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     number(p, "--seed", type=int, bounds=SEED, default=0)
     number(p, "--margin", type=float, bounds=Bounds(0, 1e6, meaning="the score gap a pair's best must exceed"),
            default=0.0)
+    number(p, "--renders", type=int, bounds=Bounds(1, 64, meaning="renders judged per caption (its score: their "
+                                                                     "mean)"), default=1)
     p.add_argument("--dpo-config", default="designer/demo-dpo",
                    help="the DPO run's config (a name from `atelier config list`, or a file)")
     number(p, "--dpo-steps", type=int, bounds=Bounds(0, 10**9, meaning="DPO steps per round (0: the config's)"),
@@ -327,14 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # bad values, missing files and no server are one line each, before anything runs
         check_numbers(p, args)
         check_params(args.designer, args.imagegen, args.briefs, args.eval_briefs, args.k, args.margin, args.rounds,
-                     args.temperature)
+                     args.temperature, args.renders)
         require_server("python -m atelier_studio.flows.improve")
     except (AtelierError, ServerNotRunning) as e:
         sys.stderr.write(f"atelier: error: {one_line(str(e))}\n")
         return 2
     result = improve_designer(args.designer, args.imagegen, args.briefs, args.eval_briefs, args.out, args.rounds,
                               args.k, args.temperature, args.seed, args.margin, args.dpo_config, args.dpo_steps,
-                              dpo_overrides=args.set)
+                              dpo_overrides=args.set, renders=args.renders)
     print(Path(result["summary"]).read_text())
     return 0
 

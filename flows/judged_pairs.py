@@ -6,7 +6,12 @@ One round's sampling folder, <round>/samples/, is brief-to-image-eval's steps ru
 with `seed`, so a round is reproducible), `render_images` (the imagegen sampler, batched, on the GPU when there is
 one) and `judge` (the shapes-world judge for a shapes-world brief; with `clip`, the CLIP score against the brief for
 any other). A sample's score is the judged brief-to-image score (0..1, image against brief), else its CLIP score
-against the brief; a sample no scorer applies to, or with an empty caption, takes part in no pair.
+against the brief; a sample no scorer applies to, or with an empty caption, takes part in no pair. With `renders`
+r > 1 every caption is rendered r times, from seeds seed, seed + 1, ... (other noise, the same caption), each render
+judged, and the sample's score is the mean of its renders' scores: a render that misses a shape its caption names
+correctly then costs the caption 1/r of a miss instead of all of it, so fewer pairs rank two correct captions by the
+render's luck (the first render in <round>/samples/, the others in <round>/samples/render-2/ ...; the pair dataset
+keeps the first render's image).
 
 `select_pairs` keeps, per brief, the best and the worst sample when the best beats the worst by more than `margin`
 (a tie, or a gap of at most `margin`, drops the brief; so does a best and worst of the same text). `write_pairs`
@@ -89,28 +94,44 @@ def sample_score(entry: dict[str, Any]) -> float | None:
     return None if entry.get("clip_brief") is None else float(entry["clip_brief"])
 
 
+def mean_score(scores: Sequence[float | None]) -> float | None:
+    """A caption's score over its renders: the mean of those a scorer judged (None when none was)."""
+    judged = [s for s in scores if s is not None]
+    return sum(judged) / len(judged) if judged else None
+
+
 def sample_and_judge(designer: str | Path, imagegen: str | Path, briefs: Sequence[str], k: int, out_dir: str | Path,
                      temperature: float, seed: int, max_new_tokens: int, steps: int, guidance: float,
-                     clip: str | Path | None = None) -> tuple[list[list[Sample]], dict[str, Any]]:
-    """k captions per brief → renders → scores under out_dir; returns the samples grouped by brief and the costs
-    (samples, renders, seconds of each step)."""
+                     clip: str | Path | None = None, renders: int = 1) -> tuple[list[list[Sample]], dict[str, Any]]:
+    """k captions per brief → `renders` renders each → scores under out_dir; returns the samples grouped by brief
+    (each scored by the mean over its renders: module docstring) and the costs (samples, renders, seconds of each
+    step)."""
     from atelier_studio.flows.evaluate import judge, read_captions, render_images, write_captions
 
+    if renders < 1:
+        raise ValueError(f"renders must be >= 1, got {renders}")
     out = Path(out_dir)
     repeated = [b for b in briefs for _ in range(k)]  # brief-major: sample j of brief i is row i·k + j
     t0 = time.perf_counter()
     captions = write_captions(designer, repeated, out, seed, max_new_tokens, temperature, 1.0)
     t1 = time.perf_counter()
-    index = render_images(imagegen, captions, out, seed, steps, guidance)
-    t2 = time.perf_counter()
-    judge(captions, index, out, clip)
-    t3 = time.perf_counter()
-    per_sample = json.loads((out / "scores.json").read_text())["per_brief"]
+    render_s, judge_s, per_render = 0.0, 0.0, []
+    for j in range(renders):  # render j of every caption from seed + j: the first in out/ itself
+        where = out if j == 0 else out / f"render-{j + 1}"
+        t = time.perf_counter()
+        index = render_images(imagegen, captions, where, seed + j, steps, guidance)
+        render_s += time.perf_counter() - t
+        t = time.perf_counter()
+        judge(captions, index, where, clip)
+        judge_s += time.perf_counter() - t
+        per_render.append(json.loads((where / "scores.json").read_text())["per_brief"])
     rows = read_captions(captions)
-    samples = [Sample(r["brief"], r["caption"], e["image"], sample_score(e)) for r, e in zip(rows, per_sample)]
+    samples = [Sample(r["brief"], r["caption"], entries[0]["image"], mean_score([sample_score(e) for e in entries]))
+               for r, *entries in zip(rows, *per_render)]
     groups = [samples[i * k:(i + 1) * k] for i in range(len(briefs))]
-    costs = {"samples": len(samples), "renders": sum(s.image is not None for s in samples),
-             "sample_s": round(t1 - t0, 3), "render_s": round(t2 - t1, 3), "judge_s": round(t3 - t2, 3)}
+    costs = {"samples": len(samples), "renders_per_caption": renders,
+             "renders": sum(s.image is not None for s in samples) * renders,
+             "sample_s": round(t1 - t0, 3), "render_s": round(render_s, 3), "judge_s": round(judge_s, 3)}
     return groups, costs
 
 

@@ -53,7 +53,7 @@ def test_caption_scores_are_reported_beside_the_judged_ones(tmp_path):
 
 @pytest.mark.parametrize("arg, value", [("--per-axis", "0"), ("--k", "1"), ("--normal-briefs", "-1"),
                                         ("--rounds", "1" + "0" * 30), ("--dpo-steps", "-3"), ("--steps", "0"),
-                                        ("--k", "abc"), ("--world", "missing")])
+                                        ("--k", "abc"), ("--world", "missing"), ("--renders", "0")])
 def test_bad_options_are_one_line_before_anything_runs(tmp_path, capsys, arg, value):
     from atelier_studio.bench.improve_shapes import main
 

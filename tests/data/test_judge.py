@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,6 +94,17 @@ def test_pure_noise_and_empty_canvas_score_zero(size):
     specks = np.array(blank)
     specks[[5, 20, 9], [7, 3, 25]] = COLORS["red"]
     assert not J.read_image(specks).detected
+
+
+def test_a_region_leaning_away_from_its_colour_reads_as_no_shape():
+    """A 32 px render of a random tiny MMDiT (kept as a fixture) whose largest foreground region, projected on its
+    colour's axis, sums below zero: read as no shape (score 0 on the shape), where it used to raise a math domain
+    error and stop the whole improve-designer round."""
+    image = Image.open(Path(__file__).parents[1] / "fixtures" / "judge" / "negative-projection.png")
+    reading = J.read_image(image)
+    assert not reading.detected and reading.shape is None
+    score = J.judge_image(image, CaptionSpec("large", "red", "square", "center", "white"))
+    assert not score.shape_ok and 0.0 <= score.score <= 1.0
 
 
 def test_judge_image_brief():

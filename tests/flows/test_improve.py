@@ -38,6 +38,14 @@ def test_pairs_are_best_vs_worst_beyond_the_margin_and_ties_are_dropped():
         select_pairs(groups, margin=-0.1)
 
 
+def test_a_captions_score_is_the_mean_over_its_judged_renders():
+    from atelier_studio.flows.judged_pairs import mean_score
+
+    assert mean_score([1.0, 0.5, 0.0]) == pytest.approx(0.5)
+    assert mean_score([1.0, None]) == 1.0  # a render no scorer judged does not count
+    assert mean_score([None, None]) is None and mean_score([0.25]) == 0.25
+
+
 def test_bad_parameters_are_one_line(tmp_path):
     from atelier_studio.flows.improve import check_params
 
@@ -48,7 +56,8 @@ def test_bad_parameters_are_one_line(tmp_path):
     for change, words in ((dict(k=1), "k: a pair needs at least 2"), (dict(margin=-0.5), "margin: must be >= 0"),
                           (dict(briefs=str(tmp_path / "none.txt")), "briefs: briefs file"),
                           (dict(eval_briefs=str(tmp_path / "none.txt")), "eval_briefs: briefs file"),
-                          (dict(rounds=0), "rounds"), (dict(temperature=0.0), "temperature")):
+                          (dict(rounds=0), "rounds"), (dict(temperature=0.0), "temperature"),
+                          (dict(renders=0), "renders: each caption needs at least one render")):
         with pytest.raises(FlowInputError, match=words) as e:
             check_params(**{**ok, **change})
         assert "\n" not in str(e.value)
@@ -138,7 +147,7 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     dpo_config = designer_config(designer_world, tmp_path / "unused")  # the tiny LoRA config; this round sets the rest
     out = tmp_path / "improve"
     kwargs = dict(rounds=1, k=3, temperature=1.0, seed=0, dpo_config=str(dpo_config), dpo_steps=2, lora_rank=4,
-                  max_new_tokens=8, steps=1, dpo_overrides=["data.seq_len=256", "output.tensorboard=true"])
+                  max_new_tokens=8, steps=1, dpo_overrides=["data.seq_len=256", "output.tensorboard=true"], renders=2)
     result, run_id = run_flow(improve_designer, str(sft_designer), str(imagegen_model / "model"),
                               str(briefs), str(held_out), str(out), **kwargs)
     rdir = out / "round-1"
@@ -167,6 +176,15 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
     assert r1["costs"]["samples"] == 12 and r1["costs"]["pairs"] == len(pairs)
     assert r1["costs"]["ties"] + r1["costs"]["within_margin"] + r1["costs"]["too_few"] + len(pairs) == 4
     assert {"judge_s", "render_s", "sample_s", "dpo_s", "renders"} <= set(r1["costs"])
+    # each caption rendered twice, from other noise: a chosen sample's score is the mean of its two judged renders
+    assert r1["costs"]["renders_per_caption"] == 2 and r1["costs"]["renders"] == 2 * 12
+    first, second = (json.loads((rdir / "samples" / d / "scores.json").read_text())["per_brief"]
+                     for d in (".", "render-2"))
+    both = [(e["score"], f["score"]) for e, f in zip(first, second)
+            if e["score"] is not None and f["score"] is not None]
+    assert any(a != b for a, b in both)  # other noise, other renders
+    means = {round((a + b) / 2, 9) for a, b in both}
+    assert {round(s["chosen_score"], 9) for s in scores} <= means
     assert [row["check"] for row in r1["table"]][0] == "score"
     for side in ("eval-before", "round-1/eval-after"):
         assert len(json.loads((out / side / "scores.json").read_text())["per_brief"]) == 3
@@ -195,7 +213,7 @@ def test_improve_designer_runs_a_round_end_to_end_and_resumes(designer_world, sf
 @pytest.mark.parametrize("arg, value", [("--k", "1"), ("--k", "-3"), ("--k", "1" + "0" * 30), ("--k", "abc"),
                                         ("--rounds", "0"), ("--rounds", "99999999999"), ("--temperature", "0"),
                                         ("--temperature", "1e400"), ("--margin", "-1"), ("--dpo-steps", "-1"),
-                                        ("--seed", "-1")])
+                                        ("--seed", "-1"), ("--renders", "0"), ("--renders", "65")])
 def test_the_module_command_refuses_bad_numbers_in_one_line(tmp_path, capsys, arg, value):
     from atelier_studio.flows.improve import main as improve_main
 
