@@ -10,10 +10,11 @@ splits it. The real model's depth (FLUX.1-dev: 19 double + 38 single blocks; Qwe
 then every matrix scaled by sqrt(real width / width), so that each linear has the real model's gain
 (0.02 · sqrt(width)) and the activations grow through the depth as they do at the real size (at the small width's own
 gain they shrink, and neither side drifts); LoRA r4 on the family's default targets, as the LoRA bench trains. One
-batch of 2 images of 256 image tokens and 32 text tokens per seed, no update: the losses of Atelier in fp32 (exact),
-diffusers in fp32, Atelier under bf16 autocast and diffusers under bf16 autocast (bench/imagegen.py's builds and
-loss, reference kernels). drift = |loss_bf16 − loss_fp32| / loss_fp32, each side against its own fp32 loss (the two
-fp32 losses agree to rounding: the parity tests). Report: OUT/bf16-drift-<date>.json and .md.
+batch of 2 images of 256 image tokens and 32 text tokens per seed, no update, attention on SDPA's math backend for
+both sides: the losses of Atelier in fp32 (exact), diffusers in fp32, Atelier under bf16 autocast and diffusers
+under bf16 autocast (bench/imagegen.py's builds and loss, reference kernels). drift = |loss_bf16 − loss_fp32| /
+loss_fp32, each side against its own fp32 loss (the two fp32 losses agree to rounding: the parity tests).
+Report: OUT/bf16-drift-<date>.json and .md.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atelier_studio.bench.env import environment
 from atelier_studio.bench.harness import fmt
@@ -76,7 +78,9 @@ def measure(name: str, heads: int, seed: int, tiny: bool) -> dict[str, float]:
     ref = Variant(compile=False, kernels="ref")
 
     def loss(run: Any) -> float:
-        with torch.no_grad():
+        # both sides' attention on SDPA's math backend: the same kernel for both, on any CPU (the CPU flash kernel's
+        # bf16 path needs AVX-512)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             return run.loss(batch).item()
 
     out = {"atelier_fp32": loss(build_atelier(args, sd32, ref, True, lora)),
@@ -92,7 +96,8 @@ def measure(name: str, heads: int, seed: int, tiny: bool) -> dict[str, float]:
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"## bf16 drift of the loss, Atelier and diffusers, against fp32 (CPU, {report['host']})",
              "", f"{report['heads']} heads of {HEAD_DIM} ({report['heads'] * HEAD_DIM} wide), the blocks below, every "
-             "matrix scaled to the real width's gain; one batch per seed, no update.", "",
+             "matrix scaled to the real width's gain; one batch per seed, no update; attention on SDPA's math "
+             "backend.", "",
              "| config | blocks | gain | seeds | fp32 loss (Atelier / diffusers, seed 0) "
              "| Atelier bf16 drift (mean, max) | diffusers bf16 drift (mean, max) |", "|---|---|---|---|---|---|---|"]
     for name, r in report["configs"].items():
@@ -107,23 +112,31 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m atelier_studio.bench.bf16_drift", description=__doc__.split("\n")[0])
+    from atelier_studio.flows.cli_args import Bounds, OneLineParser, number
+
+    p = OneLineParser(prog="python3 -m atelier_studio.bench.bf16_drift", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--configs", default=",".join(FAMILIES))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--width-heads", type=int, default=4, help="heads of 64 (the small width)")
+    number(p, "--seeds", type=int, bounds=Bounds(1, 1000, meaning="batches and weight draws"), default=3)
+    number(p, "--width-heads", type=int, bounds=Bounds(1, 64, meaning="heads of 64: the small width"), default=4)
     p.add_argument("--tiny", action="store_true", help="2 blocks of each kind, 1 seed: the same path for tests")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from atelier_studio.flows.cli_args import check_numbers
+    from atelier_studio.pipeline.errors import UsageError
+
     p = parser()
     a = p.parse_args(argv)
     names = [x for x in a.configs.split(",") if x]
-    if not names or [x for x in names if x not in FAMILIES]:
-        p.error(f"--configs: one or more of {list(FAMILIES)}, got {a.configs!r}")
-    if a.seeds < 1 or a.width_heads < 1:
-        p.error(f"--seeds and --width-heads must be >= 1 (got {a.seeds}, {a.width_heads})")
+    try:  # one line naming the option, before anything runs
+        check_numbers(p, a)
+        if not names or [x for x in names if x not in FAMILIES]:
+            raise UsageError(f"--configs {a.configs!r}: one or more of {list(FAMILIES)}")
+    except UsageError as e:
+        sys.stderr.write(f"atelier: error: {e}\n")
+        return 2
     seeds = 1 if a.tiny else a.seeds
     start = time.time()
     report: dict[str, Any] = {**environment(), "command": " ".join([sys.executable, "-m", "bench.bf16_drift",

@@ -176,17 +176,16 @@ class PreferenceTask(DesignerTask):
 
     def _whole_table(self, table: torch.Tensor) -> torch.Tensor:
         """Under torchrun: each rank filled the rows of its own pairs (NaN elsewhere); the sum over ranks of the
-        filled values, NaN where no rank filled a row. Adding zeros is exact, so every rank gets the same table."""
+        filled values (fp64: adding zeros is exact, so every rank gets the same table), NaN where no rank filled a
+        row."""
         if not self.dist.enabled:
             return table
-        import torch.distributed as tdist
-
         filled = ~torch.isnan(table)
-        values = torch.where(filled, table, 0.0).to(self.dist.device)
-        counts = filled.float().to(self.dist.device)
-        tdist.all_reduce(values)
-        tdist.all_reduce(counts)
-        return torch.where(counts.cpu() > 0, values.cpu(), float("nan"))
+        n = table.numel()
+        summed = torch.tensor(all_reduce_sum(self.dist, [*torch.where(filled, table, 0.0).flatten().tolist(),
+                                                         *filled.flatten().float().tolist()]))
+        values, counts = summed[:n].view_as(table).float(), summed[n:].view_as(table)
+        return torch.where(counts > 0, values, float("nan"))
 
     @contextlib.contextmanager
     def _reference_mode(self) -> Iterator[None]:
